@@ -1,0 +1,1 @@
+"""dcr_ray: delta-compressed, bit-exact refits for RL on Ray."""

