@@ -1,0 +1,75 @@
+"""The engine backend contract: how a receiver exposes canonical tensors and applies frames.
+
+A backend describes its weights in *canonical coordinates* (Hugging Face checkpoint names, flat
+element indices) and applies already-validated frames (:class:`~dcr_ray.codec.DecodedFrame`) so that,
+after :meth:`EngineBackend.flush`, the serving runtime holds exactly what a dense load of the same
+canonical tensors through its own loader would give.
+
+Call order within one transfer (driven by the engine actor)::
+
+    tensor_specs()            # once; frames are validated against it before apply()
+    apply(frame) ...          # in declared payload order; each write in place
+    flush()                   # make writes visible to the runtime (may push through the loader)
+    # commit record written -> the engine activates the new version
+
+``load_dense`` bootstraps an engine (joining, or after it fell out of the required set).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterable, Mapping
+
+import torch
+
+from dcr_ray.codec.bits import wire_name
+from dcr_ray.codec.frame import DecodedFrame
+
+
+def canonical_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The canonical tensors of a ``transformers`` model: ``state_dict()`` without tied duplicates.
+
+    Tied weights (e.g. ``lm_head.weight`` sharing ``model.embed_tokens.weight``) appear once, under the
+    first name ``state_dict`` lists, as in a saved safetensors checkpoint. The tensors are the model's
+    own storage (``keep_vars`` detached views), so writes through them change the model in place.
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        t = t.detach()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else (id(t), 0)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
+
+
+class EngineBackend(ABC):
+    """Base class of receivers. Subclasses implement the abstract methods; see the module docstring."""
+
+    @abstractmethod
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """Canonical name -> tensor holding the engine's canonical bits (CPU, contiguous).
+
+        For runtimes whose storage is bit-addressable in canonical layout this is the live storage;
+        otherwise a host mirror that :meth:`flush` pushes through the runtime's loader.
+        """
+
+    def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Canonical name -> (wire dtype, shape)."""
+        return {n: (wire_name(t.dtype), tuple(t.shape)) for n, t in self.tensors().items()}
+
+    @abstractmethod
+    def apply(self, frame: DecodedFrame) -> None:
+        """Write a validated frame in place."""
+
+    def flush(self) -> None:
+        """Make every write since the last flush visible to the serving runtime (default: nothing)."""
+
+    @abstractmethod
+    def load_dense(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the named tensors' bits completely (bootstrap)."""
+
+    def close(self) -> None:
+        """Release the runtime (default: nothing)."""
