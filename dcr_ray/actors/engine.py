@@ -1,0 +1,175 @@
+"""Engine actors: validate and apply payloads in place, journal them, acknowledge at flush.
+
+State machine of one engine (all transitions under one lock, so an apply in progress finishes
+before the next ``prepare`` returns: a stale attempt's writes cannot land after a retry starts)::
+
+    idle(v) --prepare(T, a, base=v, target=v+1)--> receiving(T, a)
+    receiving --deliver(frame of T/a)--> validate all -> apply -> journal (T, a, producer, payload)
+    receiving --flush(T, a, expected payload keys)--> waits until all applied -> backend.flush() -> ACK
+    receiving --activate(v+1)--> idle(v+1)            (only after the commit record is written)
+
+* Frames of another transfer/attempt are *stale* and ignored; frames that fail validation are
+  rejected before any write and the rejection fails this attempt's flush with the frame's error.
+* A payload key seen again with the same digest is a duplicate (Ray may deliver a call twice) and is
+  acknowledged without being applied again; the same key with other bytes is an error.
+* ``prepare(..., base=BOOTSTRAP_BASE)`` bootstraps: dense frames of the committed version.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import ray
+
+from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.codec.frame import DIGEST_SIZE, peek_meta, read_frame
+from dcr_ray.config import RefitConfig
+from dcr_ray.errors import DcrError, EngineStateError, FrameError, RefitTimeoutError
+
+
+class EngineActor:
+    """Hosts one engine backend (built in this process by ``backend_factory()``)."""
+
+    def __init__(self, engine_id: str, cluster: str, backend_factory, config: RefitConfig):
+        self.engine_id = engine_id
+        self.cluster = cluster
+        self.config = config
+        self.backend = backend_factory()
+        self.specs = self.backend.tensor_specs()
+        self.version: int | None = None  # None until bootstrapped
+        self._cur: tuple | None = None  # (transfer, attempt, base, target)
+        self._applied: dict[tuple, bytes] = {}
+        self._error: DcrError | None = None
+        self._cv = threading.Condition()
+        self._apply_s = 0.0
+        self._bytes = 0
+        self._stats = {"applied": 0, "duplicates": 0, "stale": 0, "rejected": 0}
+        self._fs = None
+
+    # -- protocol -----------------------------------------------------------------------------------
+    def prepare(self, transfer: str, attempt: int, base: int, target: int) -> dict:
+        """Open attempt ``(transfer, attempt)``; checks that this engine holds ``base``."""
+        with self._cv:
+            if base != BOOTSTRAP_BASE and self.version != base:
+                raise EngineStateError(
+                    f"engine {self.engine_id} holds version {self.version}, the transfer needs {base}; "
+                    f"it must be bootstrapped (dense) before it can take deltas"
+                )
+            if self._cur is None or self._cur[:2] != (transfer, attempt):
+                if self._cur is None or self._cur[0] != transfer:
+                    self._applied.clear()
+                self._cur = (transfer, attempt, base, target)
+                self._error = None
+                self._apply_s = 0.0
+                self._bytes = 0
+            return {"engine": self.engine_id, "version": self.version}
+
+    def deliver(self, data: bytes) -> str:
+        """Validate and apply one frame; returns ``applied``/``duplicate``/``stale``/``rejected``."""
+        with self._cv:
+            status = self._deliver_locked(data)
+            self._stats[status] += 1
+            self._cv.notify_all()
+            return status
+
+    def deliver_object(self, path: str, targets: list[str] | None = None) -> str:
+        """Object-storage transport: read the frame at ``path`` and :meth:`deliver` it."""
+        if targets is not None and self.engine_id not in targets:
+            return "skipped"
+        if self._fs is None:
+            from dcr_ray.relay.sinks import storage_fs
+
+            self._fs = storage_fs(self.config.storage_url, self.config.storage_options)[0]
+        return self.deliver(self._fs.cat_file(path))
+
+    def _deliver_locked(self, data: bytes) -> str:
+        if self._cur is None:
+            self._error = self._error or EngineStateError(
+                f"engine {self.engine_id} got a payload before prepare(): not part of an open transfer")
+            return "rejected"
+        try:
+            meta = peek_meta(data)
+        except FrameError as e:
+            self._error = e
+            return "rejected"
+        transfer, attempt, base, _target = self._cur
+        if (meta.transfer, meta.attempt) != (transfer, attempt):
+            return "stale"
+        key = (meta.transfer, meta.attempt, meta.producer, meta.payload)
+        dg = bytes(data[-DIGEST_SIZE:])
+        if key in self._applied:
+            if self._applied[key] != dg:
+                self._error = FrameError(f"payload {key} arrived twice with different bytes")
+                return "rejected"
+            return "duplicate"
+        t0 = time.perf_counter()
+        try:
+            frame = read_frame(data, shapes=self.specs, key=self.config.key, expect_base=base,
+                               max_raw_bytes=max(self.config.bucket_bytes * 2, 1 << 20))
+            self.backend.apply(frame)
+        except FrameError as e:
+            self._error = e
+            return "rejected"
+        self._apply_s += time.perf_counter() - t0
+        self._bytes += len(data)
+        self._applied[key] = dg
+        return "applied"
+
+    def flush(self, transfer: str, attempt: int, expected: list[tuple], timeout_s: float) -> dict:
+        """Wait until every expected payload is applied, flush the backend, acknowledge."""
+        want = {tuple(k) for k in expected}
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while True:
+                if self._cur is None or self._cur[:2] != (transfer, attempt):
+                    raise EngineStateError(f"engine {self.engine_id}: flush for an attempt it is not in")
+                if self._error is not None:
+                    raise self._error
+                missing = want - self._applied.keys()
+                if not missing:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RefitTimeoutError(
+                        f"engine {self.engine_id}: {len(missing)} of {len(want)} payloads not applied "
+                        f"within {timeout_s:.0f} s, e.g. {sorted(missing)[:3]}")
+                self._cv.wait(min(left, 1.0))
+            t0 = time.perf_counter()
+            self.backend.flush()
+            self._apply_s += time.perf_counter() - t0
+            return {"engine": self.engine_id, "cluster": self.cluster, "applied": len(want),
+                    "apply_s": self._apply_s, "bytes": self._bytes}
+
+    def activate(self, version: int, transfer: str | None = None) -> int:
+        """Make ``version`` current (after the commit record is written). Idempotent."""
+        with self._cv:
+            if transfer is None or (self._cur is not None and self._cur[0] == transfer):
+                self.version = version
+                self._cur = None
+                self._applied.clear()
+            return self.version
+
+    def abort(self, transfer: str) -> None:
+        """Forget an abandoned transfer (its next attempt re-prepares)."""
+        with self._cv:
+            if self._cur is not None and self._cur[0] == transfer:
+                self._cur = None
+
+    # -- inspection ---------------------------------------------------------------------------------
+    def info(self) -> dict:
+        with self._cv:
+            return {"engine": self.engine_id, "cluster": self.cluster, "version": self.version,
+                    "node": ray.get_runtime_context().get_node_id(), **self._stats}
+
+    def get_version(self) -> int | None:
+        return self.version
+
+    def tensors(self, names: list[str] | None = None) -> dict:
+        """Copies of the engine's canonical tensors (all, or ``names``)."""
+        ts = self.backend.tensors()
+        return {n: ts[n].clone() for n in (names or ts)}
+
+    def call_backend(self, method: str, *args, **kwargs):
+        """Call a backend method (e.g. ``greedy`` or ``generate``) in the engine process."""
+        return getattr(self.backend, method)(*args, **kwargs)

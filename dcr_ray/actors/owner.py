@@ -1,0 +1,239 @@
+"""Shard owners: diff a trainer shard against its committed baseline and stream encoded payloads.
+
+Exactly one owner sends each canonical element. Data-parallel replicas hold bit-identical tensors,
+so the canonical names are split between them by a stable hash (:func:`owned_names`); each owner
+sends only its share.
+
+Two ways in:
+
+* :class:`OwnerMixin` - add dcr_ray to an *existing* trainer actor (veRL / OpenRLHF workers already
+  are Ray actors) in a few lines::
+
+      @ray.remote
+      class MyTrainer(dcr_ray.OwnerMixin):
+          def dcr_tensors(self):                 # canonical name -> BF16 tensor, this rank's share
+              return {n: t for n, t in bf16_state(self.model).items() if n in self.mine}
+
+* :class:`StandaloneOwner` - an owner actor that is handed tensors (examples, tests, a trainer that
+  is not a Ray actor).
+
+Protocol (driven by the coordinator; every call is idempotent for the same arguments)::
+
+    dcr_attach(owner_id, config) -> specs        # baseline := current bits, version 0
+    dcr_stream(transfer, attempt, base, target, sink) -> summary
+        attempt 0: diff every tensor, keep the changed set *pending*, send mixed (XOR/OVERWRITE) frames
+        attempt>0: re-send the same pending changed set as OVERWRITE (repairs any partial XOR)
+    dcr_promote(version)                         # after the commit record: pending -> baseline
+    dcr_discard()                                # abandoned transfer: baseline unchanged
+    dcr_bootstrap(transfer, version, sink)       # dense frames of the committed baseline
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Iterable, Mapping
+
+import torch
+
+from dcr_ray.codec.baseline import BaselineStore
+from dcr_ray.codec.diff import TensorDelta, full_delta
+from dcr_ray.codec.frame import FrameMeta, encode_frames
+from dcr_ray.config import RefitConfig
+from dcr_ray.errors import BaselineError, ConfigError
+
+#: Base version carried by bootstrap frames: accepted by an engine that is being bootstrapped only.
+BOOTSTRAP_BASE = -1
+
+
+def stable_hash(name: str) -> int:
+    """A process-independent hash of a tensor name (Python's ``hash`` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def owned_names(names: Iterable[str], rank: int, world: int) -> list[str]:
+    """The names rank ``rank`` of ``world`` bit-identical replicas owns (each name has one owner)."""
+    if not 0 <= rank < world:
+        raise ConfigError(f"rank must be in 0..{world - 1}, got {rank}")
+    return [n for n in names if stable_hash(n) % world == rank]
+
+
+class DeltaOwner:
+    """The owner logic, independent of Ray: baseline, diff, pending set, frame streaming."""
+
+    def __init__(self, owner_id: str, config: RefitConfig, *, baseline_dir: str | None = None,
+                 in_memory: bool = False):
+        self.owner_id = owner_id
+        self.config = config
+        self.store = BaselineStore(directory=baseline_dir, in_memory=in_memory,
+                                   chunk_elems=config.chunk_elems)
+        self._pending_transfer: str | None = None
+        self._last_summary: dict | None = None
+
+    # -- setup ------------------------------------------------------------------------------------
+    def attach(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Take the current bits as the committed baseline (version 0); returns the tensor specs."""
+        if not self.store.names():
+            for name, t in tensors.items():
+                self.store.add(name, t)
+        return {n: self.store.meta(n) for n in self.store.names()}
+
+    # -- one transfer -------------------------------------------------------------------------------
+    def stream(self, tensors: Mapping[str, torch.Tensor], *, transfer: str, attempt: int, base: int,
+               target: int, sink) -> dict:
+        """Diff (attempt 0) or reuse the pending set (retries) and send every frame through ``sink``."""
+        if base != self.store.version:
+            raise BaselineError(
+                f"owner {self.owner_id} holds committed version {self.store.version}, asked to diff "
+                f"from {base}: the coordinator and owner disagree on the committed version"
+            )
+        key = (transfer, attempt)
+        if self._last_summary is not None and self._last_summary["key"] == key:
+            return self._last_summary  # a repeated call (Ray may deliver a call twice)
+        t0 = time.perf_counter()
+        fresh = self._pending_transfer != transfer or self.store.pending_version != target
+        mode = "mixed" if (attempt == 0 and self.config.xor) else "overwrite"
+        if fresh:
+            self.store.begin(target)
+            self._pending_transfer = transfer
+            deltas = self._diff_all(tensors)
+        else:
+            deltas = iter(self.store.pending())
+        summary = self._send(deltas, transfer=transfer, attempt=attempt, base=base, target=target,
+                             mode=mode, sink=sink, t0=t0)
+        summary["key"] = key
+        summary["numel"] = sum(self._numel(n) for n in self.store.names())
+        self._last_summary = summary
+        return summary
+
+    def _numel(self, name: str) -> int:
+        return len(self.store.bits(name))
+
+    def _diff_all(self, tensors: Mapping[str, torch.Tensor]) -> Iterable[TensorDelta]:
+        for name in self.store.names():
+            if name not in tensors:
+                raise BaselineError(f"owner {self.owner_id}: tensor {name!r} disappeared from dcr_tensors()")
+            td = self.store.diff(name, tensors[name])
+            if td.chunks:
+                self.store.stage(td)
+                yield td
+
+    def _send(self, deltas, *, transfer, attempt, base, target, mode, sink, t0) -> dict:
+        meta = FrameMeta(transfer=transfer, attempt=attempt, producer=self.owner_id, payload=0,
+                         base=base, target=target)
+        payloads, changed, wire = [], 0, 0
+        send_s = 0.0
+        for frame in encode_frames(deltas, meta, mode=mode, bucket_bytes=self.config.bucket_bytes,
+                                   zstd_level=self.config.zstd_level, key=self.config.key):
+            pid = len(payloads)
+            ts = time.perf_counter()
+            sink.send(frame, (transfer, attempt, self.owner_id, pid))
+            send_s += time.perf_counter() - ts
+            payloads.append(pid)
+            wire += len(frame)
+        ts = time.perf_counter()
+        sink.drain()
+        send_s += time.perf_counter() - ts
+        changed = sum(td.changed for td in self.store.pending()) if base != BOOTSTRAP_BASE else 0
+        return {
+            "producer": self.owner_id,
+            "payloads": [(transfer, attempt, self.owner_id, p) for p in payloads],
+            "wire_bytes": wire,
+            "changed": changed,
+            "construct_s": time.perf_counter() - t0 - send_s,
+            "send_wait_s": send_s,
+            "mode": mode,
+        }
+
+    def bootstrap(self, *, transfer: str, sink) -> dict:
+        """Send the committed baseline densely (frames with base :data:`BOOTSTRAP_BASE`)."""
+        t0 = time.perf_counter()
+        deltas = (full_delta(n, self.store.tensor(n), chunk_elems=self.config.chunk_elems)
+                  for n in self.store.names())
+        summary = self._send(deltas, transfer=transfer, attempt=0, base=BOOTSTRAP_BASE,
+                             target=self.store.version, mode="overwrite", sink=sink, t0=t0)
+        summary["numel"] = sum(self._numel(n) for n in self.store.names())
+        return summary
+
+    def promote(self, version: int) -> int:
+        n = self.store.promote(version)
+        self._pending_transfer = None
+        self._last_summary = None
+        return n
+
+    def discard(self) -> None:
+        self.store.discard()
+        self._pending_transfer = None
+        self._last_summary = None
+
+    @property
+    def version(self) -> int:
+        return self.store.version
+
+
+class OwnerMixin:
+    """Mix into a trainer actor class to make it a dcr_ray owner. Implement :meth:`dcr_tensors`.
+
+    The ``dcr_*`` methods are called by the coordinator; a trainer must not take an optimizer step
+    between ``dcr_stream`` and ``dcr_promote``/``dcr_discard`` of the same transfer.
+    """
+
+    _dcr: DeltaOwner | None = None
+
+    def dcr_tensors(self) -> Mapping[str, torch.Tensor]:
+        """Canonical name -> tensor (CPU, the dtype the engines hold) of this owner's share."""
+        raise NotImplementedError("implement dcr_tensors() to return this owner's canonical tensors")
+
+    def dcr_attach(self, owner_id: str, config: RefitConfig, baseline_dir: str | None = None,
+                   in_memory: bool = False):
+        if self._dcr is None:
+            self._dcr = DeltaOwner(owner_id, config, baseline_dir=baseline_dir, in_memory=in_memory)
+        return self._dcr.attach(self.dcr_tensors())
+
+    def _dcr_owner(self) -> DeltaOwner:
+        if self._dcr is None:
+            raise BaselineError("this owner was not attached: the coordinator calls dcr_attach() first")
+        return self._dcr
+
+    def dcr_stream(self, transfer: str, attempt: int, base: int, target: int, sink_desc: dict) -> dict:
+        from dcr_ray.relay.sinks import make_sink
+
+        sink = make_sink(sink_desc, self.config_of_owner())
+        return self._dcr_owner().stream(self.dcr_tensors(), transfer=transfer, attempt=attempt,
+                                        base=base, target=target, sink=sink)
+
+    def dcr_bootstrap(self, transfer: str, sink_desc: dict) -> dict:
+        from dcr_ray.relay.sinks import make_sink
+
+        return self._dcr_owner().bootstrap(transfer=transfer, sink=make_sink(sink_desc, self.config_of_owner()))
+
+    def dcr_promote(self, version: int) -> int:
+        return self._dcr_owner().promote(version)
+
+    def dcr_discard(self) -> None:
+        self._dcr_owner().discard()
+
+    def dcr_version(self) -> int:
+        return self._dcr_owner().version
+
+    def dcr_baseline(self, name: str) -> torch.Tensor:
+        """The committed bits of ``name`` (checks and dense references)."""
+        return self._dcr_owner().store.tensor(name)
+
+    def config_of_owner(self) -> RefitConfig:
+        return self._dcr_owner().config
+
+
+class StandaloneOwner(OwnerMixin):
+    """An owner actor that is handed its tensors (``set_tensors``) instead of living in a trainer."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | None = None):
+        self._tensors = {n: t.detach().contiguous().clone() for n, t in (tensors or {}).items()}
+
+    def set_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace the current tensors (the next refit diffs them against the baseline)."""
+        for n, t in tensors.items():
+            self._tensors[n] = t.detach().contiguous().clone()
+
+    def dcr_tensors(self) -> Mapping[str, torch.Tensor]:
+        return self._tensors

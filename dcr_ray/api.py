@@ -1,0 +1,167 @@
+"""The driver-facing API: :func:`launch` a refit topology and get a :class:`Refit` handle.
+
+::
+
+    import ray, dcr_ray
+    refit = dcr_ray.launch(
+        owners=[trainer0, trainer1],                     # actors with dcr_ray.OwnerMixin
+        clusters=[dcr_ray.ClusterSpec(name="us-east", engines=2),
+                  dcr_ray.ClusterSpec(name="eu-west", engines=2)],
+        engine=dcr_ray.HFEngine(dcr_ray.ModelSpec(size="tiny")),
+    )
+    ...                                                  # optimizer step on the trainers
+    report = ray.get(refit.refit.remote())              # every engine now holds the new bits
+    print(report)
+
+``Refit`` is a thin public class over the private coordinator actor (named
+:data:`~dcr_ray.options.COORDINATOR_NAME` in namespace :data:`~dcr_ray.options.NAMESPACE`, so
+``Refit.get()`` finds it from any driver, and the Ray dashboard shows it with its owners, relays and
+engines).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Mapping
+
+import ray
+import torch
+
+from dcr_ray.actors.coordinator import CoordinatorActor
+from dcr_ray.actors.owner import StandaloneOwner
+from dcr_ray.config import ClusterSpec, RefitConfig
+from dcr_ray.engines.base import EngineBackend
+from dcr_ray.errors import ConfigError
+from dcr_ray.models import ModelSpec, build_model
+from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, actor_options
+from dcr_ray.report import RefitReport
+
+
+class HFEngine:
+    """Engine factory: a ``transformers`` model of ``spec`` in each engine actor (the default).
+
+    ``seed`` overrides the spec's seed for the engine's initial weights (they are replaced by the
+    dense bootstrap anyway; a different seed proves it).
+    """
+
+    def __init__(self, spec: ModelSpec = ModelSpec(), seed: int | None = None):
+        self.spec = spec
+        self.seed = seed
+
+    def __call__(self) -> EngineBackend:
+        from dataclasses import replace
+
+        from dcr_ray.engines.hf import TransformersBackend
+
+        spec = self.spec if self.seed is None else replace(self.spec, seed=self.seed)
+        return TransformersBackend(lambda: build_model(spec))
+
+
+class Refit:
+    """Handle of a running dcr_ray topology.
+
+    ``refit.refit.remote()`` starts a refit and returns an ObjectRef of its :class:`RefitReport`
+    (it resolves only after the commit record is written; otherwise ``ray.get`` raises
+    ``RefitError``). :meth:`run` is the blocking shortcut.
+    """
+
+    def __init__(self, actor):
+        self._actor = actor
+
+    @classmethod
+    def get(cls) -> "Refit":
+        """The topology launched earlier in this Ray cluster (by any driver)."""
+        return cls(ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE))
+
+    @property
+    def refit(self):
+        """The coordinator's ``refit`` actor method: call ``.remote()`` on it."""
+        return self._actor.refit
+
+    @property
+    def actor(self):
+        """The coordinator actor handle."""
+        return self._actor
+
+    def run(self, timeout: float | None = None) -> RefitReport:
+        """Refit now and wait for the report."""
+        return ray.get(self._actor.refit.remote(), timeout=timeout)
+
+    def status(self) -> dict:
+        return ray.get(self._actor.status.remote())
+
+    def engines(self) -> dict:
+        """Engine id -> engine actor handle."""
+        return ray.get(self._actor.handles.remote())["engines"]
+
+    def owners(self) -> dict:
+        return ray.get(self._actor.handles.remote())["owners"]
+
+    def relay_stats(self) -> list[dict]:
+        return ray.get(self._actor.relay_stats.remote())
+
+    def rejoin(self, engine_id: str) -> dict:
+        """Dense-bootstrap ``engine_id`` to the committed version and add it to the required set."""
+        return ray.get(self._actor.rejoin.remote(engine_id))
+
+    def shutdown(self) -> None:
+        """Kill the coordinator, engines and relays (owners given by the caller are left alone)."""
+        h = ray.get(self._actor.handles.remote())
+        for group in ("engines", "relays"):
+            for a in h[group].values():
+                ray.kill(a)
+        if getattr(self, "_own_owners", False):
+            for a in h["owners"].values():
+                ray.kill(a)
+        ray.kill(self._actor)
+
+
+def launch(
+    *,
+    clusters: list[ClusterSpec],
+    engine: Callable[[], EngineBackend] | None = None,
+    owners: Mapping[str, object] | list | None = None,
+    owner_tensors: list[Mapping[str, torch.Tensor]] | None = None,
+    config: RefitConfig | None = None,
+    coordinator_resources: dict | None = None,
+) -> Refit:
+    """Start a topology: coordinator, engines per cluster, relay trees; attach owners; bootstrap.
+
+    Owners come either as ``owners`` (actor handles whose class mixes in :class:`dcr_ray.OwnerMixin`;
+    a dict names them, a list names them ``owner0``, ``owner1``, ...) or as ``owner_tensors`` (one
+    ``{name: tensor}`` dict per standalone owner actor to create). ``engine`` builds one backend in
+    each engine actor (default: :class:`HFEngine` of the tiny model).
+    """
+    if not ray.is_initialized():
+        raise ConfigError("call ray.init() first (dcr_ray runs in your Ray cluster)")
+    config = config or RefitConfig()
+    engine = engine or HFEngine()
+    own_owners = False
+    if owners is None and owner_tensors is None:
+        raise ConfigError("give owners=[actor handles] or owner_tensors=[{name: tensor}, ...]")
+    if owners is not None and owner_tensors is not None:
+        raise ConfigError("give either owners or owner_tensors, not both")
+    if owner_tensors is not None:
+        Owner = ray.remote(StandaloneOwner)
+        owners = {f"owner{i}": Owner.options(**actor_options("owner", f"dcr_owner:owner{i}")).remote(t)
+                  for i, t in enumerate(owner_tensors)}
+        own_owners = True
+    if isinstance(owners, (list, tuple)):
+        owners = {f"owner{i}": h for i, h in enumerate(owners)}
+    try:
+        ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
+        raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in this Ray cluster; "
+                          "use Refit.get() or shut it down first")
+    except ValueError:
+        pass
+    Coordinator = ray.remote(CoordinatorActor)
+    actor = Coordinator.options(**actor_options("coordinator", COORDINATOR_NAME,
+                                                resources=coordinator_resources)).remote(
+        config, clusters, engine, dict(owners))
+    n_eng = sum(c.engines for c in clusters)
+    print(f"[dcr_ray] starting {n_eng} engines in {len(clusters)} clusters, {len(owners)} owners, "
+          f"transport={config.transport}; dense bootstrap...", file=sys.stderr, flush=True)
+    ray.get(actor.start.remote())
+    handle = Refit(actor)
+    handle._own_owners = own_owners
+    return handle

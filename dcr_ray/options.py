@@ -1,0 +1,33 @@
+"""Names and Ray options of every dcr_ray actor, built in one place.
+
+All actors live in :data:`NAMESPACE`; the coordinator is the named actor :data:`COORDINATOR_NAME`
+(``ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)`` finds it, and the Ray dashboard lists it
+with its owners, relays and engines under these names). Actors ask for no CPU by default: a refit is
+mostly waiting and memory traffic, and on small machines whole CPUs per actor would leave them pending.
+"""
+
+from __future__ import annotations
+
+NAMESPACE = "dcr_ray"
+COORDINATOR_NAME = "dcr_coordinator"
+#: Concurrency of actors that serve calls while a long call (a refit, a flush wait) is running.
+COORDINATOR_CONCURRENCY = 8
+ENGINE_CONCURRENCY = 8
+RELAY_CONCURRENCY = 16
+OWNER_CONCURRENCY = 4
+
+
+def actor_options(kind: str, name: str | None = None, *, resources: dict | None = None,
+                  num_cpus: float = 0, detached: bool = False, **extra) -> dict:
+    """Ray ``.options(...)`` for an actor of ``kind`` (coordinator, owner, relay, engine)."""
+    conc = {"coordinator": COORDINATOR_CONCURRENCY, "engine": ENGINE_CONCURRENCY,
+            "relay": RELAY_CONCURRENCY, "owner": OWNER_CONCURRENCY}[kind]
+    opts = dict(num_cpus=num_cpus, max_concurrency=conc, namespace=NAMESPACE, max_restarts=0)
+    if name is not None:
+        opts["name"] = name
+    if resources:
+        opts["resources"] = dict(resources)
+    if detached:
+        opts["lifetime"] = "detached"
+    opts.update(extra)
+    return opts

@@ -1,0 +1,94 @@
+"""Relay actors: carry each payload across a cluster boundary once, then fan it out inside.
+
+A cluster's *head* relay receives ``push(key, [ref], targets)`` from every owner. The ref arrives
+nested in a list, so Ray does not resolve it for us; the head pulls the bytes once (the only
+crossing of that cluster's boundary, counted in ``stats()``), waits out the emulated link if one is
+configured, and ``ray.put``s them again: the copy is now owned by, and located at, the head's node.
+It forwards *that* ref, so engines in the cluster pull from the head's node (or from each other),
+never from the owner across the boundary. The copy also outlives the owner actor, so a late engine
+or a retry inside the same attempt does not cross again. Copies are released when the coordinator
+ends the transfer (``release``).
+
+Inside a cluster, a relay forwards to at most ``fanout`` children: engines (``deliver(ref)``, a
+top-level ref Ray resolves before the engine runs) or sub-relays (``forward(key, [ref], targets)``,
+nested: sub-relays route refs they never read). ``targets`` (engine ids) restricts delivery, e.g. a
+dense bootstrap of one joining engine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+
+import ray
+
+from dcr_ray.relay.link import LinkModel
+
+
+class RelayActor:
+    def __init__(self, relay_id: str, cluster: str, *, head: bool, link_mbps: float | None = None,
+                 link_latency_s: float = 0.0):
+        self.relay_id = relay_id
+        self.cluster = cluster
+        self.head = head
+        self.link = LinkModel(link_mbps, link_latency_s)
+        self.children: list[tuple[str, object, frozenset]] = []
+        self._held: dict[str, list] = defaultdict(list)
+        self._lock = threading.Lock()
+        self._bytes_in: dict[str, int] = defaultdict(int)
+        self._payloads_in: dict[str, set] = defaultdict(set)
+        self._seen: set[tuple] = set()
+
+    def set_children(self, children: list[tuple[str, object, list[str]]]) -> None:
+        """``[(kind, handle, engine ids below it)]`` with kind ``"engine"`` or ``"relay"``."""
+        self.children = [(k, h, frozenset(ids)) for k, h, ids in children]
+
+    def push(self, key: tuple, refs: list, targets: list[str] | None = None) -> int:
+        """Head relay: pull a payload across the boundary once, re-own it here, fan it out."""
+        transfer = key[0]
+        with self._lock:
+            dup = key in self._seen
+            self._seen.add(key)
+        if dup:  # a repeated push (retried call): the payload already crossed and was forwarded
+            return 0
+        t0 = time.perf_counter()
+        data = ray.get(refs[0])
+        self.link.cross(len(data), already_s=time.perf_counter() - t0)
+        own = ray.put(data)
+        with self._lock:
+            self._held[transfer].append(own)
+            self._bytes_in[transfer] += len(data)
+            self._payloads_in[transfer].add(key)
+        self._forward(key, own, targets)
+        return len(data)
+
+    def forward(self, key: tuple, refs: list, targets: list[str] | None = None) -> None:
+        """Sub-relay: route a ref inside the cluster without reading it."""
+        with self._lock:
+            self._held[key[0]].append(refs[0])
+        self._forward(key, refs[0], targets)
+
+    def _forward(self, key: tuple, ref, targets) -> None:
+        want = None if targets is None else set(targets)
+        for kind, handle, ids in self.children:
+            if want is not None and not (ids & want):
+                continue
+            if kind == "engine":
+                handle.deliver.remote(ref)
+            else:
+                handle.forward.remote(key, [ref], targets)
+
+    def release(self, transfer: str) -> None:
+        """Drop this relay's copies of ``transfer``'s payloads."""
+        with self._lock:
+            self._held.pop(transfer, None)
+            self._seen = {k for k in self._seen if k[0] != transfer}
+
+    def stats(self) -> dict:
+        """Bytes and payloads that entered this relay (heads: crossed the cluster boundary)."""
+        with self._lock:
+            return {"relay": self.relay_id, "cluster": self.cluster, "head": self.head,
+                    "bytes_in": dict(self._bytes_in),
+                    "payloads_in": {t: len(s) for t, s in self._payloads_in.items()},
+                    "link_busy_s": self.link.busy_s}

@@ -1,0 +1,61 @@
+"""What a refit returns: the committed version and where the time and bytes went."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(kw_only=True, slots=True)
+class RefitReport:
+    version: int
+    """The version every required engine now holds (the commit record's version)."""
+    transfer: str
+    """Transfer id (names objects, payload keys and the commit record)."""
+    attempts: int
+    """Attempts used; ``attempts - 1`` retries (each retry sends OVERWRITE payloads)."""
+    seconds: dict = field(default_factory=dict)
+    """``construct`` (max owner diff+encode), ``apply`` (max engine validate+apply+flush),
+    ``stream`` (wall: first diff to last engine ACK; construct, transport and apply overlap in it),
+    ``transport`` (``stream`` minus the non-overlapped construct tail, an upper bound on link time),
+    ``commit`` (record + promote + activate), ``prepare`` and ``total``."""
+    payloads: int = 0
+    """Payload frames sent (per attempt that committed)."""
+    wire_bytes: int = 0
+    """Bytes of all frames produced by owners (what a single cross-cluster copy carries)."""
+    link_bytes: dict = field(default_factory=dict)
+    """Cluster -> bytes that entered the cluster (relay heads / object-storage reads)."""
+    changed: int = 0
+    """Canonical elements whose bits changed."""
+    numel: int = 0
+    """Canonical elements in the model."""
+    engine_versions: dict = field(default_factory=dict)
+    """Engine id -> version it holds after the refit."""
+    dropped_engines: list = field(default_factory=list)
+    """Engines that died and left the required set during this refit (re-join by dense bootstrap)."""
+    mode: str = "mixed"
+    """Encoding of the committed attempt: ``mixed`` (XOR + OVERWRITE) or ``overwrite``."""
+
+    @property
+    def change_rate(self) -> float:
+        return self.changed / self.numel if self.numel else 0.0
+
+    @property
+    def retries(self) -> int:
+        return self.attempts - 1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["change_rate"] = self.change_rate
+        return d
+
+    def __str__(self) -> str:
+        s = self.seconds
+        links = ", ".join(f"{c}: {b / 1e6:.2f} MB" for c, b in self.link_bytes.items())
+        return (
+            f"v{self.version} committed in {s.get('total', 0):.2f}s "
+            f"(construct {s.get('construct', 0):.2f}s, stream {s.get('stream', 0):.2f}s, "
+            f"apply {s.get('apply', 0):.2f}s, commit {s.get('commit', 0):.2f}s) | "
+            f"{self.changed:,}/{self.numel:,} elements changed ({100 * self.change_rate:.2f}%) | "
+            f"{self.payloads} payloads, {self.wire_bytes / 1e6:.2f} MB [{links}] | "
+            f"{self.mode}, retries {self.retries} | engines {sorted(set(self.engine_versions.values()))}"
+        )

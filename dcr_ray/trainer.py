@@ -1,0 +1,57 @@
+"""A small real trainer used by the quickstart, tests and benchmarks: FP32 master weights, AdamW,
+random-token language-model batches, and a BF16 rollout copy in canonical coordinates.
+
+``TinyTrainer`` mixes in :class:`~dcr_ray.OwnerMixin`, so it is also the example of embedding
+dcr_ray into an existing trainer actor: data-parallel replicas built with the same spec and fed the
+same batches hold bit-identical weights, and each sends only the names it owns
+(:func:`~dcr_ray.owned_names`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dcr_ray.actors.owner import OwnerMixin, owned_names
+from dcr_ray.engines.base import canonical_state_dict
+from dcr_ray.models import ModelSpec, build_model
+
+
+class TinyTrainer(OwnerMixin):
+    """FP32 AdamW trainer of ``spec``'s model; rank ``rank`` of ``world`` owns a share of the names."""
+
+    def __init__(self, spec: ModelSpec = ModelSpec(), *, lr: float = 1e-5, rank: int = 0, world: int = 1,
+                 rollout_dtype: torch.dtype = torch.bfloat16, threads: int | None = 1):
+        if threads:
+            torch.set_num_threads(threads)
+        self.spec = spec
+        self.model = build_model(spec).float().train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.rollout_dtype = rollout_dtype
+        self.names = list(canonical_state_dict(self.model))
+        self.mine = set(owned_names(self.names, rank, world))
+        self.steps = 0
+        self._cache: tuple[int, dict] | None = None
+
+    def step(self, seed: int, batch: int = 4, seq: int = 32) -> float:
+        """One real optimizer step on a random-token batch (same seed: same step on every replica)."""
+        g = torch.Generator().manual_seed(seed)
+        vocab = self.model.config.vocab_size
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.steps += 1
+        return float(loss.detach())
+
+    def rollout_state(self, names=None) -> dict[str, torch.Tensor]:
+        """BF16 (rollout dtype) copies of the canonical tensors, cached per step."""
+        if self._cache is None or self._cache[0] != self.steps:
+            with torch.no_grad():
+                sd = canonical_state_dict(self.model)
+                self._cache = (self.steps, {n: t.to(self.rollout_dtype).contiguous() for n, t in sd.items()})
+        state = self._cache[1]
+        return state if names is None else {n: state[n] for n in names}
+
+    def dcr_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: t for n, t in self.rollout_state().items() if n in self.mine}
