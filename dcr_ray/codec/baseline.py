@@ -52,6 +52,7 @@ class BaselineStore:
         self._pending: dict[str, TensorDelta] | None = None
         self._pending_version: int | None = None
         self._scratch: np.ndarray | None = None
+        self._nfiles = 0  # memmap files ever created: a re-added name never reuses another's file
 
     # -- contents --------------------------------------------------------------------------------
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -60,7 +61,8 @@ class BaselineStore:
         if self.in_memory:
             arr = src.copy()
         else:
-            fname = os.path.join(self.directory, f"{len(self._bits):06d}.bits")
+            fname = os.path.join(self.directory, f"{self._nfiles:06d}.bits")
+            self._nfiles += 1
             arr = np.memmap(fname, dtype=src.dtype, mode="w+", shape=src.shape) if len(src) else src.copy()
             arr[:] = src
         self._bits[name] = arr

@@ -457,9 +457,12 @@ def read_frame(
 
 def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> int:
     """Write a validated frame into ``targets`` in place; returns the number of elements written."""
+    # Resolve every target's bit view before the first write: a target that cannot be viewed
+    # (non-contiguous, not on the CPU) must fail the frame with nothing written, not half-way through.
+    views = {it.name: bits_view(targets[it.name]) for it in frame.items}
     written = 0
     for it in frame.items:
-        view = bits_view(targets[it.name])
+        view = views[it.name]
         if it.encoding == "dense":
             view[it.lo:it.hi] = it.values
         elif it.encoding == "xor":
