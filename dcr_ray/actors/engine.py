@@ -44,7 +44,7 @@ class EngineActor:
         self._cv = threading.Condition()
         self._apply_s = 0.0
         self._bytes = 0
-        self._stats = {"applied": 0, "duplicates": 0, "stale": 0, "rejected": 0}
+        self._stats = {"applied": 0, "duplicate": 0, "stale": 0, "rejected": 0}
         self._fs = None
 
     # -- protocol -----------------------------------------------------------------------------------

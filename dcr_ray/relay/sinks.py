@@ -79,7 +79,10 @@ class ObjectStoreSink:
 
     def send(self, frame: bytes, key: tuple) -> None:
         transfer, attempt, producer, pid = key
-        self._prefix = f"{attempt_prefix(self.root, transfer, attempt)}/{producer}"
+        prefix = f"{attempt_prefix(self.root, transfer, attempt)}/{producer}"
+        if prefix != self._prefix:
+            self.fs.makedirs(prefix, exist_ok=True)
+            self._prefix = prefix
         path = f"{self._prefix}/{pid:06d}.dcrf"
         self.fs.pipe_file(path, frame)
         self._written.append(path)

@@ -1,0 +1,159 @@
+"""End-to-end refits on a real single-node Ray: owners -> relay tree / object storage -> engines."""
+
+from __future__ import annotations
+
+import raytools  # noqa: F401  (sets the loopback environment before ray is imported)
+
+import pytest
+import ray
+import torch
+
+import dcr_ray
+from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
+from dcr_ray.codec.bits import bits_equal
+from dcr_ray.engines.base import canonical_state_dict
+from dcr_ray.trainer import TinyTrainer
+
+pytestmark = pytest.mark.slow
+SPEC = dcr_ray.ModelSpec(size="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    raytools.init_local_ray()
+    yield
+    ray.shutdown()
+
+
+def _launch(config: dcr_ray.RefitConfig, world: int = 2, engines=(2, 1)):
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainers = [Trainer.remote(SPEC, lr=1e-4, rank=r, world=world) for r in range(world)]
+    clusters = [dcr_ray.ClusterSpec(name=f"c{i}", engines=n, fanout=1 if i else 4) for i, n in enumerate(engines)]
+    refit = dcr_ray.launch(owners=trainers, clusters=clusters, engine=dcr_ray.HFEngine(SPEC, seed=7),
+                           config=config)
+    return refit, trainers
+
+
+def _assert_engines_hold(refit, trainers):
+    want = ray.get(trainers[0].rollout_state.remote())
+    # the dense reference: the same weights loaded through the model's own loader
+    dense = dcr_ray.build_model(dcr_ray.ModelSpec(size="tiny", seed=42))
+    dense.load_state_dict(want, strict=False)
+    dense_sd = canonical_state_dict(dense)
+    for eid, eng in refit.engines().items():
+        got = ray.get(eng.tensors.remote())
+        assert set(got) == set(want)
+        for n in want:
+            assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), (eid, n)
+            assert torch.equal(got[n].view(torch.int16), dense_sd[n].view(torch.int16)), (eid, n)
+
+
+@pytest.mark.parametrize("transport", ["relay", "object_store"])
+def test_engines_are_bit_identical_to_the_trainer_and_a_dense_reload_after_several_refits(local_ray, transport):
+    refit, trainers = _launch(dcr_ray.RefitConfig(transport=transport))
+    try:
+        # the engines started from another seed: the dense bootstrap already made them equal
+        _assert_engines_hold(refit, trainers)
+        for step in range(3):
+            ray.get([t.step.remote(seed=step) for t in trainers])
+            report = ray.get(refit.refit.remote())
+            assert report.version == step + 1
+            assert set(report.engine_versions.values()) == {step + 1}
+            assert report.changed > 0 and report.wire_bytes > 0 and report.retries == 0
+            assert 0 < report.change_rate < 1
+            _assert_engines_hold(refit, trainers)
+        # each cluster received every payload's bytes exactly once
+        assert set(report.link_bytes) == {"c0", "c1"}
+        if transport == "relay":
+            assert all(b == report.wire_bytes for b in report.link_bytes.values())
+        else:  # object storage: every engine reads its own copy
+            assert report.link_bytes == {"c0": 2 * report.wire_bytes, "c1": report.wire_bytes}
+    finally:
+        refit.shutdown()
+
+
+def test_a_refit_with_no_change_commits_an_empty_version(local_ray):
+    refit, trainers = _launch(dcr_ray.RefitConfig())
+    try:
+        report = refit.run()
+        assert report.version == 1 and report.changed == 0 and report.payloads == 0
+        _assert_engines_hold(refit, trainers)
+    finally:
+        refit.shutdown()
+
+
+def _frames_for(trainer_state: dict, base: int, target: int, transfer: str, attempt: int = 0):
+    """Frames turning the tiny model at ``seed=0`` into ``trainer_state``."""
+    store = BaselineStore(in_memory=True)
+    init = canonical_state_dict(dcr_ray.build_model(SPEC))
+    for n, t in init.items():
+        store.add(n, t)
+    deltas = [store.diff(n, trainer_state[n]) for n in init]
+    meta = FrameMeta(transfer=transfer, attempt=attempt, producer="test", payload=0, base=base, target=target)
+    return list(encode_frames([d for d in deltas if d.chunks], meta))
+
+
+def test_a_duplicate_delivery_is_applied_once_and_a_wrong_base_version_is_rejected(local_ray):
+    refit, trainers = _launch(dcr_ray.RefitConfig(), engines=(1, 1))
+    try:
+        eng = refit.engines()["c0/e0"]
+        before = ray.get(eng.tensors.remote())
+        ray.get(trainers[0].step.remote(seed=5))
+        new = ray.get(trainers[0].rollout_state.remote())
+        # an engine at version 0 opens transfer T; a frame for T built on base 0 applies once
+        ray.get(eng.prepare.remote("T", 0, 0, 1))
+        frames = _frames_for(new, base=0, target=1, transfer="T")
+        assert frames
+        assert ray.get(eng.deliver.remote(frames[0])) == "applied"
+        after_once = ray.get(eng.tensors.remote())
+        assert ray.get(eng.deliver.remote(frames[0])) == "duplicate"
+        after_twice = ray.get(eng.tensors.remote())
+        for n in before:
+            assert torch.equal(after_once[n].view(torch.int16), after_twice[n].view(torch.int16))
+        # a frame of the same transfer built on base 7 is rejected and writes nothing
+        ray.get(eng.abort.remote("T"))
+        ray.get(eng.prepare.remote("T2", 0, 0, 1))
+        snapshot = ray.get(eng.tensors.remote())
+        bad = _frames_for(new, base=7, target=8, transfer="T2")
+        assert ray.get(eng.deliver.remote(bad[0])) == "rejected"
+        untouched = ray.get(eng.tensors.remote())
+        for n in snapshot:
+            assert torch.equal(snapshot[n].view(torch.int16), untouched[n].view(torch.int16))
+        with pytest.raises(dcr_ray.DcrError, match="built on version 7"):
+            ray.get(eng.flush.remote("T2", 0, [("T2", 0, "test", 0)], 5.0))
+        # restore: the engine re-joins by dense bootstrap, then refits work again
+        ray.get(eng.abort.remote("T2"))
+        refit.rejoin("c0/e0")
+        ray.get(trainers[1].step.remote(seed=5))
+        refit.run()
+        _assert_engines_hold(refit, trainers)
+    finally:
+        refit.shutdown()
+
+
+def test_an_engine_that_was_not_prepared_rejects_payloads_and_writes_nothing(local_ray):
+    refit, trainers = _launch(dcr_ray.RefitConfig(), world=1, engines=(1, 1))
+    try:
+        eng = refit.engines()["c1/e0"]
+        ray.get(trainers[0].step.remote(seed=1))
+        frames = _frames_for(ray.get(trainers[0].rollout_state.remote()), base=0, target=1, transfer="X")
+        before = ray.get(eng.tensors.remote())
+        assert ray.get(eng.deliver.remote(frames[0])) == "rejected"
+        after = ray.get(eng.tensors.remote())
+        for n in before:
+            assert torch.equal(before[n].view(torch.int16), after[n].view(torch.int16))
+        assert ray.get(eng.info.remote())["rejected"] == 1
+        assert BOOTSTRAP_BASE == -1
+    finally:
+        refit.shutdown()
+
+
+def test_owners_that_do_not_cover_the_engines_tensors_are_refused_with_a_clear_error(local_ray):
+    model = dcr_ray.build_model(SPEC)
+    sd = canonical_state_dict(model)
+    half = dict(list(sd.items())[: len(sd) // 2])
+    with pytest.raises(Exception, match="no owner for"):
+        dcr_ray.launch(owner_tensors=[half], clusters=[dcr_ray.ClusterSpec(name="x", engines=1)],
+                       engine=dcr_ray.HFEngine(SPEC))
+    raytools.kill_topology()
