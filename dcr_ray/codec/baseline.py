@@ -102,6 +102,12 @@ class BaselineStore:
     def diff(self, name: str, tensor: torch.Tensor) -> TensorDelta:
         """Changed set of ``tensor`` against the committed bits of ``name`` (not recorded)."""
         old = self.bits(name)
+        have = (wire_name(tensor.dtype), tuple(tensor.shape))
+        if have != self._meta[name]:
+            raise BaselineError(
+                f"{name}: baseline holds {self._meta[name][0]}{list(self._meta[name][1])} but the tensor is "
+                f"{have[0]}{list(have[1])}; owners must hand the same canonical dtype and shape every step"
+            )
         if self._scratch is None or len(self._scratch) < self.chunk_elems:
             self._scratch = np.empty(self.chunk_elems, np.uint64)
         return diff_tensor(name, old, tensor, chunk_elems=self.chunk_elems,

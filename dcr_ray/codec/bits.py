@@ -76,7 +76,7 @@ def bits_view(t: torch.Tensor) -> np.ndarray:
     if not t.is_contiguous():
         raise TargetMismatchError("bits_view needs a contiguous tensor (call .contiguous() on a copy)")
     tv, nv = _INT_VIEW[t.element_size()]
-    return t.reshape(-1).view(tv).numpy().view(nv)
+    return t.detach().reshape(-1).view(tv).numpy().view(nv)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
