@@ -105,8 +105,10 @@ def test_an_unknown_tensor_name_is_a_baseline_error(store):
 
 def test_a_tensor_with_a_different_shape_than_its_baseline_is_refused(store):
     store.add("w", torch.zeros(8))
-    with pytest.raises(ValueError):
+    with pytest.raises(BaselineError, match="float32\\[8\\] but the tensor is float32\\[9\\]"):
         store.diff("w", torch.zeros(9))
+    with pytest.raises(BaselineError, match="int32"):
+        store.diff("w", torch.zeros(8, dtype=torch.int32))  # same element size, other dtype
 
 
 def test_re_adding_a_tensor_name_does_not_alias_another_tensors_baseline(store):
