@@ -25,7 +25,7 @@ import ray
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.codec.frame import DIGEST_SIZE, peek_meta, read_frame
 from dcr_ray.config import RefitConfig
-from dcr_ray.errors import DcrError, EngineStateError, FrameError, RefitTimeoutError
+from dcr_ray.errors import DcrError, EngineStateError, FrameError, RefitError, RefitTimeoutError
 
 
 class EngineActor:
@@ -110,6 +110,9 @@ class EngineActor:
             self.backend.apply(frame)
         except FrameError as e:
             self._error = e
+            return "rejected"
+        except Exception as e:  # a backend failure must fail the attempt now, not time out its flush
+            self._error = RefitError(f"engine {self.engine_id}: applying payload {key} failed: {e!r}")
             return "rejected"
         self._apply_s += time.perf_counter() - t0
         self._bytes += len(data)
