@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 import zstandard
 
-from dcr_ray.codec import locations, planes
+from dcr_ray.codec import locations, planes, threads
 from dcr_ray.codec.bits import bits_view, dtype_of, itemsize
 from dcr_ray.codec.diff import ChunkDelta, TensorDelta
 from dcr_ray.errors import (
@@ -74,6 +75,19 @@ SECTION_CODECS = ("zstd", "raw")
 DEFAULT_MAX_RAW_BYTES = 1 << 30
 MAX_HEADER_BYTES = 16 << 20
 DEFAULT_ZSTD_LEVEL = 1
+#: Frames with at least this many raw section bytes compress (and decompress) their sections in parallel.
+PARALLEL_MIN_RAW_BYTES = 256 << 10
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor for ``level`` (contexts are reused; one-shot output does not depend on it)."""
+    cache = _local.__dict__.setdefault("cctx", {})
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return c
 
 
 def digest(data: bytes | memoryview, key: bytes | None) -> bytes:
@@ -145,13 +159,19 @@ class FrameBuilder:
 
     def finish(self) -> bytes:
         """Compress the sections, sign, and return the complete frame."""
-        cctx = zstandard.ZstdCompressor(level=self.zstd_level, write_content_size=True)
-        sec_meta, bodies = [], []
+        named = []
         for name, parts in self._sections.items():
-            raw = b"".join(p.tobytes() if isinstance(p, np.ndarray) else p for p in parts)
-            if not raw:
-                continue
-            comp = cctx.compress(raw)
+            raw = b"".join(parts)  # planes are contiguous uint8 arrays: joined without a copy each
+            if raw:
+                named.append((name, raw))
+        level = self.zstd_level
+        if sum(len(r) for _, r in named) >= PARALLEL_MIN_RAW_BYTES:
+            # sections compress independently (one zstd frame each): same bytes, in parallel
+            comps = threads.run_all([lambda r=r: _compressor(level).compress(r) for _, r in named])
+        else:
+            comps = [_compressor(level).compress(r) for _, r in named]
+        sec_meta, bodies = [], []
+        for (name, raw), comp in zip(named, comps):
             if len(comp) < len(raw):
                 sec_meta.append([name, "zstd", len(raw), len(comp)])
                 bodies.append(comp)
@@ -237,6 +257,17 @@ class DecodedFrame:
         """Deduplication key ``(transfer, attempt, producer, payload)``."""
         m = self.meta
         return (m.transfer, m.attempt, m.producer, m.payload)
+
+
+def _decompress(name: str, comp: memoryview, raw: int) -> bytes:
+    """Decompress one section of declared size ``raw`` (never more), as the format's errors."""
+    try:
+        out = zstandard.ZstdDecompressor().decompress(comp, max_output_size=raw)
+    except zstandard.ZstdError as e:
+        raise MalformedHeaderError(f"section {name!r} does not decompress: {e}") from None
+    if len(out) != raw:
+        raise SizeLimitError(f"section {name!r} decompressed to {len(out)} bytes, declared {raw}")
+    return out
 
 
 def _reject_ext(code, data):
@@ -351,8 +382,8 @@ def read_frame(
         if off > body_end:
             raise TruncatedFrameError(f"sections declare {off - _PREFIX.size} bytes past the header; frame ends earlier")
         raise MalformedHeaderError(f"{body_end - off} trailing bytes after the last section")
-    dctx = zstandard.ZstdDecompressor()
     sec: dict[str, memoryview] = {}
+    todo = []  # (name, compressed view, raw length) of zstd sections, checked before any decompression
     for name, codec, raw, a, b in spans:
         if name in sec:
             raise MalformedHeaderError(f"section {name!r} appears twice")
@@ -365,12 +396,13 @@ def read_frame(
             raise MalformedHeaderError(f"section {name!r} is not a zstd frame: {e}") from None
         if params.content_size != raw:
             raise SizeLimitError(f"section {name!r} decompresses to {params.content_size} bytes, declared {raw}")
-        try:
-            out = dctx.decompress(data[a:b], max_output_size=raw)
-        except zstandard.ZstdError as e:
-            raise MalformedHeaderError(f"section {name!r} does not decompress: {e}") from None
-        if len(out) != raw:
-            raise SizeLimitError(f"section {name!r} decompressed to {len(out)} bytes, declared {raw}")
+        sec[name] = memoryview(b"")  # placeholder: keeps the duplicate check in section order
+        todo.append((name, data[a:b], raw))
+    if raw_total >= PARALLEL_MIN_RAW_BYTES and len(todo) > 1:
+        outs = threads.run_all([lambda t=t: _decompress(*t) for t in todo])
+    else:
+        outs = [_decompress(*t) for t in todo]
+    for (name, _, _), out in zip(todo, outs):
         sec[name] = memoryview(out)
     # --- items -------------------------------------------------------------------------------------
     cursor = {name: 0 for name in sec}
@@ -466,9 +498,11 @@ def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> i
         if it.encoding == "dense":
             view[it.lo:it.hi] = it.values
         elif it.encoding == "xor":
-            view[it.positions] ^= it.values
+            cur = np.take(view, it.positions)  # take/put: faster than fancy-index read-modify-write
+            cur ^= it.values
+            np.put(view, it.positions, cur)
         else:
-            view[it.positions] = it.values
+            np.put(view, it.positions, it.values)
         written += len(it.values)
     return written
 

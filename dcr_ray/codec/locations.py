@@ -61,10 +61,11 @@ def _symbols(positions: np.ndarray, lo: int) -> dict[str, np.ndarray]:
     np.subtract(pos[1:], pos[:-1], out=gaps[1:])
     gaps[1:] -= 1
     out = {"gaps": gaps}
-    # runs: a new run starts wherever the gap symbol is non-zero (and at the first position)
-    starts = np.flatnonzero(gaps[1:]) + 1
-    nruns = len(starts) + 1
-    if nruns * 2 < len(pos):  # runs can only win when they halve the symbol count
+    # runs: a new run starts wherever the gap symbol is non-zero (and at the first position);
+    # counting first is cheap, and runs can only win when they halve the symbol count
+    nruns = int(np.count_nonzero(gaps[1:])) + 1
+    if nruns * 2 < len(pos):
+        starts = np.flatnonzero(gaps[1:]) + 1
         run_start_idx = np.concatenate(([0], starts))
         lengths = np.diff(np.concatenate((run_start_idx, [len(pos)])))
         out["runs"] = np.concatenate((gaps[run_start_idx], lengths - 1))
@@ -75,8 +76,9 @@ def _best_width(sym: np.ndarray) -> tuple[int, int, int]:
     """(size, width, escapes) of the cheapest width for ``sym``."""
     best = None
     n = len(sym)
+    mx = int(sym.max())
     for w in WIDTHS:
-        if w == 8:
+        if w == 8 or mx < (1 << (8 * w)) - 1:
             esc = 0
         else:
             esc = int(np.count_nonzero(sym >= (1 << (8 * w)) - 1))
@@ -96,15 +98,19 @@ def encode(positions: np.ndarray, lo: int) -> EncodedLocations:
     for mode, sym in _symbols(positions, lo).items():
         size, w, esc = _best_width(sym)
         if best is None or size < best[0]:
-            best = (size, mode, w, sym)
-    _, mode, w, sym = best
+            best = (size, mode, w, sym, esc)
+    _, mode, w, sym, nesc = best
     if w == 8:
         return EncodedLocations(mode, 8, len(sym), sym.astype("<u8").tobytes(), b"")
+    dt = np.dtype(_NP_OF_WIDTH[w]).newbyteorder("<")
+    if not nesc:
+        return EncodedLocations(mode, w, len(sym), sym.astype(dt).tobytes(), b"")
     cap = (1 << (8 * w)) - 1
-    big = sym >= cap
+    big = np.flatnonzero(sym >= cap)
     esc = sym[big].astype("<u8").tobytes()
-    prim = np.minimum(sym, cap).astype(np.dtype(_NP_OF_WIDTH[w]).newbyteorder("<")).tobytes()
-    return EncodedLocations(mode, w, len(sym), prim, esc)
+    prim = sym.astype(dt)  # escaped symbols wrap here and are overwritten by the marker
+    prim[big] = cap
+    return EncodedLocations(mode, w, len(sym), prim.tobytes(), esc)
 
 
 def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:
@@ -156,7 +162,10 @@ def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:
     if enc.mode == "gaps":
         if enc.nsym != count:
             raise MalformedHeaderError(f"gaps mode needs one symbol per change: {enc.nsym} != {count}")
-        pos = np.cumsum(sym + 1) - 1
+        pos = sym  # a fresh int64 array here: position i = sum(sym[:i+1] + 1) - 1, computed in place
+        pos += 1
+        np.cumsum(pos, out=pos)
+        pos -= 1
     else:
         if enc.nsym % 2:
             raise MalformedHeaderError("runs mode needs an even number of symbols")

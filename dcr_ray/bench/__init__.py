@@ -1,0 +1,23 @@
+"""Benchmarks behind ``dcr-ray bench ...``.
+
+Each benchmark is a module here that exposes ``add_parser(subparsers)``: it adds its own subcommand
+(with ``set_defaults(func=...)``) to the ``bench`` group. :data:`MODULES` lists them; adding a
+benchmark is one entry there. Modules import their heavy dependencies (torch, transformers,
+matplotlib) inside the functions that run, so ``dcr-ray --help`` stays fast.
+
+- :mod:`~dcr_ray.bench.codec`  codec wire size vs the entropy bound and peers, encode/apply throughput
+- :mod:`~dcr_ray.bench.peers`  compact peer encodings (AReaL-DTE style, slime style) for comparison
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: Benchmark modules (under ``dcr_ray.bench``) that add a ``dcr-ray bench <name>`` subcommand.
+MODULES: tuple[str, ...] = ("codec",)
+
+
+def add_parsers(subparsers) -> None:
+    """Let every module in :data:`MODULES` add its subcommand to ``subparsers``."""
+    for name in MODULES:
+        importlib.import_module(f"{__name__}.{name}").add_parser(subparsers)

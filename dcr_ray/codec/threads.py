@@ -1,0 +1,57 @@
+"""The codec's worker threads: one small pool shared by the diff scan and frame compression.
+
+numpy's comparisons, ``nonzero``, gathers and zstandard's (de)compression release the GIL, so on a
+multi-core owner a chunk's scan and a frame's sections proceed in parallel. Work is handed over in a
+few large tasks (each costs tens of microseconds to hand over), never one per small block, and pool
+tasks never submit pool tasks (no nested waits, so no deadlock).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+#: Upper bound on codec threads per process (an owner usually shares its node with a trainer).
+MAX_THREADS = 8
+
+_pool: ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+
+
+def codec_threads() -> int:
+    """Threads the codec uses: the CPUs this process may run on, at most :data:`MAX_THREADS`."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, n))
+
+
+def pool() -> ThreadPoolExecutor:
+    """The shared pool (created on first use)."""
+    global _pool
+    if _pool is None:
+        with _lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max_workers=codec_threads(), thread_name_prefix="dcr-codec")
+    return _pool
+
+
+def run_all(fns: list[Callable[[], object]]) -> list:
+    """Results of ``fns``: the first runs in the calling thread, the rest on the pool, concurrently."""
+    if len(fns) <= 1:
+        return [f() for f in fns]
+    futs: list[Future] = [pool().submit(f) for f in fns[1:]]
+    first = fns[0]()
+    return [first, *(f.result() for f in futs)]
+
+
+def _reset_in_child() -> None:  # a forked child must not wait on its parent's threads
+    global _pool, _lock
+    _pool, _lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
