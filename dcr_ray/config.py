@@ -71,6 +71,11 @@ class RefitConfig:
     """Attempts per refit; every retry sends OVERWRITE payloads of the complete changed set."""
     xor: bool = True
     """Use XOR masks where allowed (mixed mode). ``False`` sends OVERWRITE only."""
+    stage_payloads: bool = False
+    """Async RL: engines validate and *stage* arriving payloads (compressed, in host RAM) while they
+    keep serving the current version, and apply them all at flush. ``False`` (default, synchronous
+    RL): payloads are applied in place as they arrive and generation pauses until the new version
+    is active."""
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:

@@ -157,3 +157,46 @@ def test_owners_that_do_not_cover_the_engines_tensors_are_refused_with_a_clear_e
         dcr_ray.launch(owner_tensors=[half], clusters=[dcr_ray.ClusterSpec(name="x", engines=1)],
                        engine=dcr_ray.HFEngine(SPEC))
     raytools.kill_topology()
+
+
+def test_a_staging_engine_keeps_serving_the_old_version_until_flush_and_then_the_new_bits(local_ray):
+    refit, trainers = _launch(dcr_ray.RefitConfig(stage_payloads=True), world=1, engines=(1, 1))
+    try:
+        eng = refit.engines()["c0/e0"]
+        prompts = [[1, 2, 3, 4], [5, 6, 7]]
+        served0 = ray.get(eng.generate.remote(prompts, 4))
+        assert served0["version"] == 0
+        before = ray.get(eng.tensors.remote())
+        ray.get(trainers[0].step.remote(seed=3))
+        new = ray.get(trainers[0].rollout_state.remote())
+        ray.get(eng.prepare.remote("S", 0, 0, 1))
+        frames = _frames_for(new, base=0, target=1, transfer="S")
+        for f in frames:
+            assert ray.get(eng.deliver.remote(f)) == "applied"
+        during = ray.get(eng.generate.remote(prompts, 4))  # still serving v0, bit for bit
+        assert during["version"] == 0 and during["outputs"] == served0["outputs"]
+        staged = ray.get(eng.tensors.remote())
+        for n in before:
+            assert torch.equal(staged[n].view(torch.int16), before[n].view(torch.int16))
+        keys = [("S", 0, "test", i) for i in range(len(frames))]
+        ray.get(eng.flush.remote("S", 0, keys, 30.0))
+        ray.get(eng.activate.remote(1, "S"))
+        got = ray.get(eng.tensors.remote())
+        for n in new:
+            assert torch.equal(got[n].view(torch.int16), new[n].view(torch.int16))
+        assert ray.get(eng.generate.remote(prompts, 4))["version"] == 1
+    finally:
+        refit.shutdown()
+
+
+def test_an_in_place_engine_pauses_generation_while_a_transfer_is_open(local_ray):
+    refit, _ = _launch(dcr_ray.RefitConfig(), world=1, engines=(1, 1))
+    try:
+        eng = refit.engines()["c1/e0"]
+        ray.get(eng.prepare.remote("P", 0, 0, 1))
+        with pytest.raises(dcr_ray.DcrError, match="paused"):
+            ray.get(eng.generate.remote([[1, 2]], 2, 1.0))
+        ray.get(eng.abort.remote("P"))
+        assert ray.get(eng.generate.remote([[1, 2]], 2))["version"] == 0
+    finally:
+        refit.shutdown()

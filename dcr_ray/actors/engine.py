@@ -13,6 +13,11 @@ before the next ``prepare`` returns: a stale attempt's writes cannot land after 
 * A payload key seen again with the same digest is a duplicate (Ray may deliver a call twice) and is
   acknowledged without being applied again; the same key with other bytes is an error.
 * ``prepare(..., base=BOOTSTRAP_BASE)`` bootstraps: dense frames of the committed version.
+
+Serving: :meth:`EngineActor.generate` reports the policy version it used. With in-place apply
+(default) generation pauses from ``prepare`` to ``activate``, so no output ever mixes versions; with
+``RefitConfig.stage_payloads`` payloads are validated and staged while the engine keeps serving the
+old version, and are applied together at ``flush`` (the only pause).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class EngineActor:
         self._bytes = 0
         self._stats = {"applied": 0, "duplicate": 0, "stale": 0, "rejected": 0}
         self._fs = None
+        self._staged: list[tuple[tuple, bytes]] = []
 
     # -- protocol -----------------------------------------------------------------------------------
     def prepare(self, transfer: str, attempt: int, base: int, target: int) -> dict:
@@ -60,6 +66,7 @@ class EngineActor:
                 if self._cur is None or self._cur[0] != transfer:
                     self._applied.clear()
                 self._cur = (transfer, attempt, base, target)
+                self._staged = []
                 self._error = None
                 self._apply_s = 0.0
                 self._bytes = 0
@@ -105,9 +112,11 @@ class EngineActor:
             return "duplicate"
         t0 = time.perf_counter()
         try:
-            frame = read_frame(data, shapes=self.specs, key=self.config.key, expect_base=base,
-                               max_raw_bytes=max(self.config.bucket_bytes * 2, 1 << 20))
-            self.backend.apply(frame)
+            frame = self._read(data, base)
+            if self.config.stage_payloads and base != BOOTSTRAP_BASE:
+                self._staged.append((key, bytes(data)))  # validated; applied at flush
+            else:
+                self.backend.apply(frame)
         except FrameError as e:
             self._error = e
             return "rejected"
@@ -139,10 +148,33 @@ class EngineActor:
                         f"within {timeout_s:.0f} s, e.g. {sorted(missing)[:3]}")
                 self._cv.wait(min(left, 1.0))
             t0 = time.perf_counter()
+            for _key, data in sorted(self._staged, key=lambda kd: kd[0]):
+                self.backend.apply(self._read(data, self._cur[2]))
+            self._staged = []
             self.backend.flush()
             self._apply_s += time.perf_counter() - t0
             return {"engine": self.engine_id, "cluster": self.cluster, "applied": len(want),
                     "apply_s": self._apply_s, "bytes": self._bytes}
+
+    def _read(self, data, base: int):
+        return read_frame(data, shapes=self.specs, key=self.config.key, expect_base=base,
+                          max_raw_bytes=max(self.config.bucket_bytes * 2, 1 << 20))
+
+    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8,
+                 timeout_s: float | None = None) -> dict:
+        """Greedy generation with the backend; returns ``{"version", "outputs"}``.
+
+        Waits (pauses) while an in-place transfer is open, so outputs always come from one version.
+        """
+        deadline = time.monotonic() + (timeout_s or self.config.stage_timeout_s)
+        with self._cv:
+            while self._cur is not None and not self.config.stage_payloads:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RefitTimeoutError(f"engine {self.engine_id}: paused for a refit longer than allowed")
+                self._cv.wait(min(left, 1.0))
+            return {"engine": self.engine_id, "version": self.version,
+                    "outputs": self.backend.generate(prompt_token_ids, max_tokens)}
 
     def activate(self, version: int, transfer: str | None = None) -> int:
         """Make ``version`` current (after the commit record is written). Idempotent."""
@@ -151,6 +183,7 @@ class EngineActor:
                 self.version = version
                 self._cur = None
                 self._applied.clear()
+                self._cv.notify_all()
             return self.version
 
     def abort(self, transfer: str) -> None:
@@ -158,6 +191,8 @@ class EngineActor:
         with self._cv:
             if self._cur is not None and self._cur[0] == transfer:
                 self._cur = None
+                self._staged = []
+                self._cv.notify_all()
 
     # -- inspection ---------------------------------------------------------------------------------
     def info(self) -> dict:

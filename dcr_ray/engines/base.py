@@ -71,5 +71,9 @@ class EngineBackend(ABC):
     def load_dense(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the named tensors' bits completely (bootstrap)."""
 
+    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8) -> list[dict]:
+        """Greedy generation: per prompt ``{"token_ids", "logprobs"}`` (optional for a backend)."""
+        raise NotImplementedError(f"{type(self).__name__} does not generate")
+
     def close(self) -> None:
         """Release the runtime (default: nothing)."""

@@ -36,6 +36,19 @@ class TransformersBackend(EngineBackend):
             bits_view(dst)[:] = bits_view(t.contiguous())
 
     @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8) -> list[dict]:
+        """Greedy continuations: per prompt ``{"token_ids": [...], "logprobs": [...]}`` (float32)."""
+        outs = []
+        for ids in prompt_token_ids:
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                      output_scores=True, return_dict_in_generate=True,
+                                      pad_token_id=0)
+            toks = out.sequences[0, len(ids):].tolist()
+            lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, toks)]
+            outs.append({"token_ids": toks, "logprobs": lps})
+        return outs
+
+    @torch.no_grad()
     def greedy(self, input_ids: list[list[int]], max_new_tokens: int = 8) -> list[list[int]]:
         """Greedy continuation token ids (for examples and checks)."""
         out = self.model.generate(torch.tensor(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
