@@ -36,7 +36,11 @@ class TinyTrainer(OwnerMixin):
         """One real optimizer step on a random-token batch (same seed: same step on every replica)."""
         g = torch.Generator().manual_seed(seed)
         vocab = self.model.config.vocab_size
-        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        return self.step_on(torch.randint(0, vocab, (batch, seq), generator=g).tolist())
+
+    def step_on(self, token_ids: list[list[int]]) -> float:
+        """One real optimizer step (next-token loss) on equal-length sequences, e.g. rollouts."""
+        ids = torch.tensor(token_ids)
         loss = self.model(input_ids=ids, labels=ids).loss
         self.opt.zero_grad(set_to_none=True)
         loss.backward()

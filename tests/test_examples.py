@@ -1,0 +1,37 @@
+"""The README's first command runs the quickstart: keep it working (run as a user would, in a
+subprocess with its own Ray)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> str:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_the_quickstart_refits_five_times_and_every_engine_ends_bit_identical():
+    out = _run("quickstart.py")
+    assert out.count("committed in") == 5
+    assert out.count("bit-identical") == 4
+    assert "OK: 5 refits" in out
+
+
+def test_the_rl_loop_example_tags_rollouts_with_the_policy_version_that_made_them():
+    out = _run("rl_loop.py", "--iters", "2")
+    assert "iter 0: rollouts from policy v[0]" in out
+    assert "iter 1: rollouts from policy v[1]" in out
