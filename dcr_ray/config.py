@@ -36,8 +36,8 @@ class ClusterSpec:
             raise ConfigError(f"ClusterSpec.name {self.name!r} must be non-empty without '/', '\\' or spaces")
         if self.engines < 1:
             raise ConfigError(f"ClusterSpec({self.name}).engines must be >= 1, got {self.engines}")
-        if self.fanout < 1:
-            raise ConfigError(f"ClusterSpec({self.name}).fanout must be >= 1, got {self.fanout}")
+        if self.fanout < 2:
+            raise ConfigError(f"ClusterSpec({self.name}).fanout must be >= 2, got {self.fanout}")
         if self.link_mbps is not None and self.link_mbps <= 0:
             raise ConfigError(f"ClusterSpec({self.name}).link_mbps must be > 0 or None, got {self.link_mbps}")
 

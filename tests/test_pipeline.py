@@ -29,7 +29,7 @@ def local_ray():
 def _launch(config: dcr_ray.RefitConfig, world: int = 2, engines=(2, 1)):
     Trainer = ray.remote(num_cpus=0)(TinyTrainer)
     trainers = [Trainer.remote(SPEC, lr=1e-4, rank=r, world=world) for r in range(world)]
-    clusters = [dcr_ray.ClusterSpec(name=f"c{i}", engines=n, fanout=1 if i else 4) for i, n in enumerate(engines)]
+    clusters = [dcr_ray.ClusterSpec(name=f"c{i}", engines=n, fanout=2 if i else 4) for i, n in enumerate(engines)]
     refit = dcr_ray.launch(owners=trainers, clusters=clusters, engine=dcr_ray.HFEngine(SPEC, seed=7),
                            config=config)
     return refit, trainers

@@ -31,18 +31,16 @@ def plan_tree(cluster: str, engine_ids: list[str], fanout: int) -> TreeNode:
     With ``len(engine_ids) <= fanout`` the head serves every engine itself; otherwise the engines are
     split into ``fanout`` contiguous groups, each served by a sub-relay planned the same way.
     """
+    if fanout < 2:
+        raise ValueError(f"fanout must be >= 2, got {fanout}")
     counter = iter(range(1 << 30))
 
     def build(ids: list[str], rid: str) -> TreeNode:
-        if len(ids) <= fanout or fanout == 1 and len(ids) == 1:
+        if len(ids) <= fanout:
             return TreeNode(rid, engines=list(ids))
-        k = max(2, fanout) if fanout > 1 else 1
-        if k == 1:  # a chain: one engine here, the rest below
-            return TreeNode(rid, engines=ids[:1], subrelays=[build(ids[1:], f"{cluster}/r{next(counter)}")])
-        size = -(-len(ids) // k)
-        groups = [ids[i:i + size] for i in range(0, len(ids), size)]
+        size = -(-len(ids) // fanout)
         node = TreeNode(rid)
-        for g in groups:
+        for g in (ids[i:i + size] for i in range(0, len(ids), size)):
             if len(g) == 1:
                 node.engines.append(g[0])
             else:
