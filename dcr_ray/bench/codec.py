@@ -375,22 +375,37 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
 
 
 def zstd_sweep(step: Step, repeats: int) -> list[dict]:
-    """Wire bytes and frame encode/decode speed of each zstd level on ``step`` (same changed set)."""
+    """Wire bytes and frame encode/decode speed of each zstd level on ``step`` (same changed set).
+
+    Every level runs with the codec's hash-table setting (``frame.ZSTD_HASH_LOG``); one more row runs
+    the default level with zstd's own default table, to show what that setting buys.
+    """
     from dcr_ray.codec import diff_tensor, encode_frames
+    from dcr_ray.codec import frame as frame_mod
 
     deltas = [diff_tensor(n, step.old[n], t) for n, t in step.new.items()]
     t_diff, _ = _best(lambda: [diff_tensor(n, step.old[n], t) for n, t in step.new.items()], repeats)
     canon = sum(t.numel() * t.element_size() for t in step.new.values())
     changed = sum(d.changed for d in deltas)
+    tuned = frame_mod.ZSTD_HASH_LOG
+    variants = [(level, tuned) for level in ZSTD_LEVELS]
+    if tuned is not None:
+        variants.append((frame_mod.DEFAULT_ZSTD_LEVEL, None))
     out = []
-    for level in ZSTD_LEVELS:
-        t_fr, frames = _best(lambda: list(encode_frames(deltas, _meta(), zstd_level=level)), repeats)
+    for level, hash_log in variants:
+        frame_mod.ZSTD_HASH_LOG = hash_log
+        try:
+            t_fr, frames = _best(lambda: list(encode_frames(deltas, _meta(), zstd_level=level)), repeats)
+        finally:
+            frame_mod.ZSTD_HASH_LOG = tuned
         t_app, _ = _best(lambda tg: _decode_apply(frames, tg), repeats, setup=lambda: _fresh_targets(step))
         tg = _fresh_targets(step)
         _decode_apply(frames, tg)
         wire = sum(map(len, frames))
-        row = {"level": level, "wire_bytes": wire, "bytes_per_change": wire / changed,
-               "frame_encode_s": t_fr, "encode_gbps": canon / (t_diff + t_fr) / 1e9,
+        row = {"level": level, "hash_log": hash_log if hash_log is not None else "zstd default",
+               "wire_bytes": wire, "bytes_per_change": wire / changed,
+               "frame_encode_s": t_fr, "frame_encode_gbps": canon / t_fr / 1e9,
+               "encode_gbps": canon / (t_diff + t_fr) / 1e9,
                "apply_gbps": canon / t_app / 1e9, "bit_exact": _exact(tg, step)}
         for gbit in LINK_GBITPS:  # serial estimate: encode + transfer + decode/apply
             row[f"refit_s_at_{gbit:g}gbit"] = t_diff + t_fr + wire * 8 / (gbit * 1e9) + t_app
@@ -408,7 +423,7 @@ def run(s: Settings) -> dict:
     import zstandard
 
     from dcr_ray.codec import threads as threads_mod
-    from dcr_ray.codec.frame import DEFAULT_ZSTD_LEVEL
+    from dcr_ray.codec.frame import DEFAULT_ZSTD_LEVEL, ZSTD_HASH_LOG
 
     t_start = time.perf_counter()
     load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -442,7 +457,8 @@ def run(s: Settings) -> dict:
         "quick": s.quick,
         "memcpy_gbps": mem,
         "cases": cases,
-        "zstd_sweep": {"case": "stress-3%", "default_level": DEFAULT_ZSTD_LEVEL, "levels": sweep},
+        "zstd_sweep": {"case": "stress-3%", "default_level": DEFAULT_ZSTD_LEVEL, "hash_log": ZSTD_HASH_LOG,
+                       "levels": sweep},
         "targets": TARGETS,
         "checks": checks(cases),
         "machine": {
@@ -511,11 +527,13 @@ def format_table(r: dict) -> str:
                          + ", ".join(f"{x:.3%}" for x in c["step_change_rates"]))
     sw = r.get("zstd_sweep") or {}
     if sw.get("levels"):
-        lines += ["", f"zstd level sweep on {sw['case']} (default level {sw['default_level']}):",
-                  "level  wire MB  B/chg  enc GB/s  apply GB/s  "
+        lines += ["", f"zstd level sweep on {sw['case']} (default level {sw['default_level']}; "
+                      "frame-only encode GB/s, then diff + frames):",
+                  "level  hash_log      wire MB  B/chg  frames GB/s  enc GB/s  apply GB/s  "
                   + "  ".join(f"refit@{g:g}Gb/s" for g in LINK_GBITPS)]
         for row in sw["levels"]:
-            lines.append(f"{row['level']:>5}  {row['wire_bytes'] / 1e6:7.3f}  {row['bytes_per_change']:5.3f}  "
+            lines.append(f"{row['level']:>5}  {row['hash_log']!s:12s}  {row['wire_bytes'] / 1e6:7.3f}  "
+                         f"{row['bytes_per_change']:5.3f}  {row['frame_encode_gbps']:11.2f}  "
                          f"{row['encode_gbps']:8.2f}  {row['apply_gbps']:10.2f}  "
                          + "  ".join(f"{row[f'refit_s_at_{g:g}gbit'] * 1e3:10.1f}ms" for g in LINK_GBITPS))
     lines += ["", "targets:"]

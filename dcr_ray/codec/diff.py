@@ -1,13 +1,15 @@
 """Change detection on stored bits, in bounded chunks.
 
 :func:`diff_tensor` compares a tensor's committed bits with its current bits chunk by chunk (never a
-full-size temporary: at most one chunk-sized scratch word buffer) and returns the *changed set*: for
+full-size temporary: the scan works in cache-sized blocks) and returns the *changed set*: for
 each chunk with changes, the coded positions, the XOR masks ``new ^ old`` and the absolute new bits,
 or, when sparse coding would not be smaller than the whole chunk, the chunk's new bits (``DENSE``).
 
-The fast path XORs 64-bit words (four BF16 elements at a time), finds the non-zero words and only then
-splits those few words into lanes; equality is always on integer views, so ``-0 != +0`` and NaN
-payloads are compared by their bits.
+The fast path compares 64-bit words (four BF16 elements at a time), finds the differing words and only
+then splits those few words into lanes, one cache-sized block at a time, with a chunk's blocks shared
+between the codec threads (:mod:`~dcr_ray.codec.threads`); equality is always on integer views, so
+``-0 != +0`` and NaN payloads are compared by their bits. ``scratch`` arguments are accepted for
+compatibility and unused: nothing chunk-sized is allocated besides the changed set itself.
 """
 
 from __future__ import annotations
