@@ -131,6 +131,8 @@ class Acc:
     pos_bits: float = 0.0
     mask_bits: float = 0.0
     encode_s: float = 0.0
+    encode_cpu_s: float = 0.0
+    apply_cpu_s: float = 0.0
     diff_s: float = 0.0
     apply_s: float = 0.0
     frames: int = 0
@@ -159,14 +161,21 @@ def _h2(p: float) -> float:
     return 0.0 if p <= 0 or p >= 1 else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
 
 
-def _best(fn, repeats: int, setup=None):
-    """(best seconds, last result) of ``fn()`` over ``repeats`` runs; ``setup()`` runs untimed first."""
-    best, out = float("inf"), None
+def _best(fn, repeats: int, setup=None, cpu: list | None = None):
+    """(best wall seconds, last result) of ``fn()`` over ``repeats`` runs; ``setup()`` runs untimed first.
+
+    ``cpu``, when given, receives the least CPU time (all threads of the process) of one run.
+    """
+    best, best_cpu, out = float("inf"), float("inf"), None
     for _ in range(repeats):
         arg = setup() if setup else None
+        c = time.process_time()
         t = time.perf_counter()
         out = fn(arg) if setup else fn()
         best = min(best, time.perf_counter() - t)
+        best_cpu = min(best_cpu, time.process_time() - c)
+    if cpu is not None:
+        cpu.append(best_cpu)
     return best, out
 
 
@@ -239,7 +248,8 @@ def measure_step(step: Step, acc: Acc, repeats: int) -> None:
     acc.mask_bits += changed * _entropy_bits(hist) if changed else 0.0
 
     # encode: diff + frames (best of repeats), and diff alone for the breakdown
-    t_enc, (deltas, frames) = _best(lambda: _encode(step), repeats)
+    cpu: list[float] = []
+    t_enc, (deltas, frames) = _best(lambda: _encode(step), repeats, cpu=cpu)
     t_diff, _ = _best(lambda: [diff_tensor(n, step.old[n], t) for n, t in step.new.items()], repeats)
     got = {d.name: d for d in deltas}
     for n, (pos, _nb) in changes.items():
@@ -254,8 +264,10 @@ def measure_step(step: Step, acc: Acc, repeats: int) -> None:
     acc.frames += len(frames)
 
     # decode + apply into fresh receiver copies (copy untimed), then check every bit
-    t_app, _ = _best(lambda tg: (_decode_apply(frames, tg), tg)[1], repeats, setup=lambda: _fresh_targets(step))
+    t_app, _ = _best(lambda tg: _decode_apply(frames, tg), repeats, setup=lambda: _fresh_targets(step), cpu=cpu)
     acc.apply_s += t_app
+    acc.encode_cpu_s += cpu[0]
+    acc.apply_cpu_s += cpu[1]
     tg = _fresh_targets(step)
     _decode_apply(frames, tg)
     acc.exact &= _exact(tg, step)
@@ -299,6 +311,8 @@ def case_result(name: str, source: str, acc: Acc, **extra) -> dict:
         "encode_gbps": acc.canon_bytes / acc.encode_s / 1e9,
         "diff_gbps": acc.canon_bytes / acc.diff_s / 1e9,
         "apply_gbps": acc.canon_bytes / acc.apply_s / 1e9,
+        "encode_cpu_gbps": acc.canon_bytes / acc.encode_cpu_s / 1e9,
+        "apply_cpu_gbps": acc.canon_bytes / acc.apply_cpu_s / 1e9,
         "canonical_bytes": acc.canon_bytes,
         "frames": acc.frames,
         "bit_exact": bool(acc.exact),
@@ -501,30 +515,45 @@ def _short(c: dict) -> str:
 # ---------------------------------------------------------------------------------------------------
 # output
 # ---------------------------------------------------------------------------------------------------
+def _rows(cols, rows) -> list[str]:
+    out = [" ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w, _) in enumerate(cols))]
+    for vals in rows:
+        out.append(" ".join((f.format(v).rjust(w) if i else f.format(v).ljust(w))
+                            for i, ((_, w, f), v) in enumerate(zip(cols, vals))))
+    return out
+
+
 def format_table(r: dict) -> str:
     """The human-readable report."""
-    cols = [("case", 14, "{}"), ("rate", 7, "{:.2%}"), ("changed", 11, "{:,}"), ("wire MB", 8, "{:.2f}"),
-            ("B/chg", 6, "{:.3f}"), ("bound", 6, "{:.3f}"), ("w/bnd", 6, "{:.3f}"), ("ow B/chg", 8, "{:.3f}"),
-            ("mixed-", 6, "{:.0%}"), ("areal", 6, "{:.2f}"), ("slime", 6, "{:.2f}"),
-            ("enc GB/s", 8, "{:.2f}"), ("diff GB/s", 9, "{:.2f}"), ("apply GB/s", 10, "{:.2f}"),
-            ("exact", 5, "{}")]
+    m = r["machine"]
     lines = ["dcr_ray codec benchmark" + (" (quick)" if r["quick"] else ""),
-             f"memory bandwidth reference (numpy copy): {r['memcpy_gbps']:.2f} GB/s; "
-             f"codec threads {r['machine']['codec_threads']}; load average {r['machine']['loadavg_start']}",
-             "B/chg = wire bytes per changed element (mixed mode); bound = entropy bound per changed element; "
-             "ow = overwrite-only; mixed- = mixed saving vs overwrite-only; areal/slime = peers' B/chg", ""]
-    lines.append(" ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w, _) in enumerate(cols)))
+             f"memory bandwidth reference (numpy copy): {r['memcpy_gbps']:.2f} GB/s; codec threads "
+             f"{m['codec_threads']}; load average at start {m['loadavg_start']}", "",
+             "wire bytes (B/chg = bytes per changed element; bound = entropy bound; w/bnd = wire / bound; "
+             "ow = overwrite-only; mixed- = mixed-mode saving vs overwrite-only; areal, slime = peers):"]
+    cols = [("case", 14, "{}"), ("rate", 7, "{:.2%}"), ("changed", 11, "{:,}"), ("wire MB", 8, "{:.3f}"),
+            ("B/chg", 6, "{:.3f}"), ("bound", 6, "{:.3f}"), ("w/bnd", 6, "{:.3f}"), ("ow B/chg", 8, "{:.3f}"),
+            ("mixed-", 6, "{:.1%}"), ("areal", 6, "{:.3f}"), ("slime", 6, "{:.3f}"), ("exact", 5, "{}")]
+    rows = []
     for c in r["cases"]:
         n = max(c["changed"], 1)
-        vals = [c["name"], c["change_rate"], c["changed"], c["wire_bytes"] / 1e6, c["bytes_per_change"],
-                c["entropy_bound_bytes"] / n, c["wire_over_bound"], c["overwrite_only_bytes"] / n,
-                c["mixed_saving"], c["peers_bytes_per_change"]["areal"], c["peers_bytes_per_change"]["slime"],
-                c["encode_gbps"], c["diff_gbps"], c["apply_gbps"], "yes" if c["bit_exact"] else "NO"]
-        lines.append(" ".join((f.format(v).rjust(w) if i else f.format(v).ljust(w))
-                              for i, ((_, w, f), v) in enumerate(zip(cols, vals))))
+        rows.append([c["name"], c["change_rate"], c["changed"], c["wire_bytes"] / 1e6, c["bytes_per_change"],
+                     c["entropy_bound_bytes"] / n, c["wire_over_bound"], c["overwrite_only_bytes"] / n,
+                     c["mixed_saving"], c["peers_bytes_per_change"]["areal"],
+                     c["peers_bytes_per_change"]["slime"],
+                     "yes" if c["bit_exact"] and c.get("peers_bit_exact", True) else "NO"])
+    lines += _rows(cols, rows)
+    for c in r["cases"]:
         if c.get("step_change_rates"):
-            lines.append(" " * 15 + "per-step change rates: "
+            lines.append(f"  {c['name']} per-step change rates: "
                          + ", ".join(f"{x:.3%}" for x in c["step_change_rates"]))
+    lines += ["", "throughput, GB/s of canonical BF16 bytes (best wall time of the repeats; 'cpu' = per "
+              "CPU-second of all threads):"]
+    cols = [("case", 14, "{}"), ("encode", 7, "{:.2f}"), ("(diff)", 7, "{:.2f}"), ("apply", 7, "{:.2f}"),
+            ("enc cpu", 8, "{:.2f}"), ("apply cpu", 9, "{:.2f}")]
+    lines += _rows(cols, [[c["name"], c["encode_gbps"], c["diff_gbps"], c["apply_gbps"],
+                           c.get("encode_cpu_gbps", float("nan")), c.get("apply_cpu_gbps", float("nan"))]
+                          for c in r["cases"]])
     sw = r.get("zstd_sweep") or {}
     if sw.get("levels"):
         lines += ["", f"zstd level sweep on {sw['case']} (default level {sw['default_level']}; "
