@@ -96,3 +96,20 @@ class CommitConflictError(RefitError):
 
 class EngineStateError(RefitError):
     """An engine is not in the state the protocol step needs (e.g. prepare for a version it does not hold)."""
+
+
+# --- engine backends ---------------------------------------------------------------------------------
+class BackendError(DcrError):
+    """An engine backend cannot start, place or apply as asked; the message says which tensor or setting."""
+
+
+class BackendUnavailableError(BackendError):
+    """The serving runtime a backend wraps is not installed (the message says what to install)."""
+
+
+class LoaderCaptureError(BackendError):
+    """The runtime's own loader wrote parameter storage in a way dcr_ray cannot follow bit-exactly.
+
+    Raised while classifying loader paths (before any write); the message names the tensors. Use the
+    host-mirror mode of the backend for such a model.
+    """
