@@ -158,12 +158,6 @@ class Geometry:
             n *= s
         return n
 
-    def extent(self) -> int:
-        """One past the largest storage element the view touches (``offset`` if empty)."""
-        if self.numel == 0:
-            return self.offset
-        return self.offset + sum(st * (sz - 1) for sz, st in zip(self.shape, self.stride)) + 1
-
     def non_overlapping(self) -> bool:
         """True when no two elements of the view share a storage element (so positions invert uniquely)."""
         dims = sorted(((st, sz) for sz, st in zip(self.shape, self.stride) if sz > 1), reverse=True)
