@@ -60,8 +60,8 @@ class Settings:
     @classmethod
     def make(cls, quick: bool, seed: int = 0, repeats: int | None = None) -> Settings:
         if quick:
-            return cls(quick, seed, repeats or 5, 16 << 20, 1, 2, (2, 64), 128 << 20)
-        return cls(quick, seed, repeats or 7, 64 << 20, 2, 5, (4, 128), 512 << 20)
+            return cls(quick, seed, repeats or 7, 16 << 20, 1, 2, (2, 64), 128 << 20)
+        return cls(quick, seed, repeats or 9, 64 << 20, 2, 5, (4, 128), 512 << 20)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write results as JSON here and a PNG plot beside it")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, batches and stress data")
     p.add_argument("--repeats", type=int, default=None,
-                   help="timing repeats per case (best is reported; default 5 quick, 7 full)")
+                   help="timing repeats per case (best is reported; default 7 quick, 9 full)")
     p.set_defaults(func=_run_from_args)
     return p
 
