@@ -141,43 +141,49 @@ def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:
     esc = np.frombuffer(enc.esc, dtype="<u8")
     if enc.width < 8:
         cap = (1 << (8 * enc.width)) - 1
-        marks = np.flatnonzero(sym == cap)
-        if len(marks) != len(esc):
-            raise MalformedHeaderError(f"{len(marks)} escape markers but {len(esc)} escape values")
+        is_mark = sym == cap
+        nmarks = int(np.count_nonzero(is_mark))
+        if nmarks != len(esc):
+            raise MalformedHeaderError(f"{nmarks} escape markers but {len(esc)} escape values")
         if len(esc) and int(esc.min()) < cap:
             raise MalformedHeaderError("an escape value is small enough to be coded directly")
         sym = sym.astype(np.int64)
         if len(esc):
             if int(esc.max()) >= span:
                 raise IndexOutOfRangeError(f"a location symbol ({int(esc.max())}) exceeds the item span {span}")
-            sym[marks] = esc.astype(np.int64)
+            sym[np.flatnonzero(is_mark)] = esc.astype(np.int64)
+        # every symbol is now below 2**32 or an escape below ``span``, and there are at most 2**31 of
+        # them, so the sums below cannot overflow; the last position's bound check covers every symbol
     else:
         if len(esc):
             raise MalformedHeaderError("8-byte location symbols take no escapes")
         if len(sym) and int(sym.max()) >= span:
             raise IndexOutOfRangeError(f"a location symbol ({int(sym.max())}) exceeds the item span {span}")
         sym = sym.astype(np.int64)
-    if len(sym) and int(sym.max()) >= span:
-        raise IndexOutOfRangeError(f"a location symbol ({int(sym.max())}) exceeds the item span {span}")
     if enc.mode == "gaps":
         if enc.nsym != count:
             raise MalformedHeaderError(f"gaps mode needs one symbol per change: {enc.nsym} != {count}")
-        pos = sym  # a fresh int64 array here: position i = sum(sym[:i+1] + 1) - 1, computed in place
+        pos = sym  # a fresh int64 array here: position i = lo + sum(sym[:i+1] + 1) - 1, computed in place
         pos += 1
         np.cumsum(pos, out=pos)
-        pos -= 1
-    else:
-        if enc.nsym % 2:
-            raise MalformedHeaderError("runs mode needs an even number of symbols")
-        nruns = enc.nsym // 2
-        gaps, lens = sym[:nruns], sym[nruns:] + 1
-        if int(lens.sum()) != count:
-            raise MalformedHeaderError(f"runs cover {int(lens.sum())} elements; declared {count}")
-        ends = np.cumsum(gaps + lens)  # exclusive end of each run, relative to lo
-        starts = ends - lens
-        # expand runs: position k of run j = starts[j] + k
-        offs = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
-        pos = np.arange(count, dtype=np.int64) + offs
+        if pos[-1] - 1 >= span:
+            raise IndexOutOfRangeError(
+                f"decoded position {int(pos[-1]) - 1 + lo} is outside the item range [{lo}, {hi})"
+            )
+        pos += lo - 1
+        return pos
+    # runs
+    if enc.nsym % 2:
+        raise MalformedHeaderError("runs mode needs an even number of symbols")
+    nruns = enc.nsym // 2
+    gaps, lens = sym[:nruns], sym[nruns:] + 1
+    if int(lens.sum()) != count:
+        raise MalformedHeaderError(f"runs cover {int(lens.sum())} elements; declared {count}")
+    ends = np.cumsum(gaps + lens)  # exclusive end of each run, relative to lo
+    starts = ends - lens
+    # expand runs: position k of run j = starts[j] + k
+    offs = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
+    pos = np.arange(count, dtype=np.int64) + offs
     if pos[-1] >= span:
         raise IndexOutOfRangeError(
             f"decoded position {int(pos[-1]) + lo} is outside the item range [{lo}, {hi})"
