@@ -440,7 +440,7 @@ def run(s: Settings) -> dict:
     from dcr_ray.codec.frame import DEFAULT_ZSTD_LEVEL, ZSTD_HASH_LOG
 
     t_start = time.perf_counter()
-    load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load0 = _loadavg()
     _log(f"dcr-ray bench codec ({'quick' if s.quick else 'full'}): memcpy reference")
     mem = memcpy_gbps(s.memcpy_bytes, s.repeats)
     _log(f"  numpy copy {mem:.2f} GB/s")
@@ -479,7 +479,7 @@ def run(s: Settings) -> dict:
             "cpus": os.cpu_count(), "codec_threads": threads_mod.codec_threads(), "platform": platform.platform(),
             "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
             "zstandard": zstandard.__version__, "loadavg_start": load0,
-            "loadavg_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "loadavg_end": _loadavg(),
         },
         "settings": {"seed": s.seed, "repeats": s.repeats, "stress_elems": s.stress_elems,
                      "warm_steps": s.warm_steps, "steps": s.steps, "batch": list(s.batch)},
@@ -489,12 +489,17 @@ def run(s: Settings) -> dict:
     return result
 
 
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load averages: the machine may be shared, and throughput depends on it."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
 def checks(cases: list[dict]) -> dict:
     """Each target, per case where it applies: {target: {case: passed}}."""
     t = TARGETS
     out = {
-        "wire_over_bound<=1.10": {c["name"]: c["wire_over_bound"] <= t["wire_over_bound_max"] for c in cases},
-        "mixed_saving>=35%": {c["name"]: c["mixed_saving"] >= t["mixed_saving_min"] for c in cases},
+        "wire_over_bound<=1.10": {c["name"]: _le(c["wire_over_bound"], t["wire_over_bound_max"]) for c in cases},
+        "mixed_saving>=35%": {c["name"]: _le(t["mixed_saving_min"], c["mixed_saving"]) for c in cases},
         "encode>=1.5GB/s": {c["name"]: c["encode_gbps"] >= t["encode_gbps_min"] for c in cases},
         "apply>=3GB/s": {c["name"]: c["apply_gbps"] >= t["apply_gbps_min"] for c in cases},
         "bit_exact": {c["name"]: c["bit_exact"] for c in cases},
@@ -506,9 +511,14 @@ def checks(cases: list[dict]) -> dict:
     return out
 
 
+def _le(a, b) -> bool:
+    """``a <= b``, False when either is missing (nothing changed: no ratio to judge)."""
+    return a is not None and b is not None and a <= b
+
+
 def _short(c: dict) -> str:
     return (f"{c['changed']:,} changed ({c['change_rate']:.2%}), {c['bytes_per_change']:.3f} B/change, "
-            f"{c['wire_over_bound']:.3f}x bound, enc {c['encode_gbps']:.2f} GB/s, "
+            f"{c['wire_over_bound'] or float('nan'):.3f}x bound, enc {c['encode_gbps']:.2f} GB/s, "
             f"apply {c['apply_gbps']:.2f} GB/s, exact={c['bit_exact']}")
 
 
@@ -518,8 +528,8 @@ def _short(c: dict) -> str:
 def _rows(cols, rows) -> list[str]:
     out = [" ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w, _) in enumerate(cols))]
     for vals in rows:
-        out.append(" ".join((f.format(v).rjust(w) if i else f.format(v).ljust(w))
-                            for i, ((_, w, f), v) in enumerate(zip(cols, vals))))
+        cells = ["-" if v is None else f.format(v) for (_, _, f), v in zip(cols, vals)]
+        out.append(" ".join(c.rjust(w) if i else c.ljust(w) for i, ((_, w, _), c) in enumerate(zip(cols, cells))))
     return out
 
 
