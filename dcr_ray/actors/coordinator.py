@@ -83,7 +83,8 @@ class CoordinatorActor:
                 for eid in ids:
                     self.engines[eid] = Engine.options(
                         **actor_options("engine", f"dcr_engine:{eid}", resources=c.resources)
-                    ).remote(eid, c.name, self.backend_factory, cfg)
+                    ).remote(eid, c.name, self.backend_factory, cfg, link_mbps=c.link_mbps,
+                             link_latency_s=c.link_latency_s)
                     self.engine_cluster[eid] = c.name
                 tree = plan_tree(c.name, ids, c.fanout)
                 made = {}
@@ -260,9 +261,12 @@ class CoordinatorActor:
         t2 = time.perf_counter()
         self.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer,
                                                         baseline=self._last_transfer(), members=req))
+        t_rec = time.perf_counter()
         self._get({o: h.dcr_promote.remote(target) for o, h in self.owners.items()}, t, "promote")
+        t_pro = time.perf_counter()
         versions = self._get({e: self.engines[e].activate.remote(target, transfer) for e in req}, t,
                              "activate")
+        t_act = time.perf_counter()
         self.version = target
         link = self._link_bytes(transfer, acks)
         self._release(transfer, attempt)
@@ -274,6 +278,7 @@ class CoordinatorActor:
             seconds={"prepare": t1 - t0, "construct": construct, "stream": stream,
                      "transport": max(0.0, stream - max(0.0, construct - max(s["send_wait_s"] for s in sums.values()))),
                      "apply": max(a["apply_s"] for a in acks.values()), "commit": t3 - t2,
+                     "commit_record": t_rec - t2, "promote": t_pro - t_rec, "activate": t_act - t_pro,
                      "total": t3 - t_start},
             payloads=len(keys), wire_bytes=sum(s["wire_bytes"] for s in sums.values()), link_bytes=link,
             changed=sum(s["changed"] for s in sums.values()), numel=sum(s["numel"] for s in sums.values()),

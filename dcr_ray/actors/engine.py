@@ -31,12 +31,14 @@ from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.codec.frame import DIGEST_SIZE, peek_meta, read_frame
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import DcrError, EngineStateError, FrameError, RefitError, RefitTimeoutError
+from dcr_ray.relay.link import LinkModel
 
 
 class EngineActor:
     """Hosts one engine backend (built in this process by ``backend_factory()``)."""
 
-    def __init__(self, engine_id: str, cluster: str, backend_factory, config: RefitConfig):
+    def __init__(self, engine_id: str, cluster: str, backend_factory, config: RefitConfig, *,
+                 link_mbps: float | None = None, link_latency_s: float = 0.0):
         self.engine_id = engine_id
         self.cluster = cluster
         self.config = config
@@ -52,6 +54,8 @@ class EngineActor:
         self._stats = {"applied": 0, "duplicate": 0, "stale": 0, "rejected": 0}
         self._fs = None
         self._staged: list[tuple[tuple, bytes]] = []
+        #: this engine's node link across the cluster boundary (object-storage reads cross it)
+        self.link = LinkModel(link_mbps, link_latency_s)
 
     # -- protocol -----------------------------------------------------------------------------------
     def prepare(self, transfer: str, attempt: int, base: int, target: int) -> dict:
@@ -88,7 +92,13 @@ class EngineActor:
             from dcr_ray.relay.sinks import storage_fs
 
             self._fs = storage_fs(self.config.storage_url, self.config.storage_options)[0]
-        return self.deliver(self._fs.cat_file(path))
+        data = self._fs.cat_file(path)
+        self.link.cross(len(data))  # emulated link (benchmarks; no delay without one)
+        return self.deliver(data)
+
+    def set_link(self, mbps: float | None, latency_s: float = 0.0) -> None:
+        """Change the emulated link of object-storage reads (benchmarks; ``None``: no emulation)."""
+        self.link = LinkModel(mbps, latency_s)
 
     def _deliver_locked(self, data: bytes) -> str:
         if self._cur is None:
@@ -198,7 +208,8 @@ class EngineActor:
     def info(self) -> dict:
         with self._cv:
             return {"engine": self.engine_id, "cluster": self.cluster, "version": self.version,
-                    "node": ray.get_runtime_context().get_node_id(), **self._stats}
+                    "node": ray.get_runtime_context().get_node_id(), "link_busy_s": self.link.busy_s,
+                    "link_bytes": self.link.bytes, **self._stats}
 
     def get_version(self) -> int | None:
         return self.version

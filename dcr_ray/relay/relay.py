@@ -18,7 +18,6 @@ dense bootstrap of one joining engine.
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 
 import ray
@@ -40,6 +39,10 @@ class RelayActor:
         self._payloads_in: dict[str, set] = defaultdict(set)
         self._seen: set[tuple] = set()
 
+    def set_link(self, mbps: float | None, latency_s: float = 0.0) -> None:
+        """Change the emulated boundary link (benchmarks; ``None``: no emulation)."""
+        self.link = LinkModel(mbps, latency_s)
+
     def set_children(self, children: list[tuple[str, object, list[str]]]) -> None:
         """``[(kind, handle, engine ids below it)]`` with kind ``"engine"`` or ``"relay"``."""
         self.children = [(k, h, frozenset(ids)) for k, h, ids in children]
@@ -52,9 +55,8 @@ class RelayActor:
             self._seen.add(key)
         if dup:  # a repeated push (retried call): the payload already crossed and was forwarded
             return 0
-        t0 = time.perf_counter()
         data = ray.get(refs[0])
-        self.link.cross(len(data), already_s=time.perf_counter() - t0)
+        self.link.cross(len(data))
         own = ray.put(data)
         with self._lock:
             self._held[transfer].append(own)
@@ -91,4 +93,4 @@ class RelayActor:
             return {"relay": self.relay_id, "cluster": self.cluster, "head": self.head,
                     "bytes_in": dict(self._bytes_in),
                     "payloads_in": {t: len(s) for t, s in self._payloads_in.items()},
-                    "link_busy_s": self.link.busy_s}
+                    "link_busy_s": self.link.busy_s, "link_bytes": self.link.bytes}
