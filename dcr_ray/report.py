@@ -17,7 +17,8 @@ class RefitReport:
     """``construct`` (max owner diff+encode), ``apply`` (max engine validate+apply+flush),
     ``stream`` (wall: first diff to last engine ACK; construct, transport and apply overlap in it),
     ``transport`` (``stream`` minus the non-overlapped construct tail, an upper bound on link time),
-    ``commit`` (record + promote + activate), ``prepare`` and ``total``."""
+    ``commit`` (record + promote + activate, also split as ``commit_record``, ``promote`` and
+    ``activate``), ``prepare`` and ``total``."""
     payloads: int = 0
     """Payload frames sent (per attempt that committed)."""
     wire_bytes: int = 0

@@ -193,6 +193,8 @@ class EngineActor:
                 self.version = version
                 self._cur = None
                 self._applied.clear()
+                if hasattr(self.backend, "activate"):
+                    self.backend.activate(version)  # backends that tag their outputs with a version
                 self._cv.notify_all()
             return self.version
 

@@ -51,7 +51,6 @@ class BaselineStore:
         self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._pending: dict[str, TensorDelta] | None = None
         self._pending_version: int | None = None
-        self._scratch: np.ndarray | None = None
         self._nfiles = 0  # memmap files ever created: a re-added name never reuses another's file
 
     # -- contents --------------------------------------------------------------------------------
@@ -108,10 +107,8 @@ class BaselineStore:
                 f"{name}: baseline holds {self._meta[name][0]}{list(self._meta[name][1])} but the tensor is "
                 f"{have[0]}{list(have[1])}; owners must hand the same canonical dtype and shape every step"
             )
-        if self._scratch is None or len(self._scratch) < self.chunk_elems:
-            self._scratch = np.empty(self.chunk_elems, np.uint64)
         return diff_tensor(name, old, tensor, chunk_elems=self.chunk_elems,
-                           dense_crossover=self.dense_crossover, scratch=self._scratch)
+                           dense_crossover=self.dense_crossover)
 
     def begin(self, target_version: int) -> None:
         """Open the pending set of the transfer to ``target_version`` (drops any older pending set)."""

@@ -8,8 +8,8 @@ or, when sparse coding would not be smaller than the whole chunk, the chunk's ne
 The fast path compares 64-bit words (four BF16 elements at a time), finds the differing words and only
 then splits those few words into lanes, one cache-sized block at a time, with a chunk's blocks shared
 between the codec threads (:mod:`~dcr_ray.codec.threads`); equality is always on integer views, so
-``-0 != +0`` and NaN payloads are compared by their bits. ``scratch`` arguments are accepted for
-compatibility and unused: nothing chunk-sized is allocated besides the changed set itself.
+``-0 != +0`` and NaN payloads are compared by their bits. Nothing chunk-sized is allocated besides
+the changed set itself.
 """
 
 from __future__ import annotations
@@ -155,11 +155,10 @@ def _scan(old: np.ndarray, new: np.ndarray, threads: int | None = None):
     return tuple(np.concatenate(col) for col in zip(*parts))
 
 
-def changed_positions(old: np.ndarray, new: np.ndarray, scratch: np.ndarray | None = None):
+def changed_positions(old: np.ndarray, new: np.ndarray):
     """Positions (int64, relative) where ``old`` and ``new`` differ, and the XOR masks there.
 
-    ``scratch`` is accepted for compatibility and no longer needed: the scan compares words in
-    cache-sized blocks and never materialises a chunk-sized XOR.
+    The scan compares words in cache-sized blocks and never materialises a chunk-sized XOR.
     """
     pos, xor, _ = _scan(old, new)
     return pos, xor
@@ -171,7 +170,6 @@ def diff_arrays(
     *,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     dense_crossover: float = DEFAULT_DENSE_CROSSOVER,
-    scratch: np.ndarray | None = None,
 ):
     """Yield a :class:`ChunkDelta` for every chunk of the flat bit arrays that changed."""
     n = len(old)
@@ -202,7 +200,6 @@ def diff_tensor(
     *,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     dense_crossover: float = DEFAULT_DENSE_CROSSOVER,
-    scratch: np.ndarray | None = None,
 ) -> TensorDelta:
     """Changed set of tensor ``name``: ``old`` is its committed flat bit view, ``new`` the tensor now."""
     nv = bits_view(new.detach().contiguous() if not new.is_contiguous() else new.detach())
@@ -210,7 +207,7 @@ def diff_tensor(
         raise ValueError(f"{name}: baseline has {old.shape}/{old.dtype}, tensor has {nv.shape}/{nv.dtype}")
     td = TensorDelta(name, wire_name(new.dtype), tuple(new.shape), len(nv))
     td.chunks.extend(
-        diff_arrays(old, nv, chunk_elems=chunk_elems, dense_crossover=dense_crossover, scratch=scratch)
+        diff_arrays(old, nv, chunk_elems=chunk_elems, dense_crossover=dense_crossover)
     )
     return td
 
