@@ -65,8 +65,9 @@ class Refit:
     ``RefitError``). :meth:`run` is the blocking shortcut.
     """
 
-    def __init__(self, actor):
+    def __init__(self, actor, *, owns_owners: bool = False):
         self._actor = actor
+        self._owns_owners = owns_owners  # launch() created the owner actors (owner_tensors=...)
 
     @classmethod
     def get(cls) -> "Refit":
@@ -110,7 +111,7 @@ class Refit:
         for group in ("engines", "relays"):
             for a in h[group].values():
                 ray.kill(a)
-        if getattr(self, "_own_owners", False):
+        if self._owns_owners:
             for a in h["owners"].values():
                 ray.kill(a)
         ray.kill(self._actor)
@@ -162,6 +163,4 @@ def launch(
     print(f"[dcr_ray] starting {n_eng} engines in {len(clusters)} clusters, {len(owners)} owners, "
           f"transport={config.transport}; dense bootstrap...", file=sys.stderr, flush=True)
     ray.get(actor.start.remote())
-    handle = Refit(actor)
-    handle._own_owners = own_owners
-    return handle
+    return Refit(actor, owns_owners=own_owners)

@@ -162,7 +162,7 @@ class CoordinatorActor:
                   "bootstrap flush")
         self._get({e: self.engines[e].activate.remote(self.version, transfer) for e in engine_ids}, t,
                   "bootstrap activate")
-        self._release(transfer, 0)
+        self._release(transfer)
         self.required |= set(engine_ids)
         log.info("dcr_ray: bootstrapped %d engines densely at version %d", len(engine_ids), self.version)
 
@@ -189,7 +189,7 @@ class CoordinatorActor:
             raise first
         return out
 
-    def _release(self, transfer: str, attempts: int) -> None:
+    def _release(self, transfer: str) -> None:
         for r in self.relays.values():
             r.release.remote(transfer)
         if self.config.transport == "object_store":
@@ -243,7 +243,7 @@ class CoordinatorActor:
     def _abort(self, transfer: str) -> None:
         for e in self.required:
             self.engines[e].abort.remote(transfer)
-        self._release(transfer, 0)
+        self._release(transfer)
 
     def _attempt(self, transfer: str, attempt: int, base: int, target: int, t_start: float) -> RefitReport:
         t = self.config.stage_timeout_s
@@ -269,7 +269,7 @@ class CoordinatorActor:
         t_act = time.perf_counter()
         self.version = target
         link = self._link_bytes(transfer, acks)
-        self._release(transfer, attempt)
+        self._release(transfer)
         t3 = time.perf_counter()
         construct = max(s["construct_s"] for s in sums.values())
         stream = t2 - t1
