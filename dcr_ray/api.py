@@ -106,8 +106,14 @@ class Refit:
         return ray.get(self._actor.rejoin.remote(engine_id))
 
     def shutdown(self) -> None:
-        """Kill the coordinator, engines and relays (owners given by the caller are left alone)."""
-        h = ray.get(self._actor.handles.remote())
+        """Kill the coordinator, engines and relays (owners given by the caller are left alone).
+
+        Safe to call on a coordinator that already died: the actors it created die with it.
+        """
+        try:
+            h = ray.get(self._actor.handles.remote())
+        except ray.exceptions.RayActorError:
+            return  # coordinator gone; Ray reaps the engines and relays it owned
         for group in ("engines", "relays"):
             for a in h[group].values():
                 ray.kill(a)
@@ -162,5 +168,11 @@ def launch(
     n_eng = sum(c.engines for c in clusters)
     print(f"[dcr_ray] starting {n_eng} engines in {len(clusters)} clusters, {len(owners)} owners, "
           f"transport={config.transport}; dense bootstrap...", file=sys.stderr, flush=True)
-    ray.get(actor.start.remote())
-    return Refit(actor, owns_owners=own_owners)
+    refit = Refit(actor, owns_owners=own_owners)
+    try:
+        ray.get(actor.start.remote())
+    except BaseException:
+        # A failed start leaves nothing behind: the name is free again for the next launch().
+        refit.shutdown()
+        raise
+    return refit

@@ -25,5 +25,5 @@ def kill_topology() -> None:
 
     try:
         dcr_ray.Refit.get().shutdown()
-    except ValueError:
-        pass
+    except (ValueError, ray.exceptions.RayActorError):
+        pass  # none running, or it died while we looked it up

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import raytools  # noqa: F401  (sets the loopback environment before ray is imported)
 
 import pytest
@@ -156,6 +158,16 @@ def test_owners_that_do_not_cover_the_engines_tensors_are_refused_with_a_clear_e
     with pytest.raises(Exception, match="no owner for"):
         dcr_ray.launch(owner_tensors=[half], clusters=[dcr_ray.ClusterSpec(name="x", engines=1)],
                        engine=dcr_ray.HFEngine(SPEC))
+    # and the failed launch cleaned up after itself: the coordinator's name is free again
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            ray.get_actor(dcr_ray.options.COORDINATOR_NAME, namespace=dcr_ray.options.NAMESPACE)
+        except ValueError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("a failed launch() left its coordinator running")
     raytools.kill_topology()
 
 
