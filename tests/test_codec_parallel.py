@@ -82,3 +82,72 @@ def test_a_corrupt_section_of_a_large_frame_is_rejected_before_any_write():
     with pytest.raises((MalformedHeaderError, SizeLimitError)):
         apply_frame(bytes(buf), targets)
     assert torch.equal(targets["w"].view(torch.int16), old.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float16,
+                                   torch.int32, torch.float32, torch.int64, torch.float64])
+@pytest.mark.parametrize("mode", ["mixed", "overwrite"])
+def test_compiled_and_numpy_apply_write_the_same_bits_for_every_width(monkeypatch, dtype, mode):
+    from dcr_ray.codec import kernels
+
+    if not kernels.ENABLED:
+        pytest.skip("numba is not installed (or DCR_RAY_JIT=0): only the numpy path exists here")
+    n = 3 * 4099 + 1
+    w = torch.empty((), dtype=dtype).element_size()
+    dt = _UINT[w]
+    rng = np.random.default_rng(w)
+    old_bits = rng.integers(0, 1 if dtype == torch.bool else np.iinfo(dt).max, n, dtype=dt, endpoint=True)
+    new_bits = old_bits.copy()
+    idx = rng.choice(n, n // 20, replace=False)
+    new_bits[idx] = (new_bits[idx] ^ 1) if dtype == torch.bool else ~new_bits[idx]
+    old = torch.from_numpy(old_bits).view(dtype)
+    new = torch.from_numpy(new_bits).view(dtype)
+    td = diff_tensor("w", old_bits.copy(), new, chunk_elems=4099)
+    frames = list(encode_frames([td], META, mode=mode, bucket_bytes=1 << 12))
+    results = {}
+    for jit in (True, False):
+        monkeypatch.setattr(kernels, "ENABLED", jit)
+        targets = {"w": old.clone()}
+        for f in frames:
+            apply_frame(f, targets)
+        results[jit] = targets["w"].view(torch.uint8 if w == 1 else getattr(torch, f"int{8 * w}"))
+    want = new.view(results[True].dtype)
+    assert torch.equal(results[True], want) and torch.equal(results[False], want)
+
+
+def test_items_of_a_large_frame_decode_and_apply_on_several_threads_exactly(monkeypatch):
+    old, new = _bf16_pair(1 << 21, 0.1, 4)
+    td = diff_tensor("w", bits_view(old).copy(), new, chunk_elems=1 << 16)
+    (data,) = encode_frames([td], META)
+    got = {}
+    for many in (True, False):
+        if not many:
+            monkeypatch.setattr(frame, "DECODE_PARALLEL_MIN", 1 << 62)
+            monkeypatch.setattr(frame, "APPLY_PARALLEL_MIN", 1 << 62)
+        decoded = read_frame(data)
+        assert len(decoded.items) == len(td.chunks) > 1
+        targets = {"w": old.clone()}
+        frame.apply_decoded(decoded, targets)
+        got[many] = [(it.lo, it.hi, it.positions.tolist(), it.values.tolist()) for it in decoded.items]
+        assert torch.equal(targets["w"].view(torch.int16), new.view(torch.int16))
+    assert got[True] == got[False]
+
+
+def test_a_multi_chunk_tensor_gives_the_same_changed_set_on_one_thread_and_on_several(monkeypatch):
+    old, new = _bf16_pair(5 * (1 << 17) + 3, 0.05, 5)
+    sets = {}
+    for n_threads in (1, 2, 3):
+        monkeypatch.setattr(diff, "codec_threads", lambda n=n_threads: n)
+        td = diff_tensor("w", bits_view(old).copy(), new, chunk_elems=1 << 17)
+        sets[n_threads] = [(c.lo, c.hi, c.count, c.loc, c.xor.tolist(), c.new.tolist()) for c in td.chunks]
+    assert len(sets[1]) >= 5 and sets[1] == sets[2] == sets[3]
+
+
+def test_dcr_ray_jit_0_selects_the_numpy_path():
+    import subprocess
+    import sys
+
+    code = "from dcr_ray.codec import kernels; print(kernels.ENABLED)"
+    env = {**__import__("os").environ, "DCR_RAY_JIT": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

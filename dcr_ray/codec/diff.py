@@ -6,8 +6,9 @@ each chunk with changes, the coded positions, the XOR masks ``new ^ old`` and th
 or, when sparse coding would not be smaller than the whole chunk, the chunk's new bits (``DENSE``).
 
 The fast path compares 64-bit words (four BF16 elements at a time), finds the differing words and only
-then splits those few words into lanes, one cache-sized block at a time, with a chunk's blocks shared
-between the codec threads (:mod:`~dcr_ray.codec.threads`); equality is always on integer views, so
+then splits those few words into lanes, one cache-sized block at a time. The codec threads
+(:mod:`~dcr_ray.codec.threads`) take one chunk each when a tensor has several, or share a lone
+chunk's blocks; equality is always on integer views, so
 ``-0 != +0`` and NaN payloads are compared by their bits. Nothing chunk-sized is allocated besides
 the changed set itself.
 """
@@ -164,6 +165,25 @@ def changed_positions(old: np.ndarray, new: np.ndarray):
     return pos, xor
 
 
+def _diff_chunk(o: np.ndarray, w: np.ndarray, lo: int, dense_crossover: float,
+                threads: int | None) -> ChunkDelta | None:
+    """The :class:`ChunkDelta` of chunk ``[lo, lo + len(o))``, or None when it did not change."""
+    rel, xor, nv = _scan(o, w, threads)
+    if not len(rel):
+        return None
+    span = len(o)
+    itemsize = o.dtype.itemsize
+    # raw sparse cost: positions + one value per change; dense: every element's value
+    # (values alone over the limit: dense without coding the positions)
+    dense = len(rel) * itemsize >= dense_crossover * span * itemsize
+    if not dense:
+        loc = locations.encode(rel, 0)
+        dense = loc.nbytes + len(rel) * itemsize >= dense_crossover * span * itemsize
+    if dense:
+        return ChunkDelta(lo, lo + span, span, dense=np.array(w, copy=True))
+    return ChunkDelta(lo, lo + span, len(rel), loc=loc, xor=xor, new=nv)
+
+
 def diff_arrays(
     old: np.ndarray,
     new: np.ndarray,
@@ -171,26 +191,26 @@ def diff_arrays(
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     dense_crossover: float = DEFAULT_DENSE_CROSSOVER,
 ):
-    """Yield a :class:`ChunkDelta` for every chunk of the flat bit arrays that changed."""
+    """Yield a :class:`ChunkDelta` for every chunk of the flat bit arrays that changed.
+
+    With several codec threads and several chunks, each thread takes a whole chunk (scan, location
+    coding and the dense decision), a window of one chunk per thread at a time, so memory stays
+    bounded by that window; a lone chunk is scanned by all threads instead.
+    """
     n = len(old)
-    itemsize = old.dtype.itemsize
-    for lo in range(0, n, chunk_elems):
-        hi = min(n, lo + chunk_elems)
-        o, w = old[lo:hi], new[lo:hi]
-        rel, xor, nv = _scan(o, w)
-        if not len(rel):
-            continue
-        span = hi - lo
-        # raw sparse cost: positions + one value per change; dense: every element's value
-        # (values alone over the limit: dense without coding the positions)
-        dense = len(rel) * itemsize >= dense_crossover * span * itemsize
-        if not dense:
-            loc = locations.encode(rel, 0)
-            dense = loc.nbytes + len(rel) * itemsize >= dense_crossover * span * itemsize
-        if dense:
-            yield ChunkDelta(lo, hi, span, dense=np.array(w, copy=True))
-        else:
-            yield ChunkDelta(lo, hi, len(rel), loc=loc, xor=xor, new=nv)
+    bounds = [(lo, min(n, lo + chunk_elems)) for lo in range(0, n, chunk_elems)]
+    n_threads = codec_threads()
+    if n_threads > 1 and len(bounds) > 1 and n >= PARALLEL_MIN_ELEMS:
+        for a in range(0, len(bounds), n_threads):
+            window = bounds[a:a + n_threads]
+            done = run_all([lambda lo=lo, hi=hi: _diff_chunk(old[lo:hi], new[lo:hi], lo, dense_crossover, 1)
+                            for lo, hi in window])
+            yield from (c for c in done if c is not None)
+        return
+    for lo, hi in bounds:
+        c = _diff_chunk(old[lo:hi], new[lo:hi], lo, dense_crossover, None)
+        if c is not None:
+            yield c
 
 
 def diff_tensor(

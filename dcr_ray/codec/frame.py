@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import zstandard
 
-from dcr_ray.codec import locations, planes, threads
+from dcr_ray.codec import kernels, locations, planes, threads
 from dcr_ray.codec.bits import bits_view, dtype_of, itemsize
 from dcr_ray.codec.diff import ChunkDelta, TensorDelta
 from dcr_ray.errors import (
@@ -434,6 +434,7 @@ def read_frame(
         cursor[section] = a + nbytes
         return sec[section][a:a + nbytes]
 
+    jobs = []
     for idx, it in enumerate(items):
         what = f"item {idx}"
         if not isinstance(it, dict):
@@ -476,7 +477,7 @@ def read_frame(
         if enc == "dense":
             if n != hi - lo:
                 raise MalformedHeaderError(f"{what}: dense item must declare n == hi - lo")
-            pos = None
+            loc = None
         else:
             loc = locations.EncodedLocations(
                 _need(it, "lm", str, what), _need(it, "lw", int, what), _need(it, "ls", int, what),
@@ -489,24 +490,47 @@ def read_frame(
                 loc.mode, loc.width, loc.nsym,
                 bytes(take("loc", loc.nsym * loc.width, what)), bytes(take("esc", le * 8, what)),
             )
-            pos = locations.decode(loc, lo, hi, n)
         pl = [np.frombuffer(take(f"{enc}{w}.{j}", n, what), np.uint8) for j in range(w)]
-        values = planes.join(pl, npdt) if n else np.empty(0, npdt)
-        if dtype == torch.bool and len(values) and int(values.max()) > 1:
-            raise InvalidValueError(f"{what}: bool values (and bool XOR masks) must be 0 or 1")
-        frame.items.append(DecodedItem(name, enc, lo, hi, pos, values))
+        jobs.append((what, name, enc, lo, hi, n, loc, pl, npdt, dtype == torch.bool))
     for name, used in cursor.items():
         if used != len(sec[name]):
             raise MalformedHeaderError(f"section {name!r} has {len(sec[name]) - used} bytes no item reads")
+    # --- positions and values: every item checked on its own, by the codec threads if large --------
+    n_threads = threads.codec_threads()
+    if n_threads > 1 and len(jobs) > 1 and sum(j[5] for j in jobs) >= DECODE_PARALLEL_MIN:
+        per = -(-len(jobs) // n_threads)
+        parts = threads.run_all([lambda js=jobs[a:a + per]: [_decode_item(*j) for j in js]
+                                 for a in range(0, len(jobs), per)])
+        frame.items.extend(item for part in parts for item in part)
+    else:
+        frame.items.extend(_decode_item(*j) for j in jobs)
     return frame
 
 
+#: Frames declaring at least this many changed elements decode their items on several threads.
+DECODE_PARALLEL_MIN = 1 << 16
+
+
+def _decode_item(what, name, enc, lo, hi, n, loc, pl, npdt, is_bool) -> DecodedItem:
+    """Positions (bounds-checked) and values of one item whose header has been validated."""
+    pos = None if loc is None else locations.decode(loc, lo, hi, n)
+    values = planes.join(pl, npdt) if n else np.empty(0, npdt)
+    if is_bool and len(values) and int(values.max()) > 1:
+        raise InvalidValueError(f"{what}: bool values (and bool XOR masks) must be 0 or 1")
+    return DecodedItem(name, enc, lo, hi, pos, values)
+
+
+#: Frames with at least this many written elements are applied by several codec threads.
+APPLY_PARALLEL_MIN = 1 << 16
 #: XOR items are applied this many positions at a time, so each write-back hits the lines just read.
 APPLY_BLOCK = 1 << 14
 
 
 def _xor_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
     """``view[positions] ^= values`` (sorted, unique positions) with take/put in cache-sized runs."""
+    if kernels.ENABLED:
+        kernels.xor_into(view, positions, values)
+        return
     for a in range(0, len(positions), APPLY_BLOCK):
         p = positions[a:a + APPLY_BLOCK]
         cur = np.take(view, p)
@@ -519,17 +543,34 @@ def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> i
     # Resolve every target's bit view before the first write: a target that cannot be viewed
     # (non-contiguous, not on the CPU) must fail the frame with nothing written, not half-way through.
     views = {it.name: bits_view(targets[it.name]) for it in frame.items}
-    written = 0
-    for it in frame.items:
-        view = views[it.name]
-        if it.encoding == "dense":
-            view[it.lo:it.hi] = it.values
-        elif it.encoding == "xor":
-            _xor_into(view, it.positions, it.values)
-        else:
-            np.put(view, it.positions, it.values)
-        written += len(it.values)
-    return written
+
+    def write(items) -> None:
+        for it in items:
+            view = views[it.name]
+            if it.encoding == "dense":
+                view[it.lo:it.hi] = it.values
+            elif it.encoding == "xor":
+                _xor_into(view, it.positions, it.values)
+            elif kernels.ENABLED:
+                kernels.put_into(view, it.positions, it.values)
+            else:
+                np.put(view, it.positions, it.values)
+
+    # Items never overlap (read_frame refused overlapping ranges), so the codec threads may write
+    # them concurrently: deal them out largest first to the least loaded thread.
+    n_threads = threads.codec_threads()
+    total = sum(len(it.values) for it in frame.items)
+    if n_threads > 1 and len(frame.items) > 1 and total >= APPLY_PARALLEL_MIN:
+        shares: list[list] = [[] for _ in range(n_threads)]
+        load = [0] * n_threads
+        for it in sorted(frame.items, key=lambda it: -len(it.values)):
+            k = load.index(min(load))
+            shares[k].append(it)
+            load[k] += len(it.values)
+        threads.run_all([lambda s=s: write(s) for s in shares if s])
+    else:
+        write(frame.items)
+    return total
 
 
 def apply_frame(data, targets: Mapping[str, torch.Tensor], *, key: bytes | None = None,
