@@ -498,13 +498,29 @@ def read_frame(
     # --- positions and values: every item checked on its own, by the codec threads if large --------
     n_threads = threads.codec_threads()
     if n_threads > 1 and len(jobs) > 1 and sum(j[5] for j in jobs) >= DECODE_PARALLEL_MIN:
-        per = -(-len(jobs) // n_threads)
-        parts = threads.run_all([lambda js=jobs[a:a + per]: [_decode_item(*j) for j in js]
-                                 for a in range(0, len(jobs), per)])
-        frame.items.extend(item for part in parts for item in part)
+        shares = _balance(range(len(jobs)), lambda i: jobs[i][5], n_threads)
+        decoded: list = [None] * len(jobs)
+
+        def run(share):
+            for i in share:
+                decoded[i] = _decode_item(*jobs[i])
+
+        threads.run_all([lambda s=s: run(s) for s in shares])
+        frame.items.extend(decoded)
     else:
         frame.items.extend(_decode_item(*j) for j in jobs)
     return frame
+
+
+def _balance(things, size, n: int) -> list[list]:
+    """Deal ``things`` out to at most ``n`` shares, largest first to the least loaded share."""
+    shares: list[list] = [[] for _ in range(n)]
+    load = [0] * n
+    for t in sorted(things, key=lambda t: -size(t)):
+        k = load.index(min(load))
+        shares[k].append(t)
+        load[k] += size(t)
+    return [s for s in shares if s]
 
 
 #: Frames declaring at least this many changed elements decode their items on several threads.
@@ -561,13 +577,8 @@ def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> i
     n_threads = threads.codec_threads()
     total = sum(len(it.values) for it in frame.items)
     if n_threads > 1 and len(frame.items) > 1 and total >= APPLY_PARALLEL_MIN:
-        shares: list[list] = [[] for _ in range(n_threads)]
-        load = [0] * n_threads
-        for it in sorted(frame.items, key=lambda it: -len(it.values)):
-            k = load.index(min(load))
-            shares[k].append(it)
-            load[k] += len(it.values)
-        threads.run_all([lambda s=s: write(s) for s in shares if s])
+        threads.run_all([lambda s=s: write(s)
+                         for s in _balance(frame.items, lambda it: len(it.values), n_threads)])
     else:
         write(frame.items)
     return total
