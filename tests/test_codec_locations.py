@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dcr_ray.codec import locations, planes
+from dcr_ray.codec import kernels, locations, planes
 from dcr_ray.errors import IndexOutOfRangeError, MalformedHeaderError
 
 
@@ -43,14 +45,27 @@ def smallest_possible(positions: np.ndarray, lo: int) -> int:
     return best
 
 
+@contextlib.contextmanager
+def compiled(on: bool):
+    """Run the body with the numba kernels on or off (both paths must decode the same)."""
+    before = kernels.ENABLED
+    kernels.ENABLED = on and before
+    try:
+        yield
+    finally:
+        kernels.ENABLED = before
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["compiled", "numpy"])
 @settings(max_examples=150)
-@given(item_positions())
-def test_decoding_encoded_positions_gives_them_back_exactly(case):
+@given(case=item_positions())
+def test_decoding_encoded_positions_gives_them_back_exactly(jit, case):
     lo, hi, pos = case
     enc = locations.encode(pos, lo)
     assert enc.mode in locations.MODES and enc.width in locations.WIDTHS
     assert len(enc.prim) == enc.nsym * enc.width and len(enc.esc) == 8 * enc.nesc
-    out = locations.decode(enc, lo, hi, len(pos))
+    with compiled(jit):
+        out = locations.decode(enc, lo, hi, len(pos))
     assert out.dtype == np.int64 and np.array_equal(out, pos)
 
 
@@ -116,20 +131,23 @@ P = pytest.param
     P(_enc(mode="runs", prim=b"\x00\x03"), 0, 10, 2, MalformedHeaderError, id="runs-lengths-not-count"),
     P(_enc(mode="runs", prim=b"\x08\x03"), 0, 10, 4, IndexOutOfRangeError, id="run-past-span"),
 ])
-def test_an_inconsistent_location_stream_is_rejected(enc, lo, hi, count, error):
-    with pytest.raises(error):
+@pytest.mark.parametrize("jit", [True, False], ids=["compiled", "numpy"])
+def test_an_inconsistent_location_stream_is_rejected(enc, lo, hi, count, error, jit):
+    with compiled(jit), pytest.raises(error):
         locations.decode(enc, lo, hi, count)
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
 @settings(max_examples=25)
 @given(data=st.data())
-def test_byte_planes_split_and_join_back_to_the_same_values(dtype, data):
+@pytest.mark.parametrize("jit", [True, False], ids=["compiled", "numpy"])
+def test_byte_planes_split_and_join_back_to_the_same_values(jit, dtype, data):
     values = data.draw(hnp.arrays(dtype, st.integers(0, 50)))
     ps = planes.split(values)
     w = np.dtype(dtype).itemsize
     assert len(ps) == w and all(p.dtype == np.uint8 and len(p) == len(values) for p in ps)
     for j, p in enumerate(ps):  # plane j holds byte j, little-endian
         assert np.array_equal(p, ((values.astype(np.uint64) >> np.uint64(8 * j)) & np.uint64(0xFF)).astype(np.uint8))
-    back = planes.join(ps, dtype)
+    with compiled(jit):
+        back = planes.join(ps, dtype)
     assert back.dtype == np.dtype(dtype) and np.array_equal(back, values)

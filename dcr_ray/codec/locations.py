@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dcr_ray.codec import kernels
 from dcr_ray.errors import IndexOutOfRangeError, MalformedHeaderError
 
 MODES = ("gaps", "runs")
@@ -147,11 +148,15 @@ def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:
             raise MalformedHeaderError(f"{nmarks} escape markers but {len(esc)} escape values")
         if len(esc) and int(esc.min()) < cap:
             raise MalformedHeaderError("an escape value is small enough to be coded directly")
-        sym = sym.astype(np.int64)
+        raw = sym  # unsigned symbols as stored: the gaps kernel widens them itself
         if len(esc):
             if int(esc.max()) >= span:
                 raise IndexOutOfRangeError(f"a location symbol ({int(esc.max())}) exceeds the item span {span}")
+            sym = sym.astype(np.int64)
             sym[np.flatnonzero(is_mark)] = esc.astype(np.int64)
+            raw = None
+        elif enc.mode != "gaps" or not kernels.ENABLED:
+            sym = sym.astype(np.int64)
         # every symbol is now below 2**32 or an escape below ``span``, and there are at most 2**31 of
         # them, so the sums below cannot overflow; the last position's bound check covers every symbol
     else:
@@ -160,17 +165,22 @@ def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:
         if len(sym) and int(sym.max()) >= span:
             raise IndexOutOfRangeError(f"a location symbol ({int(sym.max())}) exceeds the item span {span}")
         sym = sym.astype(np.int64)
+        raw = None
     if enc.mode == "gaps":
         if enc.nsym != count:
             raise MalformedHeaderError(f"gaps mode needs one symbol per change: {enc.nsym} != {count}")
-        pos = sym  # a fresh int64 array here: position i = lo + sum(sym[:i+1] + 1) - 1, computed in place
-        pos += 1
-        np.cumsum(pos, out=pos)
-        if pos[-1] - 1 >= span:
+        if kernels.ENABLED:  # one compiled pass from the raw (or escape-patched) symbols
+            pos = kernels.gap_positions(raw if raw is not None else sym, lo)
+        else:
+            pos = sym if sym.dtype == np.int64 else sym.astype(np.int64)
+            # position i = lo + sum(sym[:i+1] + 1) - 1, computed in place
+            pos += 1
+            np.cumsum(pos, out=pos)
+            pos += lo - 1
+        if pos[-1] >= hi:
             raise IndexOutOfRangeError(
-                f"decoded position {int(pos[-1]) - 1 + lo} is outside the item range [{lo}, {hi})"
+                f"decoded position {int(pos[-1])} is outside the item range [{lo}, {hi})"
             )
-        pos += lo - 1
         return pos
     # runs
     if enc.nsym % 2:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dcr_ray.codec import kernels
+
 
 def split(values: np.ndarray) -> list[np.ndarray]:
     """Byte planes (uint8 arrays, little-endian byte order) of an unsigned integer array."""
@@ -26,6 +28,8 @@ def join(planes: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
     w = dtype.itemsize
     if w == 1:
         return planes[0].view(dtype)
+    if w == 2 and dtype == np.uint16 and kernels.ENABLED:
+        return kernels.join2(planes[0], planes[1])
     n = len(planes[0])
     b = np.empty((n, w), np.uint8)
     for j, p in enumerate(planes):
