@@ -151,3 +151,11 @@ def test_dcr_ray_jit_0_selects_the_numpy_path():
     env = {**__import__("os").environ, "DCR_RAY_JIT": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_warming_up_the_kernels_loads_every_width_and_is_harmless_when_disabled(monkeypatch):
+    from dcr_ray.codec import kernels
+
+    kernels.warm_up(background=False)
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    kernels.warm_up(background=False)  # a no-op

@@ -28,6 +28,7 @@ import time
 import ray
 
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.codec import kernels
 from dcr_ray.codec.frame import DIGEST_SIZE, peek_meta, read_frame
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import DcrError, EngineStateError, FrameError, RefitError, RefitTimeoutError
@@ -56,6 +57,7 @@ class EngineActor:
         self._staged: list[tuple[tuple, bytes]] = []
         #: this engine's node link across the cluster boundary (object-storage reads cross it)
         self.link = LinkModel(link_mbps, link_latency_s)
+        kernels.warm_up()  # load the apply kernels while the dense bootstrap runs
 
     # -- protocol -----------------------------------------------------------------------------------
     def prepare(self, transfer: str, attempt: int, base: int, target: int) -> dict:
