@@ -35,6 +35,9 @@ class RefitReport:
     """Engines that died and left the required set during this refit (re-join by dense bootstrap)."""
     mode: str = "mixed"
     """Encoding of the committed attempt: ``mixed`` (XOR + OVERWRITE) or ``overwrite``."""
+    warnings: list = field(default_factory=list)
+    """Failures after the commit record was written (the refit still committed): an owner that did
+    not promote, an engine that did not activate and left the required set."""
 
     @property
     def change_rate(self) -> float:
@@ -59,4 +62,5 @@ class RefitReport:
             f"{self.changed:,}/{self.numel:,} elements changed ({100 * self.change_rate:.2f}%) | "
             f"{self.payloads} payloads, {self.wire_bytes / 1e6:.2f} MB [{links}] | "
             f"{self.mode}, retries {self.retries} | engines {sorted(set(self.engine_versions.values()))}"
+            + "".join(f"\n  warning: {w}" for w in self.warnings)
         )

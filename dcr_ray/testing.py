@@ -3,13 +3,18 @@
 ``FlakyEngine(inner, fail_after=n)`` builds the ``inner`` engine backend and makes its apply fail once,
 *after* ``n`` frames of a transfer were applied in place: the engine then holds a partially applied
 XOR delta, which is exactly the state a retry must repair.
+
+``TrainerThatFailsToPromoteOnce`` is a real :class:`~dcr_ray.trainer.TinyTrainer` owner whose first
+promote fails: the failure lands right after the commit record is written, a moment a test cannot hit
+by killing an actor from outside.
 """
 
 from __future__ import annotations
 
 from dcr_ray.codec.frame import DecodedFrame
 from dcr_ray.engines.base import EngineBackend
-from dcr_ray.errors import FrameError
+from dcr_ray.errors import BaselineError, FrameError
+from dcr_ray.trainer import TinyTrainer
 
 
 class InjectedFault(FrameError):
@@ -54,3 +59,15 @@ class FlakyEngine:
 
     def __call__(self) -> EngineBackend:
         return _FlakyBackend(self.inner(), self.fail_after)
+
+
+class TrainerThatFailsToPromoteOnce(TinyTrainer):
+    """A :class:`~dcr_ray.trainer.TinyTrainer` whose first ``dcr_promote`` raises."""
+
+    _promote_failed = False
+
+    def dcr_promote(self, version: int) -> int:
+        if not self._promote_failed:
+            self._promote_failed = True
+            raise BaselineError(f"injected fault: promote to v{version} failed")
+        return super().dcr_promote(version)

@@ -9,7 +9,7 @@ import ray
 import torch
 
 import dcr_ray
-from dcr_ray.testing import FlakyEngine
+from dcr_ray.testing import FlakyEngine, TrainerThatFailsToPromoteOnce
 from dcr_ray.trainer import TinyTrainer
 
 pytestmark = pytest.mark.slow
@@ -83,5 +83,87 @@ def test_a_refit_that_keeps_failing_raises_and_the_committed_version_stays(local
             refit.run()
         assert refit.status()["version"] == 0
         assert ray.get(trainer.dcr_version.remote()) == 0
+    finally:
+        refit.shutdown()
+
+
+def test_an_abandoned_refit_that_wrote_in_place_restores_the_engines_to_the_committed_bits(local_ray):
+    # the engine applies one frame in place, then fails; with one attempt allowed the refit is
+    # abandoned: the engine must not keep serving (or take deltas on) half-applied weights
+    engine = FlakyEngine(dcr_ray.HFEngine(SPEC), fail_after=1)
+    refit, trainer = _start(engine, [dcr_ray.ClusterSpec(name="a", engines=1)], max_attempts=1)
+    try:
+        eng = refit.engines()["a/e0"]
+        committed = ray.get(trainer.rollout_state.remote())
+        ray.get(trainer.step.remote(seed=0))
+        with pytest.raises(dcr_ray.RefitError, match="committed version stays 0"):
+            refit.run()
+        assert refit.status()["version"] == 0 and refit.status()["required"] == ["a/e0"]
+        got = ray.get(eng.tensors.remote())
+        for n in committed:  # re-bootstrapped densely to version 0
+            assert torch.equal(got[n].view(torch.int16), committed[n].view(torch.int16)), n
+        assert ray.get(eng.get_version.remote()) == 0
+        # and the next refit (the fault fired once) lands exactly on the trainer's bits
+        ray.get(trainer.step.remote(seed=1))
+        assert refit.run().version == 1
+        _check(refit, trainer)
+    finally:
+        refit.shutdown()
+
+
+def test_a_failure_after_the_commit_record_rolls_forward_and_is_reported_not_retried(local_ray):
+    Trainer = ray.remote(num_cpus=0)(TrainerThatFailsToPromoteOnce)
+    trainer = Trainer.remote(SPEC, lr=1e-3)
+    refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=1)],
+                           engine=dcr_ray.HFEngine(SPEC),
+                           config=dcr_ray.RefitConfig(bucket_bytes=1 << 18, chunk_elems=1 << 15))
+    try:
+        ray.get(trainer.step.remote(seed=0))
+        report = refit.run()
+        # committed and active on the engines, with the owner's failure reported
+        assert report.version == 1 and report.retries == 0 and report.engine_versions == {"a/e0": 1}
+        assert len(report.warnings) == 1 and "did not promote" in report.warnings[0]
+        assert refit.status()["version"] == 1
+        _check(refit, trainer)
+        # the owner's baseline is still v0, so its next stream is refused with a clear error and
+        # nothing is written: the committed version stays 1
+        ray.get(trainer.step.remote(seed=1))
+        with pytest.raises(dcr_ray.RefitError, match="(?s)after 1 attempt.*committed version stays 1.*holds committed version 0"):
+            refit.run()
+        assert refit.status()["version"] == 1 and refit.status()["required"] == ["a/e0"]
+    finally:
+        refit.shutdown()
+        ray.kill(trainer)
+
+
+def test_an_engine_left_with_half_written_weights_refuses_work_until_it_rejoins(local_ray):
+    # drive the engine protocol by hand: one frame of a transfer applied in place, then the transfer
+    # is abandoned; the engine must say it holds no version instead of serving or taking deltas
+    from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
+
+    refit, trainer = _start(dcr_ray.HFEngine(SPEC), [dcr_ray.ClusterSpec(name="a", engines=1)])
+    try:
+        eng = refit.engines()["a/e0"]
+        committed = ray.get(trainer.rollout_state.remote())
+        ray.get(trainer.step.remote(seed=0))
+        new = ray.get(trainer.rollout_state.remote())
+        store = BaselineStore(in_memory=True)
+        for n, t in committed.items():
+            store.add(n, t)
+        deltas = [store.diff(n, t) for n, t in new.items()]
+        meta = FrameMeta(transfer="T", attempt=0, producer="hand", payload=0, base=0, target=1)
+        frame = next(iter(encode_frames([d for d in deltas if d.chunks], meta)))
+        ray.get(eng.prepare.remote("T", 0, 0, 1))
+        assert ray.get(eng.deliver.remote(frame)) == "applied"
+        assert ray.get(eng.abort.remote("T", True)) == {"engine": "a/e0", "dirty": True}
+        with pytest.raises(dcr_ray.DcrError, match="holds no version"):
+            ray.get(eng.generate.remote([[1, 2, 3]], 2))
+        with pytest.raises(dcr_ray.DcrError, match="must be bootstrapped"):
+            ray.get(eng.prepare.remote("U", 0, 0, 1))
+        refit.rejoin("a/e0")  # dense bootstrap to the committed version 0
+        got = ray.get(eng.tensors.remote())
+        for n in committed:
+            assert torch.equal(got[n].view(torch.int16), committed[n].view(torch.int16)), n
+        assert ray.get(eng.generate.remote([[1, 2, 3]], 2))["version"] == 0
     finally:
         refit.shutdown()

@@ -12,7 +12,9 @@ sends OVERWRITE frames of the same pending changed set, which repairs any partia
 
 Any failure before the record is written leaves the committed state as it was and starts the next
 attempt; an engine whose actor died leaves the required set (it rejoins later by dense bootstrap);
-after ``max_attempts`` the owners discard their pending sets and ``refit`` raises ``RefitError``.
+after ``max_attempts`` the owners discard their pending sets, engines that an abandoned attempt wrote
+into in place are re-bootstrapped densely to the committed version (or leave the required set when
+that fails too), and ``refit`` raises ``RefitError``.
 Every wait has a timeout (``stage_timeout_s``).
 """
 
@@ -31,7 +33,7 @@ from dcr_ray.actors.commit import CommitLog, CommitRecord
 from dcr_ray.actors.engine import EngineActor
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.config import ClusterSpec, RefitConfig
-from dcr_ray.errors import ConfigError, DcrError, RefitError, RefitTimeoutError
+from dcr_ray.errors import BaselineError, ConfigError, DcrError, RefitError, RefitTimeoutError
 from dcr_ray.options import actor_options
 from dcr_ray.relay.relay import RelayActor
 from dcr_ray.relay.sinks import attempt_prefix, storage_fs
@@ -152,41 +154,53 @@ class CoordinatorActor:
         """Dense refit of ``engine_ids`` to the committed version (joining engines)."""
         t = self.config.stage_timeout_s
         transfer = f"boot{self.version}-{uuid.uuid4().hex[:8]}"
-        self._get({e: self.engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, self.version)
-                   for e in engine_ids}, t, "bootstrap prepare")
-        sink = self._sink(engine_ids)
-        sums = self._get({o: h.dcr_bootstrap.remote(transfer, sink) for o, h in self.owners.items()}, t,
-                         "bootstrap stream")
-        keys = [k for s in sums.values() for k in s["payloads"]]
-        self._get({e: self.engines[e].flush.remote(transfer, 0, keys, t) for e in engine_ids}, t,
-                  "bootstrap flush")
-        self._get({e: self.engines[e].activate.remote(self.version, transfer) for e in engine_ids}, t,
-                  "bootstrap activate")
+        try:
+            self._get({e: self.engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, self.version)
+                       for e in engine_ids}, t, "bootstrap prepare")
+            sink = self._sink(engine_ids)
+            sums = self._get({o: h.dcr_bootstrap.remote(transfer, sink) for o, h in self.owners.items()}, t,
+                             "bootstrap stream")
+            keys = [k for s in sums.values() for k in s["payloads"]]
+            self._get({e: self.engines[e].flush.remote(transfer, 0, keys, t) for e in engine_ids}, t,
+                      "bootstrap flush")
+            self._get({e: self.engines[e].activate.remote(self.version, transfer) for e in engine_ids}, t,
+                      "bootstrap activate")
+        except BaseException:
+            # engines a failed bootstrap wrote into hold no version until a later bootstrap succeeds
+            for e in engine_ids:
+                self.engines[e].abort.remote(transfer, True)
+            self._release(transfer)
+            raise
         self._release(transfer)
         self.required |= set(engine_ids)
         log.info("dcr_ray: bootstrapped %d engines densely at version %d", len(engine_ids), self.version)
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _get(self, calls: dict, timeout: float, stage: str) -> dict:
-        """Results of ``{id: ref}``; dead actors raise :class:`_Dead`, others the first error."""
+    def _gather(self, calls: dict, timeout: float, stage: str) -> tuple[dict, list, dict]:
+        """``(results, dead ids, {id: error})`` of ``{id: ref}``, all waited for within ``timeout``."""
         deadline = time.monotonic() + timeout
-        out, dead, first = {}, [], None
+        out, dead, errors = {}, [], {}
         for k, ref in calls.items():
             try:
                 out[k] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except RayActorError:
                 dead.append(k)
             except GetTimeoutError:
-                first = first or RefitTimeoutError(f"stage '{stage}': {k} did not answer within {timeout:.0f} s")
+                errors[k] = RefitTimeoutError(f"stage '{stage}': {k} did not answer within {timeout:.0f} s")
             except DcrError as e:
-                first = first or e
+                errors[k] = e
             except ray.exceptions.RayTaskError as e:
                 cause = e.as_instanceof_cause()
-                first = first or (cause if isinstance(cause, DcrError) else RefitError(f"{stage}: {k}: {e}"))
+                errors[k] = cause if isinstance(cause, DcrError) else RefitError(f"{stage}: {k}: {e}")
+        return out, dead, errors
+
+    def _get(self, calls: dict, timeout: float, stage: str) -> dict:
+        """Results of ``{id: ref}``; dead actors raise :class:`_Dead`, others the first error."""
+        out, dead, errors = self._gather(calls, timeout, stage)
         if dead:
             raise _Dead(dead)
-        if first is not None:
-            raise first
+        if errors:
+            raise next(iter(errors.values()))
         return out
 
     def _release(self, transfer: str) -> None:
@@ -230,20 +244,56 @@ class CoordinatorActor:
                 except DcrError as e:
                     last = e
                     log.warning("dcr_ray: attempt %d of %s failed: %s", attempt, transfer, e)
+                    if isinstance(e, (BaselineError, ConfigError)):
+                        break  # an owner's committed state or the setup is wrong: retrying cannot help
                 metrics.record("refit_retries")
                 self._abort(transfer)
-            self._abort(transfer)
-            for h in self.owners.values():
-                h.dcr_discard.remote()
+            dirty = self._abort(transfer, final=True)
+            self._discard_pending()
+            restored = self._restore(dirty)
             raise RefitError(
-                f"refit to version {target} failed after {self.config.max_attempts} attempt(s); the "
-                f"committed version stays {base}. Last error: {type(last).__name__}: {last}"
+                f"refit to version {target} failed after {attempt + 1} attempt(s); the "
+                f"committed version stays {base}{restored}. Last error: {type(last).__name__}: {last}"
             ) from last
 
-    def _abort(self, transfer: str) -> None:
-        for e in self.required:
-            self.engines[e].abort.remote(transfer)
+    def _abort(self, transfer: str, final: bool = False) -> list[str]:
+        """Close ``transfer`` on the required engines; with ``final``, the engines left dirty.
+
+        Waits for every engine: engines serve calls concurrently, so an abort still in flight could
+        otherwise close the next attempt that a later ``prepare`` just opened.
+        """
+        calls = {e: self.engines[e].abort.remote(transfer, final) for e in self.required}
         self._release(transfer)
+        dirty = []
+        for e, ref in calls.items():
+            try:
+                if ray.get(ref, timeout=self.config.stage_timeout_s)["dirty"]:
+                    dirty.append(e)
+            except (RayActorError, GetTimeoutError):
+                pass  # a dead or hung engine is dropped by the next refit's prepare
+        return sorted(dirty)
+
+    def _discard_pending(self) -> None:
+        """Owners drop their pending changed sets (their baselines stay the committed bits)."""
+        refs = [h.dcr_discard.remote() for h in self.owners.values()]
+        try:
+            ray.get(refs, timeout=self.config.stage_timeout_s)
+        except (RayActorError, GetTimeoutError):
+            pass  # a dead owner has nothing pending; a hung one fails the next refit's stream
+
+    def _restore(self, dirty: list[str]) -> str:
+        """Dense re-bootstrap of engines an abandoned refit wrote into; a note for the error message."""
+        if not dirty:
+            return ""
+        try:
+            self._bootstrap(dirty)
+            log.warning("dcr_ray: re-bootstrapped %s to version %d after an abandoned refit", dirty, self.version)
+            return f"; {dirty} were re-bootstrapped densely to it"
+        except Exception as e:  # e.g. an owner died: these engines leave until Refit.rejoin
+            self.required -= set(dirty)
+            log.warning("dcr_ray: could not re-bootstrap %s (%s); they left the required set", dirty, e)
+            return (f"; {dirty} hold partially written weights and could not be re-bootstrapped ({e}), so "
+                    f"they left the required set: Refit.rejoin(engine_id) restores each")
 
     def _attempt(self, transfer: str, attempt: int, base: int, target: int, t_start: float) -> RefitReport:
         t = self.config.stage_timeout_s
@@ -262,13 +312,33 @@ class CoordinatorActor:
         self.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer,
                                                         baseline=self._last_transfer(), members=req))
         t_rec = time.perf_counter()
-        self._get({o: h.dcr_promote.remote(target) for o, h in self.owners.items()}, t, "promote")
-        t_pro = time.perf_counter()
-        versions = self._get({e: self.engines[e].activate.remote(target, transfer) for e in req}, t,
-                             "activate")
-        t_act = time.perf_counter()
+        # Committed: v+1 is durable. From here on roll forward (never retry, never abort): a failure
+        # now takes the failing actor out of service and is reported, the version stays v+1.
         self.version = target
-        link = self._link_bytes(transfer, acks)
+        warnings = []
+        _, dead, errors = self._gather({o: h.dcr_promote.remote(target) for o, h in self.owners.items()},
+                                       t, "promote")
+        if dead or errors:
+            bad = sorted({*dead, *errors})
+            why = "; ".join(f"{o}: {e}" for o, e in errors.items()) or "actor died"
+            warnings.append(f"owner(s) {bad} did not promote their baseline to v{target} ({why}); their "
+                            f"next stream is refused until the topology is relaunched")
+        t_pro = time.perf_counter()
+        versions, dead, errors = self._gather(
+            {e: self.engines[e].activate.remote(target, transfer) for e in req}, t, "activate")
+        if dead or errors:
+            bad = sorted({*dead, *errors})
+            self.required -= set(bad)
+            warnings.append(f"engine(s) {bad} did not activate v{target} and left the required set; "
+                            f"Refit.rejoin(engine_id) restores each")
+        for w in warnings:
+            log.warning("dcr_ray: %s", w)
+        t_act = time.perf_counter()
+        try:
+            link = self._link_bytes(transfer, acks)
+        except (RayActorError, GetTimeoutError) as e:  # statistics only: the refit is committed
+            link = {}
+            warnings.append(f"link byte counts unavailable: {type(e).__name__}")
         self._release(transfer)
         t3 = time.perf_counter()
         construct = max(s["construct_s"] for s in sums.values())
@@ -282,7 +352,7 @@ class CoordinatorActor:
                      "total": t3 - t_start},
             payloads=len(keys), wire_bytes=sum(s["wire_bytes"] for s in sums.values()), link_bytes=link,
             changed=sum(s["changed"] for s in sums.values()), numel=sum(s["numel"] for s in sums.values()),
-            engine_versions=versions, mode=next(iter(sums.values()))["mode"],
+            engine_versions=versions, mode=next(iter(sums.values()))["mode"], warnings=warnings,
         )
         self.history.append(report.to_dict())
         metrics.record("refit_seconds", report.seconds["total"])

@@ -55,6 +55,10 @@ class EngineActor:
         self._stats = {"applied": 0, "duplicate": 0, "stale": 0, "rejected": 0}
         self._fs = None
         self._staged: list[tuple[tuple, bytes]] = []
+        #: transfer whose frames were written into the backend in place (its attempts may repair them)
+        self._touched: str | None = None
+        #: why this engine's weights match no version (an abandoned transfer wrote into them)
+        self._dirty: str | None = None
         #: this engine's node link across the cluster boundary (object-storage reads cross it)
         self.link = LinkModel(link_mbps, link_latency_s)
         kernels.warm_up()  # load the apply kernels while the dense bootstrap runs
@@ -63,6 +67,9 @@ class EngineActor:
     def prepare(self, transfer: str, attempt: int, base: int, target: int) -> dict:
         """Open attempt ``(transfer, attempt)``; checks that this engine holds ``base``."""
         with self._cv:
+            if base != BOOTSTRAP_BASE and self._dirty is not None:
+                raise EngineStateError(f"engine {self.engine_id} holds no version ({self._dirty}); "
+                                       f"it must be bootstrapped (dense) first: Refit.rejoin({self.engine_id!r})")
             if base != BOOTSTRAP_BASE and self.version != base:
                 raise EngineStateError(
                     f"engine {self.engine_id} holds version {self.version}, the transfer needs {base}; "
@@ -128,6 +135,7 @@ class EngineActor:
             if self.config.stage_payloads and base != BOOTSTRAP_BASE:
                 self._staged.append((key, bytes(data)))  # validated; applied at flush
             else:
+                self._touched = transfer
                 self.backend.apply(frame)
         except FrameError as e:
             self._error = e
@@ -160,6 +168,8 @@ class EngineActor:
                         f"within {timeout_s:.0f} s, e.g. {sorted(missing)[:3]}")
                 self._cv.wait(min(left, 1.0))
             t0 = time.perf_counter()
+            if self._staged:
+                self._touched = transfer
             for _key, data in sorted(self._staged, key=lambda kd: kd[0]):
                 self.backend.apply(self._read(data, self._cur[2]))
             self._staged = []
@@ -176,15 +186,20 @@ class EngineActor:
                  timeout_s: float | None = None) -> dict:
         """Greedy generation with the backend; returns ``{"version", "outputs"}``.
 
-        Waits (pauses) while an in-place transfer is open, so outputs always come from one version.
+        Waits (pauses) while an in-place transfer is open or between its attempts, so outputs always
+        come from one version; refuses (``EngineStateError``) while the engine holds no version.
         """
         deadline = time.monotonic() + (timeout_s or self.config.stage_timeout_s)
         with self._cv:
-            while self._cur is not None and not self.config.stage_payloads:
+            # in place: paused while a transfer is open, and between its attempts (half-written bits)
+            while (self._cur is not None or self._touched is not None) and not self.config.stage_payloads:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RefitTimeoutError(f"engine {self.engine_id}: paused for a refit longer than allowed")
                 self._cv.wait(min(left, 1.0))
+            if self._dirty is not None:
+                raise EngineStateError(f"engine {self.engine_id} will not generate: it holds no version "
+                                       f"({self._dirty}); Refit.rejoin({self.engine_id!r}) restores it")
             return {"engine": self.engine_id, "version": self.version,
                     "outputs": self.backend.generate(prompt_token_ids, max_tokens)}
 
@@ -194,19 +209,32 @@ class EngineActor:
             if transfer is None or (self._cur is not None and self._cur[0] == transfer):
                 self.version = version
                 self._cur = None
+                self._touched = self._dirty = None
                 self._applied.clear()
                 if hasattr(self.backend, "activate"):
                     self.backend.activate(version)  # backends that tag their outputs with a version
                 self._cv.notify_all()
             return self.version
 
-    def abort(self, transfer: str) -> None:
-        """Forget an abandoned transfer (its next attempt re-prepares)."""
+    def abort(self, transfer: str, final: bool = False) -> dict:
+        """Leave the open attempt of ``transfer``; its next attempt re-prepares.
+
+        Between attempts the bits an attempt wrote in place stay: the next attempt OVERWRITEs the
+        whole changed set, which repairs them. With ``final=True`` the transfer is abandoned, so bits
+        it wrote in place belong to no version: the engine then holds no version (``dirty``), refuses
+        deltas and generation, and must be bootstrapped densely (the coordinator does it).
+        """
         with self._cv:
             if self._cur is not None and self._cur[0] == transfer:
                 self._cur = None
                 self._staged = []
-                self._cv.notify_all()
+            if final and self._touched == transfer:
+                self._touched = None
+                self._dirty = (f"transfer {transfer} was abandoned after writing into this engine's "
+                               f"weights in place")
+                self.version = None
+            self._cv.notify_all()
+            return {"engine": self.engine_id, "dirty": self._dirty is not None}
 
     # -- inspection ---------------------------------------------------------------------------------
     def info(self) -> dict:
