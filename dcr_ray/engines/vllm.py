@@ -185,6 +185,9 @@ class VllmBackend(EngineBackend):
             kw.update(enforce_eager=True, distributed_executor_backend="uni")
         kw.update(llm_kwargs or {})
         self._inproc = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+        from dcr_ray.codec.kernels import make_llvmlite_safe_for_vllm
+
+        make_llvmlite_safe_for_vllm()  # numba may already be loaded here (dcr_ray's apply kernels)
         self.llm = LLM(**kw)
         if self._inproc:
             _LIVE_INPROC.add(id(self))
