@@ -74,6 +74,11 @@ class RefitConfig:
     """Attempts per refit; every retry sends OVERWRITE payloads of the complete changed set."""
     xor: bool = True
     """Use XOR masks where allowed (mixed mode). ``False`` sends OVERWRITE only."""
+    background_promote: bool = True
+    """Owners fold the committed changed set into their baselines in a background thread, so the
+    refit returns without waiting for it; their next diff, bootstrap or version read waits for it
+    (and a failed promote fails that call with ``BaselineError``). ``False`` promotes inside the
+    commit stage."""
     stage_payloads: bool = False
     """Async RL: engines validate and *stage* arriving payloads (compressed, in host RAM) while they
     keep serving the current version, and apply them all at flush. ``False`` (default, synchronous

@@ -24,6 +24,8 @@ Protocol (driven by the coordinator; every call is idempotent for the same argum
         attempt 0: diff every tensor, keep the changed set *pending*, send mixed (XOR/OVERWRITE) frames
         attempt>0: re-send the same pending changed set as OVERWRITE (repairs any partial XOR)
     dcr_promote(version)                         # after the commit record: pending -> baseline
+                                                 # (in a background thread unless
+                                                 # config.background_promote is False)
     dcr_discard()                                # abandoned transfer: baseline unchanged
     dcr_bootstrap(transfer, version, sink)       # dense frames of the committed baseline
 """
@@ -31,6 +33,7 @@ Protocol (driven by the coordinator; every call is idempotent for the same argum
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from typing import Iterable, Mapping
 
@@ -69,6 +72,9 @@ class DeltaOwner:
                                    chunk_elems=config.chunk_elems)
         self._pending_transfer: str | None = None
         self._last_summary: dict | None = None
+        self._promoting: threading.Thread | None = None
+        self._promote_error: BaseException | None = None
+        self._promote_lock = threading.RLock()
 
     # -- setup ------------------------------------------------------------------------------------
     def attach(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -82,6 +88,7 @@ class DeltaOwner:
     def stream(self, tensors: Mapping[str, torch.Tensor], *, transfer: str, attempt: int, base: int,
                target: int, sink) -> dict:
         """Diff (attempt 0) or reuse the pending set (retries) and send every frame through ``sink``."""
+        self.settle()
         if base != self.store.version:
             raise BaselineError(
                 f"owner {self.owner_id} holds committed version {self.store.version}, asked to diff "
@@ -147,6 +154,7 @@ class DeltaOwner:
 
     def bootstrap(self, *, transfer: str, sink) -> dict:
         """Send the committed baseline densely (frames with base :data:`BOOTSTRAP_BASE`)."""
+        self.settle()
         t0 = time.perf_counter()
         deltas = (full_delta(n, self.store.tensor(n), chunk_elems=self.config.chunk_elems)
                   for n in self.store.names())
@@ -156,18 +164,57 @@ class DeltaOwner:
         return summary
 
     def promote(self, version: int) -> int:
+        """Fold the pending set of ``version`` into the baseline (the commit record is written).
+
+        With ``config.background_promote`` this returns at once (``-1``) and a thread does the
+        writes; every later call that reads the baseline waits for it first (:meth:`settle`).
+        Idempotent: promoting the version being or already promoted does nothing.
+        """
+        with self._promote_lock:
+            if self._promoting is not None and self._promoting.name == f"dcr-promote-v{version}":
+                return -1  # a repeated call while this version's promote runs
+            self.settle()
+            if not self.config.background_promote:
+                return self._promote_now(version)
+            th = threading.Thread(target=self._promote_in_background, args=(version,),
+                                  name=f"dcr-promote-v{version}", daemon=True)
+            self._promoting = th
+            th.start()
+            return -1
+
+    def _promote_now(self, version: int) -> int:
         n = self.store.promote(version)
         self._pending_transfer = None
         self._last_summary = None
         return n
 
+    def _promote_in_background(self, version: int) -> None:
+        try:
+            self._promote_now(version)
+        except BaseException as e:  # surfaced by the next settle()
+            self._promote_error = e
+
+    def settle(self) -> None:
+        """Wait for a background promote; raise ``BaselineError`` if it (ever) failed."""
+        with self._promote_lock:
+            if self._promoting is not None:
+                self._promoting.join()
+                self._promoting = None
+            e = self._promote_error
+            if e is not None:  # sticky: the baseline no longer matches the commit record
+                raise BaselineError(f"owner {self.owner_id}: promoting the committed changed set failed: "
+                                    f"{type(e).__name__}: {e}; its baseline no longer matches the commit "
+                                    f"record (relaunch the topology)") from e
+
     def discard(self) -> None:
+        self.settle()
         self.store.discard()
         self._pending_transfer = None
         self._last_summary = None
 
     @property
     def version(self) -> int:
+        self.settle()
         return self.store.version
 
 
@@ -218,7 +265,9 @@ class OwnerMixin:
 
     def dcr_baseline(self, name: str) -> torch.Tensor:
         """The committed bits of ``name`` (checks and dense references)."""
-        return self._dcr_owner().store.tensor(name)
+        owner = self._dcr_owner()
+        owner.settle()
+        return owner.store.tensor(name)
 
     def config_of_owner(self) -> RefitConfig:
         return self._dcr_owner().config

@@ -50,7 +50,7 @@ def make_llvmlite_safe_for_vllm() -> None:
 
     ffi = sys.modules.get("llvmlite.binding.ffi")
     lib = getattr(ffi, "lib", None)
-    if lib is None or isinstance(vars_or_none(lib), dict):
+    if lib is None or isinstance(_vars_or_none(lib), dict):
         return
     base = type(lib)
     safe = type(base.__name__, (base,), {"__slots__": (), "__dict__": property(lambda self: {}),
@@ -58,7 +58,7 @@ def make_llvmlite_safe_for_vllm() -> None:
     lib.__class__ = safe
 
 
-def vars_or_none(obj):
+def _vars_or_none(obj):
     """``vars(obj)``, or None when it cannot be taken."""
     try:
         return vars(obj)

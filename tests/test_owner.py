@@ -1,0 +1,87 @@
+"""The owner logic without Ray: streaming against the baseline, and promote off the refit's path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcr_ray
+from dcr_ray.actors.owner import DeltaOwner
+from dcr_ray.codec import apply_frame
+from dcr_ray.errors import BaselineError
+
+
+class ListSink:
+    """Keeps every frame (the transport is not under test here)."""
+
+    def __init__(self):
+        self.frames = []
+
+    def send(self, frame, key):
+        self.frames.append(frame)
+
+    def drain(self):
+        pass
+
+
+def _tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(4096, generator=g).to(torch.bfloat16),
+            "b": torch.randn(64, 33, generator=g).to(torch.bfloat16)}
+
+
+def _bump(ts, seed):
+    out = {n: t.clone() for n, t in ts.items()}
+    g = torch.Generator().manual_seed(seed)
+    for t in out.values():
+        flat = t.view(-1).view(torch.int16)
+        idx = torch.randperm(flat.numel(), generator=g)[: flat.numel() // 20]
+        flat[idx] ^= 1
+    return out
+
+
+def _owner(background: bool):
+    cfg = dcr_ray.RefitConfig(background_promote=background, chunk_elems=1024, bucket_bytes=1 << 13)
+    return DeltaOwner("o", cfg, in_memory=True)
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+def test_successive_refits_stream_exactly_the_changes_whether_promote_runs_in_background_or_not(background):
+    owner = _owner(background)
+    ts = _tensors(0)
+    owner.attach(ts)
+    engine = {n: t.clone() for n, t in ts.items()}
+    for v in range(1, 4):
+        ts = _bump(ts, v)
+        sink = ListSink()
+        owner.stream(ts, transfer=f"t{v}", attempt=0, base=v - 1, target=v, sink=sink)
+        for f in sink.frames:
+            apply_frame(f, engine, expect_base=v - 1)
+        owner.promote(v)
+        assert owner.version == v  # waits for a background promote
+        for n in ts:
+            assert torch.equal(engine[n].view(torch.int16), ts[n].view(torch.int16))
+            assert torch.equal(owner.store.tensor(n).view(torch.int16), ts[n].view(torch.int16))
+
+
+def test_a_repeated_promote_is_a_no_op_and_a_failed_background_promote_fails_the_next_stream(monkeypatch):
+    owner = _owner(True)
+    ts = _tensors(1)
+    owner.attach(ts)
+    ts = _bump(ts, 1)
+    owner.stream(ts, transfer="t1", attempt=0, base=0, target=1, sink=ListSink())
+    owner.promote(1)
+    owner.promote(1)  # Ray may deliver a call twice
+    assert owner.version == 1
+    ts = _bump(ts, 2)
+    owner.stream(ts, transfer="t2", attempt=0, base=1, target=2, sink=ListSink())
+
+    def broken(version):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(owner.store, "promote", broken)
+    owner.promote(2)  # returns at once; the failure lands in the background thread
+    with pytest.raises(BaselineError, match="promoting the committed changed set failed.*disk full"):
+        owner.stream(_bump(ts, 3), transfer="t3", attempt=0, base=2, target=3, sink=ListSink())
+    with pytest.raises(BaselineError):  # sticky: the baseline does not match the record any more
+        owner.version
