@@ -148,15 +148,11 @@ def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:
             raise MalformedHeaderError(f"{nmarks} escape markers but {len(esc)} escape values")
         if len(esc) and int(esc.min()) < cap:
             raise MalformedHeaderError("an escape value is small enough to be coded directly")
-        raw = sym  # unsigned symbols as stored: the gaps kernel widens them itself
         if len(esc):
             if int(esc.max()) >= span:
                 raise IndexOutOfRangeError(f"a location symbol ({int(esc.max())}) exceeds the item span {span}")
             sym = sym.astype(np.int64)
             sym[np.flatnonzero(is_mark)] = esc.astype(np.int64)
-            raw = None
-        elif enc.mode != "gaps" or not kernels.ENABLED:
-            sym = sym.astype(np.int64)
         # every symbol is now below 2**32 or an escape below ``span``, and there are at most 2**31 of
         # them, so the sums below cannot overflow; the last position's bound check covers every symbol
     else:
@@ -164,16 +160,14 @@ def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:
             raise MalformedHeaderError("8-byte location symbols take no escapes")
         if len(sym) and int(sym.max()) >= span:
             raise IndexOutOfRangeError(f"a location symbol ({int(sym.max())}) exceeds the item span {span}")
-        sym = sym.astype(np.int64)
-        raw = None
+    # ``sym`` holds the symbols as stored (unsigned) or, after escapes, as int64: all below span or 2**32
     if enc.mode == "gaps":
         if enc.nsym != count:
             raise MalformedHeaderError(f"gaps mode needs one symbol per change: {enc.nsym} != {count}")
-        if kernels.ENABLED:  # one compiled pass from the raw (or escape-patched) symbols
-            pos = kernels.gap_positions(raw if raw is not None else sym, lo)
+        if kernels.ENABLED:  # one compiled pass: widen, add one, running sum, offset
+            pos = kernels.gap_positions(sym, lo)
         else:
-            pos = sym if sym.dtype == np.int64 else sym.astype(np.int64)
-            # position i = lo + sum(sym[:i+1] + 1) - 1, computed in place
+            pos = sym.astype(np.int64)  # a fresh array: position i = lo + sum(sym[:i+1] + 1) - 1, in place
             pos += 1
             np.cumsum(pos, out=pos)
             pos += lo - 1
@@ -183,6 +177,7 @@ def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:
             )
         return pos
     # runs
+    sym = sym.astype(np.int64, copy=False)
     if enc.nsym % 2:
         raise MalformedHeaderError("runs mode needs an even number of symbols")
     nruns = enc.nsym // 2
