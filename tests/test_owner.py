@@ -85,3 +85,14 @@ def test_a_repeated_promote_is_a_no_op_and_a_failed_background_promote_fails_the
         owner.stream(_bump(ts, 3), transfer="t3", attempt=0, base=2, target=3, sink=ListSink())
     with pytest.raises(BaselineError):  # sticky: the baseline does not match the record any more
         owner.version
+
+
+def test_promoting_a_version_that_is_not_pending_is_refused_at_once_and_breaks_nothing():
+    owner = _owner(True)
+    ts = _tensors(2)
+    owner.attach(ts)
+    owner.stream(_bump(ts, 1), transfer="t1", attempt=0, base=0, target=1, sink=ListSink())
+    with pytest.raises(BaselineError, match="pending set is for 1"):
+        owner.promote(7)
+    owner.promote(1)
+    assert owner.version == 1

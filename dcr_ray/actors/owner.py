@@ -73,6 +73,7 @@ class DeltaOwner:
         self._pending_transfer: str | None = None
         self._last_summary: dict | None = None
         self._promoting: threading.Thread | None = None
+        self._promoting_version: int | None = None
         self._promote_error: BaseException | None = None
         self._promote_lock = threading.RLock()
 
@@ -171,14 +172,19 @@ class DeltaOwner:
         Idempotent: promoting the version being or already promoted does nothing.
         """
         with self._promote_lock:
-            if self._promoting is not None and self._promoting.name == f"dcr-promote-v{version}":
+            if self._promoting is not None and self._promoting_version == version:
                 return -1  # a repeated call while this version's promote runs
             self.settle()
             if not self.config.background_promote:
                 return self._promote_now(version)
+            if self.store.version == version:
+                return 0  # already promoted
+            if self.store.pending_version != version:  # checked here, so a wrong call leaves no damage
+                raise BaselineError(f"owner {self.owner_id}: promote({version}) but the pending set is for "
+                                    f"{self.store.pending_version}")
             th = threading.Thread(target=self._promote_in_background, args=(version,),
                                   name=f"dcr-promote-v{version}", daemon=True)
-            self._promoting = th
+            self._promoting, self._promoting_version = th, version
             th.start()
             return -1
 
@@ -199,7 +205,7 @@ class DeltaOwner:
         with self._promote_lock:
             if self._promoting is not None:
                 self._promoting.join()
-                self._promoting = None
+                self._promoting = self._promoting_version = None
             e = self._promote_error
             if e is not None:  # sticky: the baseline no longer matches the commit record
                 raise BaselineError(f"owner {self.owner_id}: promoting the committed changed set failed: "
