@@ -23,8 +23,8 @@ def local_ray():
     ray.shutdown()
 
 
-def _start(engine, clusters, **cfg):
-    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+def _start(engine, clusters, trainer_cls=TinyTrainer, **cfg):
+    Trainer = ray.remote(num_cpus=0)(trainer_cls)
     trainer = Trainer.remote(SPEC, lr=1e-3)
     refit = dcr_ray.launch(owners=[trainer], clusters=clusters, engine=engine,
                            config=dcr_ray.RefitConfig(bucket_bytes=1 << 18, chunk_elems=1 << 15, **cfg))
@@ -112,11 +112,8 @@ def test_an_abandoned_refit_that_wrote_in_place_restores_the_engines_to_the_comm
 
 
 def test_a_failure_after_the_commit_record_rolls_forward_and_is_reported_not_retried(local_ray):
-    Trainer = ray.remote(num_cpus=0)(TrainerThatFailsToPromoteOnce)
-    trainer = Trainer.remote(SPEC, lr=1e-3)
-    refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=1)],
-                           engine=dcr_ray.HFEngine(SPEC),
-                           config=dcr_ray.RefitConfig(bucket_bytes=1 << 18, chunk_elems=1 << 15))
+    refit, trainer = _start(dcr_ray.HFEngine(SPEC), [dcr_ray.ClusterSpec(name="a", engines=1)],
+                            trainer_cls=TrainerThatFailsToPromoteOnce)
     try:
         ray.get(trainer.step.remote(seed=0))
         report = refit.run()
@@ -133,7 +130,6 @@ def test_a_failure_after_the_commit_record_rolls_forward_and_is_reported_not_ret
         assert refit.status()["version"] == 1 and refit.status()["required"] == ["a/e0"]
     finally:
         refit.shutdown()
-        ray.kill(trainer)
 
 
 def test_an_engine_left_with_half_written_weights_refuses_work_until_it_rejoins(local_ray):
