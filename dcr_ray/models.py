@@ -24,12 +24,20 @@ PRESETS: dict[str, dict] = {
 }
 
 
+#: Architectures :func:`build_model` knows. The MoE ones have 4 experts of which each token uses 2, and
+#: expert MLPs a quarter as wide as the dense preset's (a multiple of 32, as vLLM's CPU MoE kernels need).
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral")
+MOE_EXPERTS = 4
+MOE_TOP_K = 2
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ModelSpec:
     """Which model to build."""
 
     arch: str = "qwen2"
-    """``"qwen2"`` or ``"llama"`` (both have head_dim = hidden / heads >= 32, as vLLM's CPU kernels need)."""
+    """One of :data:`ARCHS`: dense ``qwen2``, ``llama``, ``qwen3``, or mixture-of-experts ``qwen3_moe``,
+    ``mixtral`` (4 experts, top-2). All have head_dim = hidden / heads >= 32, as vLLM's CPU kernels need."""
     size: str = "tiny"
     """A key of :data:`PRESETS`."""
     seed: int = 0
@@ -40,8 +48,8 @@ class ModelSpec:
     """Share the input embedding with the LM head."""
 
     def __post_init__(self):
-        if self.arch not in ("qwen2", "llama"):
-            raise ValueError(f"ModelSpec.arch must be 'qwen2' or 'llama', got {self.arch!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"ModelSpec.arch must be one of {ARCHS}, got {self.arch!r}")
         if self.size not in PRESETS:
             raise ValueError(f"ModelSpec.size must be one of {sorted(PRESETS)}, got {self.size!r}")
 
@@ -51,13 +59,20 @@ class ModelSpec:
 
 def hf_config(spec: ModelSpec):
     """The ``transformers`` config object for ``spec``."""
-    from transformers import LlamaConfig, Qwen2Config
+    import transformers
 
     kw = dict(PRESETS[spec.size], max_position_embeddings=512, tie_word_embeddings=spec.tie_word_embeddings,
               dtype=spec.dtype)
-    if spec.arch == "qwen2":
-        return Qwen2Config(**kw)
-    return LlamaConfig(**kw)
+    expert_width = kw["intermediate_size"] // MOE_EXPERTS
+    if spec.arch in ("qwen3", "qwen3_moe"):
+        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+    if spec.arch == "qwen3_moe":
+        kw.update(moe_intermediate_size=expert_width, num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K)
+    if spec.arch == "mixtral":
+        kw.update(intermediate_size=expert_width, num_local_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K)
+    cls = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
+           "mixtral": "MixtralConfig"}[spec.arch]
+    return getattr(transformers, cls)(**kw)
 
 
 def build_model(spec: ModelSpec = ModelSpec()) -> torch.nn.Module:

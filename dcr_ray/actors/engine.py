@@ -29,7 +29,7 @@ import ray
 
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.codec import kernels
-from dcr_ray.codec.frame import DIGEST_SIZE, peek_meta, read_frame
+from dcr_ray.codec import DIGEST_SIZE, peek_meta, read_frame
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import DcrError, EngineStateError, FrameError, RefitError, RefitTimeoutError
 from dcr_ray.relay.link import LinkModel

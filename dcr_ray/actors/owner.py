@@ -41,7 +41,7 @@ import torch
 
 from dcr_ray.codec.baseline import BaselineStore
 from dcr_ray.codec.diff import TensorDelta, full_delta
-from dcr_ray.codec.frame import FrameMeta, encode_frames
+from dcr_ray.codec import FrameMeta, encode_frames
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
 

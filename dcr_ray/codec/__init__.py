@@ -12,8 +12,10 @@ from dcr_ray.codec.baseline import BaselineStore
 from dcr_ray.codec.bits import bits_equal, bits_view
 from dcr_ray.codec.diff import ChunkDelta, TensorDelta, diff_tensor, full_delta
 from dcr_ray.codec.frame import (
+    DIGEST_SIZE,
     FORMAT_VERSION,
     DecodedFrame,
+    DecodedItem,
     FrameBuilder,
     FrameMeta,
     apply_decoded,
@@ -24,7 +26,7 @@ from dcr_ray.codec.frame import (
 )
 
 __all__ = [
-    "BaselineStore", "ChunkDelta", "DecodedFrame", "FORMAT_VERSION", "FrameBuilder", "FrameMeta",
+    "BaselineStore", "ChunkDelta", "DIGEST_SIZE", "DecodedFrame", "DecodedItem", "FORMAT_VERSION", "FrameBuilder", "FrameMeta",
     "TensorDelta", "apply_decoded", "apply_frame", "bits_equal", "bits_view", "diff_tensor",
     "encode_frames", "full_delta", "peek_meta", "read_frame",
 ]

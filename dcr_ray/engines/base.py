@@ -23,7 +23,7 @@ from typing import Iterable, Mapping
 import torch
 
 from dcr_ray.codec.bits import wire_name
-from dcr_ray.codec.frame import DecodedFrame
+from dcr_ray.codec import DecodedFrame
 
 
 def canonical_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -43,6 +43,25 @@ def canonical_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         seen.add(key)
         out[name] = t
     return out
+
+
+def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of ``model`` under the names and shapes its saved checkpoint has: what owners send.
+
+    Canonical coordinates are the Hugging Face *checkpoint* layout (what ``save_pretrained`` writes and
+    what a vLLM engine loads). ``transformers`` 5 holds some weights in another layout in memory: an
+    MoE layer keeps all experts fused in ``mlp.experts.gate_up_proj`` / ``down_proj``, while the
+    checkpoint has ``mlp.experts.<i>.gate_proj.weight`` and so on. This applies ``transformers``' own
+    reverse conversion (the one ``save_pretrained`` runs), so no per-model rule lives here. Tensors the
+    conversion leaves alone are the model's storage (as in :func:`canonical_state_dict`); converted
+    ones are new tensors.
+    """
+    state = canonical_state_dict(model)
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers < 5 holds every model in checkpoint layout
+        return state
+    return dict(revert_weight_conversion(model, state))
 
 
 class EngineBackend(ABC):

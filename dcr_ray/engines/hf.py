@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from dcr_ray.codec.bits import bits_view
-from dcr_ray.codec.frame import DecodedFrame, apply_decoded
+from dcr_ray.codec import DecodedFrame, apply_decoded
 from dcr_ray.engines.base import EngineBackend, canonical_state_dict
 
 

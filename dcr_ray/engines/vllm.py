@@ -10,7 +10,7 @@ Two placement modes, both equal to a dense refit of the same canonical tensors b
 
 ``mirror`` (always on CPU)
     A canonical host mirror (name -> tensor, loaded from the checkpoint's safetensors) receives every
-    frame exactly (:func:`~dcr_ray.codec.frame.apply_decoded`); :meth:`VllmBackend.flush` pushes the
+    frame exactly (:func:`~dcr_ray.codec.apply_decoded`); :meth:`VllmBackend.flush` pushes the
     touched tensors, in whole fused groups, through the worker's ``reload_weights``. vLLM's CPU backend
     repacks Linear weights after loading, so this is the only exact path there.
 ``capture`` (the default when vLLM runs on CUDA)
@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from dcr_ray.codec.bits import bits_view, dtype_of, itemsize, wire_name
-from dcr_ray.codec.frame import DecodedFrame, DecodedItem, apply_decoded, read_frame
+from dcr_ray.codec import DecodedFrame, DecodedItem, apply_decoded, read_frame
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray.engines.vllm_worker import checkpoint_files, iter_checkpoint, strict_check
 from dcr_ray.errors import (
@@ -222,6 +222,34 @@ class VllmBackend(EngineBackend):
         self._touched: set[str] = set()
         self._staged: list[DecodedItem] = []
         self.last_flush: dict[str, int] = {}
+        try:
+            self._check_reload_is_a_fresh_load()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_reload_is_a_fresh_load(self) -> None:
+        """Fail closed: reload the checkpoint's own bits through the refit path; nothing may change.
+
+        Every mirror-path refit ends in ``reload_weights`` plus dcr_ray's post-load fix-ups. That is
+        exact only if it reproduces a fresh load, which vLLM does not promise (its fused-MoE reload
+        once skipped the CPU prepack, leaving unpacked bits in packed storage while the host mirror
+        looked right). So at start-up, while storage holds what a fresh load gave, push every mirror
+        tensor through that path and compare each parameter's and buffer's bits, on every rank.
+        """
+        names = self._expand(self._mirror_names)
+        if not names:
+            return
+        before = self.llm.collective_rpc("dcr_storage_digests")
+        self.llm.collective_rpc("dcr_reload", args=([(n, self._mirror[n].detach()) for n in names],))
+        after = self.llm.collective_rpc("dcr_storage_digests")
+        changed = sorted({n for b, a in zip(before, after) for n in b.keys() | a.keys() if b.get(n) != a.get(n)})
+        if changed:
+            raise BackendError(
+                f"vLLM's weight reload is not a fresh load for this model ({self.model_dir}): reloading the "
+                f"checkpoint's own bits changed {len(changed)} parameter(s), e.g. {changed[:4]}. dcr_ray "
+                f"cannot refit it exactly on this vLLM version, so the engine refuses to start (report the "
+                f"architecture and vLLM version; mode='capture' on CUDA avoids the reload path)")
 
     # -- contract ----------------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -108,10 +108,8 @@ def fused_groups(model: torch.nn.Module, names: Iterable[str]) -> dict[str, Any]
         if mapped is _IGNORED:
             ignored.append(n)
             continue
-        mod = mapped.rpartition(".")[0]
-        try:
-            model.get_submodule(mod) if mod else model
-        except AttributeError:
+        mod = loading_module(model, mapped)
+        if mod is None:
             unresolved.append(n)
             continue
         by_module.setdefault(mod, []).append(n)
@@ -119,6 +117,79 @@ def fused_groups(model: torch.nn.Module, names: Iterable[str]) -> dict[str, Any]
     if unresolved:
         groups = [[n for n in names if n not in set(ignored)]]
     return {"groups": groups, "ignored": ignored, "unresolved": unresolved}
+
+
+def _is_moe_layer(module: torch.nn.Module) -> bool:
+    """A vLLM fused-experts layer: it holds the expert weights itself and its quant method is a
+    ``FusedMoEMethodBase`` (the one with a ``moe_kernel``)."""
+    qm = module.__dict__.get("quant_method") or module._modules.get("quant_method")
+    return qm is not None and hasattr(qm, "moe_kernel") and next(module.parameters(recurse=False), None) is not None
+
+
+def loading_module(model: torch.nn.Module, vllm_name: str) -> str | None:
+    """The path of the module that loads the vLLM parameter ``vllm_name`` (None: no such module).
+
+    Usually the name's parent. Expert weights are the exception: a checkpoint's
+    ``mlp.experts.3.gate_proj.weight`` loads into slices of the one fused-experts layer below
+    ``mlp.experts`` (its ``w13_weight``), so a path that resolves no module is walked up to the
+    nearest ancestor that holds exactly one fused-experts layer, and resolves to that layer.
+    """
+    pieces = vllm_name.split(".")[:-1]
+    for end in range(len(pieces), -1, -1):
+        path = ".".join(pieces[:end])
+        try:
+            module = model.get_submodule(path) if path else model
+        except AttributeError:
+            continue
+        if end == len(pieces):
+            return path
+        moe = [sub for sub, m in module.named_modules() if _is_moe_layer(m)]
+        if len(moe) != 1:
+            return None
+        return ".".join(p for p in (path, moe[0]) if p)
+    return None
+
+
+def reprocess_moe_experts(model: torch.nn.Module, loaded_modules: set[str]) -> list[str]:
+    """Finish the post-load processing vLLM skips for fused-experts layers on a weight *update*.
+
+    vLLM's unquantized fused-MoE method runs its experts' ``process_weights_after_loading`` (on CPU:
+    the prepack into the grouped-GEMM layout) on the first load only; on a reload it copies the
+    freshly loaded, unprocessed bits into the processed storage. Running that step now, on each
+    reloaded fused-experts layer, gives exactly what a fresh load gives. The start-up self-check of
+    :class:`~dcr_ray.engines.vllm.VllmBackend` proves it per model, so a vLLM that stops skipping it
+    (and would then be processed twice) is refused before it serves.
+    """
+    done = []
+    for path in sorted(loaded_modules):
+        try:
+            layer = model.get_submodule(path) if path else model
+        except AttributeError:
+            continue
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and callable(getattr(experts, "process_weights_after_loading", None)):
+            experts.process_weights_after_loading(layer)
+            done.append(path)
+    return done
+
+
+def storage_digests(model: torch.nn.Module) -> dict[str, str]:
+    """name -> BLAKE2b digest of the bits of every parameter and buffer the model serves with."""
+    import hashlib
+
+    out = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        if t is None or t.numel() == 0:
+            continue
+        data = t.detach().contiguous().cpu()
+        view = int_view(data) if data.element_size() in _INT else data
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{data.dtype}{tuple(data.shape)}".encode())
+        h.update(view.numpy().tobytes() if view.dtype != torch.bool else view.to(torch.uint8).numpy().tobytes())
+        out[name] = h.hexdigest()
+    return out
 
 
 @contextlib.contextmanager
@@ -634,14 +705,20 @@ class DcrWorkerExtension:
         for name, _ in items:
             mapped = _map_hf_name(model, name)
             if mapped is not _IGNORED:
-                modules.add(mapped.rpartition(".")[0])
+                mod = loading_module(model, mapped)
+                modules.add(mapped.rpartition(".")[0] if mod is None else mod)
         with quiet_partial_reload():
             self.reload_weights(weights_iterator=list(items))
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(self.vllm_config):
+            experts = reprocess_moe_experts(model, modules)
             again = reprocess_aliases(model, modules)
-        return {"tensors": len(items), "reprocessed": again}
+        return {"tensors": len(items), "reprocessed": again + experts}
+
+    def dcr_storage_digests(self) -> dict[str, str]:
+        """See :func:`storage_digests` (this worker's model)."""
+        return storage_digests(self.get_model())
 
     def dcr_device(self) -> str:
         """The device the model's parameters live on (``cpu``, ``cuda:0``, ...)."""
