@@ -7,11 +7,11 @@ import functools
 
 import numpy as np
 
+from dcr_ray.codec.bits import bits_view, np_uint
 from dcr_ray.errors import IndexOutOfRangeError, TargetMismatchError
 
 #: ``device="auto"`` uploads host arrays to the GPU from this many elements on.
 UPLOAD_MIN_ELEMS = 1 << 22
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _GRID_MAX = 65535
 
 
@@ -53,8 +53,6 @@ def _host_bits(x, *, inplace: bool = False) -> np.ndarray:
     """A flat unsigned-integer numpy view of a host array / CPU tensor (zero-copy where possible;
     ``inplace`` demands zero-copy, since writes must reach ``x``)."""
     if _is_torch(x):
-        from dcr_ray.codec.bits import bits_view
-
         if not x.is_contiguous():
             if inplace:
                 raise TargetMismatchError("cuda_ext writes need a contiguous destination tensor")
@@ -64,7 +62,7 @@ def _host_bits(x, *, inplace: bool = False) -> np.ndarray:
     if inplace and not a.flags.c_contiguous:
         raise TargetMismatchError("cuda_ext writes need a C-contiguous destination array")
     a = a.reshape(-1)
-    return a.view(_UNSIGNED[a.dtype.itemsize])
+    return a.view(np_uint(a.dtype.itemsize))
 
 
 def _device_bits(x):
@@ -77,7 +75,7 @@ def _device_bits(x):
         a = cupy.asarray(x.detach().reshape(-1))
     else:
         a = x.reshape(-1)
-    return a.view(_UNSIGNED[a.dtype.itemsize])
+    return a.view(np_uint(a.dtype.itemsize))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -33,8 +33,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import cuda_ext
+    from dcr_ray.codec.bits import np_uint
 
-    dt = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[args.width]
+    dt = np_uint(args.width)
     rng = np.random.default_rng(0)
     old = rng.integers(0, np.iinfo(dt).max, size=args.elems, dtype=dt, endpoint=True)
     new = old.copy()

@@ -34,7 +34,7 @@ from dcr_ray.codec import (
     read_frame,
 )
 from dcr_ray.codec.bits import bits_view
-from dcr_ray.codec.frame import MAX_HEADER_BYTES
+from dcr_ray.codec.format import MAX_HEADER_BYTES
 from dcr_ray.errors import (
     BadMagicError,
     BaseVersionMismatchError,

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dcr_ray.codec import FrameMeta, apply_frame, bits_view, diff_tensor, encode_frames, read_frame
-from dcr_ray.codec import diff, frame
+from dcr_ray.codec import apply, decode, diff, encode
+from dcr_ray.codec import format as wire
 from dcr_ray.errors import MalformedHeaderError, SizeLimitError
 
 META = FrameMeta(transfer="t", attempt=0, producer="p", payload=0, base=0, target=1)
@@ -46,7 +47,7 @@ def test_parallel_section_compression_gives_the_same_frame_bytes(monkeypatch):
     td = diff_tensor("w", bits_view(old).copy(), new)
     parallel = list(encode_frames([td], META))
     assert sum(len(s) for s in parallel) > 0
-    monkeypatch.setattr(frame, "PARALLEL_MIN_RAW_BYTES", 1 << 62)
+    monkeypatch.setattr(encode, "PARALLEL_MIN_RAW_BYTES", 1 << 62)
     serial = list(encode_frames([td], META))
     assert parallel == serial
     targets = {"w": old.clone()}
@@ -59,7 +60,7 @@ def test_parallel_section_compression_gives_the_same_frame_bytes(monkeypatch):
 def test_items_longer_than_an_apply_block_apply_exactly(mode):
     old, new = _bf16_pair(1 << 21, 0.2, 2)
     td = diff_tensor("w", bits_view(old).copy(), new)
-    assert max(c.count for c in td.chunks) > frame.APPLY_BLOCK
+    assert max(c.count for c in td.chunks) > apply.APPLY_BLOCK
     targets = {"w": old.clone()}
     for f in encode_frames([td], META, mode=mode):
         apply_frame(f, targets)
@@ -71,13 +72,13 @@ def test_a_corrupt_section_of_a_large_frame_is_rejected_before_any_write():
     td = diff_tensor("w", bits_view(old).copy(), new)
     (data,) = encode_frames([td], META)
     decoded = read_frame(data)
-    assert decoded.raw_bytes >= frame.PARALLEL_MIN_RAW_BYTES  # the parallel decompression path
+    assert decoded.raw_bytes >= decode.PARALLEL_MIN_RAW_BYTES  # the parallel decompression path
     # corrupt the last section's body and re-sign (no key), so only decompression can notice
     buf = bytearray(data)
-    body_end = len(buf) - frame.DIGEST_SIZE
+    body_end = len(buf) - wire.DIGEST_SIZE
     for i in range(body_end - 40, body_end - 8):
         buf[i] ^= 0x5A
-    buf[-frame.DIGEST_SIZE:] = frame.digest(bytes(buf[4:body_end]), None)
+    buf[-wire.DIGEST_SIZE:] = wire.digest(bytes(buf[4:body_end]), None)
     targets = {"w": old.clone()}
     with pytest.raises((MalformedHeaderError, SizeLimitError)):
         apply_frame(bytes(buf), targets)
@@ -122,12 +123,12 @@ def test_items_of_a_large_frame_decode_and_apply_on_several_threads_exactly(monk
     got = {}
     for many in (True, False):
         if not many:
-            monkeypatch.setattr(frame, "DECODE_PARALLEL_MIN", 1 << 62)
-            monkeypatch.setattr(frame, "APPLY_PARALLEL_MIN", 1 << 62)
+            monkeypatch.setattr(decode, "DECODE_PARALLEL_MIN", 1 << 62)
+            monkeypatch.setattr(apply, "APPLY_PARALLEL_MIN", 1 << 62)
         decoded = read_frame(data)
         assert len(decoded.items) == len(td.chunks) > 1
         targets = {"w": old.clone()}
-        frame.apply_decoded(decoded, targets)
+        apply.apply_decoded(decoded, targets)
         got[many] = [(it.lo, it.hi, it.positions.tolist(), it.values.tolist()) for it in decoded.items]
         assert torch.equal(targets["w"].view(torch.int16), new.view(torch.int16))
     assert got[True] == got[False]

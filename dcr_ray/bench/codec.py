@@ -182,7 +182,7 @@ def _best(fn, repeats: int, setup=None, cpu: list | None = None):
 def _encode(step: Step, *, mode="mixed", zstd_level=None):
     """(deltas, frames) of ``step``: the owner's encode path (diff every tensor, then frames)."""
     from dcr_ray.codec import diff_tensor, encode_frames
-    from dcr_ray.codec.frame import DEFAULT_ZSTD_LEVEL
+    from dcr_ray.codec.encode import DEFAULT_ZSTD_LEVEL
 
     deltas = [diff_tensor(n, step.old[n], t) for n, t in step.new.items()]
     frames = list(encode_frames(deltas, _meta(), mode=mode,
@@ -391,27 +391,27 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
 def zstd_sweep(step: Step, repeats: int) -> list[dict]:
     """Wire bytes and frame encode/decode speed of each zstd level on ``step`` (same changed set).
 
-    Every level runs with the codec's hash-table setting (``frame.ZSTD_HASH_LOG``); one more row runs
+    Every level runs with the codec's hash-table setting (``encode.ZSTD_HASH_LOG``); one more row runs
     the default level with zstd's own default table, to show what that setting buys.
     """
     from dcr_ray.codec import diff_tensor, encode_frames
-    from dcr_ray.codec import frame as frame_mod
+    from dcr_ray.codec import encode as encode_mod
 
     deltas = [diff_tensor(n, step.old[n], t) for n, t in step.new.items()]
     t_diff, _ = _best(lambda: [diff_tensor(n, step.old[n], t) for n, t in step.new.items()], repeats)
     canon = sum(t.numel() * t.element_size() for t in step.new.values())
     changed = sum(d.changed for d in deltas)
-    tuned = frame_mod.ZSTD_HASH_LOG
+    tuned = encode_mod.ZSTD_HASH_LOG
     variants = [(level, tuned) for level in ZSTD_LEVELS]
     if tuned is not None:
-        variants.append((frame_mod.DEFAULT_ZSTD_LEVEL, None))
+        variants.append((encode_mod.DEFAULT_ZSTD_LEVEL, None))
     out = []
     for level, hash_log in variants:
-        frame_mod.ZSTD_HASH_LOG = hash_log
+        encode_mod.ZSTD_HASH_LOG = hash_log
         try:
             t_fr, frames = _best(lambda: list(encode_frames(deltas, _meta(), zstd_level=level)), repeats)
         finally:
-            frame_mod.ZSTD_HASH_LOG = tuned
+            encode_mod.ZSTD_HASH_LOG = tuned
         t_app, _ = _best(lambda tg: _decode_apply(frames, tg), repeats, setup=lambda: _fresh_targets(step))
         tg = _fresh_targets(step)
         _decode_apply(frames, tg)
@@ -437,7 +437,7 @@ def run(s: Settings) -> dict:
     import zstandard
 
     from dcr_ray.codec import threads as threads_mod
-    from dcr_ray.codec.frame import DEFAULT_ZSTD_LEVEL, ZSTD_HASH_LOG
+    from dcr_ray.codec.encode import DEFAULT_ZSTD_LEVEL, ZSTD_HASH_LOG
 
     t_start = time.perf_counter()
     load0 = _loadavg()

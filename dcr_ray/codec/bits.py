@@ -12,7 +12,7 @@ import torch
 
 from dcr_ray.errors import TargetMismatchError
 
-#: Wire name -> torch dtype. The wire names are part of the frame format (see ``frame.py``).
+#: Wire name -> torch dtype. The wire names are part of the frame format (see :mod:`~dcr_ray.codec.format`).
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
     "uint8": torch.uint8,
@@ -29,12 +29,14 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
 }
 _NAME_OF = {dt: name for name, dt in WIRE_DTYPES.items()}
 
-#: Element size in bytes -> (torch integer view dtype, numpy unsigned dtype)
-_INT_VIEW = {
-    1: (torch.uint8, np.uint8),
-    2: (torch.int16, np.uint16),
-    4: (torch.int32, np.uint32),
-    8: (torch.int64, np.uint64),
+#: Element width in bytes -> (torch integer view dtype, numpy unsigned dtype, numpy dtype of the torch view).
+#: torch lacks most operations on its 16/32/64-bit unsigned types, so its views are signed beyond one byte;
+#: one byte stays unsigned (bool and uint8 tensors view as uint8).
+_BY_WIDTH = {
+    1: (torch.uint8, np.uint8, np.uint8),
+    2: (torch.int16, np.uint16, np.int16),
+    4: (torch.int32, np.uint32, np.int32),
+    8: (torch.int64, np.uint64, np.int64),
 }
 
 
@@ -61,9 +63,20 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def np_uint(dtype: torch.dtype) -> type[np.unsignedinteger]:
-    """The numpy unsigned integer dtype with the element size of ``dtype``."""
-    return _INT_VIEW[itemsize(dtype)][1]
+def np_uint(width: int) -> type[np.unsignedinteger]:
+    """The numpy unsigned integer type of ``width`` bytes (1, 2, 4 or 8): how the codec holds bits."""
+    return _BY_WIDTH[width][1]
+
+
+def np_int(width: int) -> type[np.integer]:
+    """The numpy integer type matching :func:`torch_int` of ``width`` (``torch.from_numpy`` gives that dtype)."""
+    return _BY_WIDTH[width][2]
+
+
+def torch_int(width: int) -> torch.dtype:
+    """The torch integer dtype that views ``width``-byte elements for bitwise work: ``uint8`` for one
+    byte, signed beyond (torch lacks most operations on its wider unsigned types)."""
+    return _BY_WIDTH[width][0]
 
 
 def bits_view(t: torch.Tensor) -> np.ndarray:
@@ -75,13 +88,13 @@ def bits_view(t: torch.Tensor) -> np.ndarray:
         raise TargetMismatchError(f"bits_view needs a CPU tensor, got one on {t.device}")
     if not t.is_contiguous():
         raise TargetMismatchError("bits_view needs a contiguous tensor (call .contiguous() on a copy)")
-    tv, nv = _INT_VIEW[t.element_size()]
-    return t.detach().reshape(-1).view(tv).numpy().view(nv)
+    w = t.element_size()
+    return t.detach().reshape(-1).view(torch_int(w)).numpy().view(np_uint(w))
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when ``a`` and ``b`` have the same dtype, shape and stored bits (NaN payloads and -0 included)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    tv = _INT_VIEW[a.element_size()][0]
+    tv = torch_int(a.element_size())
     return torch.equal(a.contiguous().view(tv), b.contiguous().view(tv))

@@ -5,15 +5,15 @@ numpy applies an XOR item as a take / xor / put round trip, three passes over th
 with two temporaries; :func:`xor_into` (``view[pos] ^= vals``) and :func:`put_into`
 (``view[pos] = vals``) do it in one pass. :func:`gap_positions` turns gap symbols into positions
 in one pass (numpy: widen, add, cumsum, offset) and :func:`join2` interleaves the two byte planes of
-16-bit values in one pass. Together about 1.4x faster decode+apply at 3 % and 10 % change rates
-(``dcr-ray bench codec``). They compute exactly what the numpy path computes (the tests compare both
+16-bit values in one pass (their effect on decode+apply is in BENCHMARKS.md, ``dcr-ray bench
+codec``). They compute exactly what the numpy path computes (the tests compare both
 on every dtype), release the GIL (``nogil``) so the codec threads apply items in parallel, and are
 compiled once per machine (``cache=True`` keeps the machine code next to this file, or under
 ``NUMBA_CACHE_DIR``).
 
-The sender's scan stays in numpy: a compiled one-pass scan (word compaction, then a lane split from
-cache) measured no faster than :mod:`dcr_ray.codec.diff`'s blocked numpy scan on this codec's data,
-because it is bound by branch mispredictions on scattered changes and page faults of its outputs.
+The sender's scan stays in numpy (:mod:`dcr_ray.codec.diff`'s blocked scan): a compiled scan is bound
+by branch mispredictions on scattered changes and page faults of its outputs, and is no faster on this
+codec's data (BENCHMARKS.md).
 
 Set ``DCR_RAY_JIT=0`` to use the numpy path (or when numba is not installed, which is detected here).
 Every caller checks :data:`ENABLED` and falls back; bounds are never checked inside a kernel, so
@@ -67,7 +67,7 @@ def _vars_or_none(obj):
 
 
 def _compiled() -> dict:
-    """The kernels, defined on first use (importing numba takes ~0.3 s; most processes never apply)."""
+    """The kernels, defined on first use (importing numba is slow, and most processes never apply)."""
     global _fns
     if _fns is None:
         with _lock:
@@ -136,8 +136,8 @@ def join2(p0: np.ndarray, p1: np.ndarray) -> np.ndarray:
 def warm_up(background: bool = True) -> None:
     """Load (or compile, the first time on a machine) the kernels for the common element widths.
 
-    Receivers call this at start-up so that the first delta refit does not pay ~0.5 s of numba start-up
-    (several seconds when nothing is cached yet). A no-op when the kernels are disabled.
+    Receivers call this at start-up so that the first delta refit does not pay for numba's start-up
+    (and, the first time on a machine, for compiling). A no-op when the kernels are disabled.
     """
     if not ENABLED:
         return

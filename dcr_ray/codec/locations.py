@@ -23,11 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcr_ray.codec import kernels
+from dcr_ray.codec.bits import np_uint
+from dcr_ray.codec.format import LocationMode
 from dcr_ray.errors import IndexOutOfRangeError, MalformedHeaderError
 
-MODES = ("gaps", "runs")
+#: Wire strings of the location modes.
+MODES = tuple(m.value for m in LocationMode)
+#: Symbol widths in bytes.
 WIDTHS = (1, 2, 4, 8)
-_NP_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: Largest item span a location stream may address (keeps every cumulative sum inside int64).
 MAX_SPAN = 1 << 31
 
@@ -36,7 +39,7 @@ MAX_SPAN = 1 << 31
 class EncodedLocations:
     """Positions of one item as symbol bytes (``prim``) and escape values (``esc``, uint64 LE)."""
 
-    mode: str
+    mode: str  # a LocationMode; as read from a frame, any string until decode() checks it
     width: int
     nsym: int
     prim: bytes
@@ -51,17 +54,17 @@ class EncodedLocations:
         return len(self.prim) + len(self.esc)
 
 
-EMPTY = EncodedLocations("gaps", 1, 0, b"", b"")
+EMPTY = EncodedLocations(LocationMode.GAPS, 1, 0, b"", b"")
 
 
-def _symbols(positions: np.ndarray, lo: int) -> dict[str, np.ndarray]:
+def _symbols(positions: np.ndarray, lo: int) -> dict[LocationMode, np.ndarray]:
     """Candidate symbol streams (int64) for both modes."""
     pos = positions.astype(np.int64, copy=False)
     gaps = np.empty_like(pos)
     gaps[0] = pos[0] - lo
     np.subtract(pos[1:], pos[:-1], out=gaps[1:])
     gaps[1:] -= 1
-    out = {"gaps": gaps}
+    out = {LocationMode.GAPS: gaps}
     # runs: a new run starts wherever the gap symbol is non-zero (and at the first position);
     # counting first is cheap, and runs can only win when they halve the symbol count
     nruns = int(np.count_nonzero(gaps[1:])) + 1
@@ -69,7 +72,7 @@ def _symbols(positions: np.ndarray, lo: int) -> dict[str, np.ndarray]:
         starts = np.flatnonzero(gaps[1:]) + 1
         run_start_idx = np.concatenate(([0], starts))
         lengths = np.diff(np.concatenate((run_start_idx, [len(pos)])))
-        out["runs"] = np.concatenate((gaps[run_start_idx], lengths - 1))
+        out[LocationMode.RUNS] = np.concatenate((gaps[run_start_idx], lengths - 1))
     return out
 
 
@@ -103,7 +106,7 @@ def encode(positions: np.ndarray, lo: int) -> EncodedLocations:
     _, mode, w, sym, nesc = best
     if w == 8:
         return EncodedLocations(mode, 8, len(sym), sym.astype("<u8").tobytes(), b"")
-    dt = np.dtype(_NP_OF_WIDTH[w]).newbyteorder("<")
+    dt = np.dtype(np_uint(w)).newbyteorder("<")
     if not nesc:
         return EncodedLocations(mode, w, len(sym), sym.astype(dt).tobytes(), b"")
     cap = (1 << (8 * w)) - 1
@@ -123,6 +126,7 @@ def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:
     span = hi - lo
     if enc.mode not in MODES:
         raise MalformedHeaderError(f"unknown location mode {enc.mode!r}; known: {MODES}")
+    mode = LocationMode(enc.mode)
     if enc.width not in WIDTHS:
         raise MalformedHeaderError(f"location width must be one of {WIDTHS}, got {enc.width}")
     if not 0 < span <= MAX_SPAN:
@@ -138,7 +142,7 @@ def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:
             f"location stream has {len(enc.prim)} symbol bytes and {len(enc.esc)} escape bytes; "
             f"declared {enc.nsym} symbols of {enc.width} bytes"
         )
-    sym = np.frombuffer(enc.prim, dtype=np.dtype(_NP_OF_WIDTH[enc.width]).newbyteorder("<"))
+    sym = np.frombuffer(enc.prim, dtype=np.dtype(np_uint(enc.width)).newbyteorder("<"))
     esc = np.frombuffer(enc.esc, dtype="<u8")
     if enc.width < 8:
         cap = (1 << (8 * enc.width)) - 1
@@ -161,7 +165,7 @@ def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:
         if len(sym) and int(sym.max()) >= span:
             raise IndexOutOfRangeError(f"a location symbol ({int(sym.max())}) exceeds the item span {span}")
     # ``sym`` holds the symbols as stored (unsigned) or, after escapes, as int64: all below span or 2**32
-    if enc.mode == "gaps":
+    if mode is LocationMode.GAPS:
         if enc.nsym != count:
             raise MalformedHeaderError(f"gaps mode needs one symbol per change: {enc.nsym} != {count}")
         if kernels.ENABLED:  # one compiled pass: widen, add one, running sum, offset
@@ -176,7 +180,7 @@ def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:
                 f"decoded position {int(pos[-1])} is outside the item range [{lo}, {hi})"
             )
         return pos
-    # runs
+    # LocationMode.RUNS
     sym = sym.astype(np.int64, copy=False)
     if enc.nsym % 2:
         raise MalformedHeaderError("runs mode needs an even number of symbols")

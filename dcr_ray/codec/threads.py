@@ -1,9 +1,10 @@
-"""The codec's worker threads: one small pool shared by the diff scan and frame compression.
+"""The codec's worker threads: one small pool shared by the diff scan, frame (de)compression, item
+decoding and apply.
 
 numpy's comparisons, ``nonzero``, gathers and zstandard's (de)compression release the GIL, so on a
 multi-core owner a chunk's scan and a frame's sections proceed in parallel. Work is handed over in a
-few large tasks (each costs tens of microseconds to hand over), never one per small block, and pool
-tasks never submit pool tasks (no nested waits, so no deadlock).
+few large tasks, never one per small block (handing a task to the pool costs more than a small block's
+work), and pool tasks never submit pool tasks (no nested waits, so no deadlock).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Iterable, TypeVar
 
 #: Upper bound on codec threads per process (an owner usually shares its node with a trainer).
 MAX_THREADS = 8
+
+T = TypeVar("T")
 
 _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
@@ -46,6 +49,17 @@ def run_all(fns: list[Callable[[], object]]) -> list:
     futs: list[Future] = [pool().submit(f) for f in fns[1:]]
     first = fns[0]()
     return [first, *(f.result() for f in futs)]
+
+
+def balance(things: Iterable[T], size: Callable[[T], int], n: int) -> list[list[T]]:
+    """Deal ``things`` out to at most ``n`` non-empty shares, largest first to the least loaded share."""
+    shares: list[list[T]] = [[] for _ in range(n)]
+    load = [0] * n
+    for t in sorted(things, key=lambda t: -size(t)):
+        k = load.index(min(load))
+        shares[k].append(t)
+        load[k] += size(t)
+    return [s for s in shares if s]
 
 
 def _reset_in_child() -> None:  # a forked child must not wait on its parent's threads

@@ -1,0 +1,73 @@
+"""Applying frames: the writes of a validated :class:`~dcr_ray.codec.decode.DecodedFrame`, in place.
+
+Nothing here validates the frame's contents: :func:`~dcr_ray.codec.decode.read_frame` has checked every
+position, range and value, so the compiled kernels (:mod:`~dcr_ray.codec.kernels`) write without bound
+checks. What can still fail (a target that cannot be viewed in place) is checked before the first write.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from dcr_ray.codec import kernels, threads
+from dcr_ray.codec.bits import bits_view
+from dcr_ray.codec.decode import DecodedFrame, read_frame
+from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES, Encoding
+
+#: Frames with at least this many written elements are applied by several codec threads.
+APPLY_PARALLEL_MIN = 1 << 16
+#: XOR items are applied this many positions at a time, so each write-back hits the lines just read.
+APPLY_BLOCK = 1 << 14
+
+
+def _xor_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+    """``view[positions] ^= values`` (sorted, unique positions) with take/put in cache-sized runs."""
+    if kernels.ENABLED:
+        kernels.xor_into(view, positions, values)
+        return
+    for a in range(0, len(positions), APPLY_BLOCK):
+        p = positions[a:a + APPLY_BLOCK]
+        cur = np.take(view, p)
+        cur ^= values[a:a + APPLY_BLOCK]
+        np.put(view, p, cur)
+
+
+def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> int:
+    """Write a validated frame into ``targets`` in place; returns the number of elements written."""
+    # Resolve every target's bit view before the first write: a target that cannot be viewed
+    # (non-contiguous, not on the CPU) must fail the frame with nothing written, not half-way through.
+    views = {it.name: bits_view(targets[it.name]) for it in frame.items}
+
+    def write(items) -> None:
+        for it in items:
+            view = views[it.name]
+            if it.encoding == Encoding.DENSE:
+                view[it.lo:it.hi] = it.values
+            elif it.encoding == Encoding.XOR:
+                _xor_into(view, it.positions, it.values)
+            elif kernels.ENABLED:
+                kernels.put_into(view, it.positions, it.values)
+            else:
+                np.put(view, it.positions, it.values)
+
+    # Items never overlap (read_frame refused overlapping ranges), so the codec threads may write
+    # them concurrently: deal them out largest first to the least loaded thread.
+    n_threads = threads.codec_threads()
+    total = sum(len(it.values) for it in frame.items)
+    if n_threads > 1 and len(frame.items) > 1 and total >= APPLY_PARALLEL_MIN:
+        threads.run_all([lambda s=s: write(s)
+                         for s in threads.balance(frame.items, lambda it: len(it.values), n_threads)])
+    else:
+        write(frame.items)
+    return total
+
+
+def apply_frame(data, targets: Mapping[str, torch.Tensor], *, key: bytes | None = None,
+                expect_base: int | None = None, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES) -> DecodedFrame:
+    """Validate ``data`` completely, then apply it to ``targets`` in place. Returns the decoded frame."""
+    frame = read_frame(data, targets, key=key, expect_base=expect_base, max_raw_bytes=max_raw_bytes)
+    apply_decoded(frame, targets)
+    return frame

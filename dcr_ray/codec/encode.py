@@ -1,0 +1,172 @@
+"""Writing frames: changed sets in, signed frames (see :mod:`~dcr_ray.codec.format`) out.
+
+:class:`FrameBuilder` turns the chunks of changed sets into the items of one frame, gathering each
+item's location symbols and value byte planes into the frame's sections; :meth:`FrameBuilder.finish`
+compresses every section on its own (zstd, or raw when zstd does not make it smaller), writes the
+header and signs. :func:`encode_frames` cuts a stream of changed sets into frames of bounded raw size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import threading
+from typing import Iterable, Mapping
+
+import msgpack
+import numpy as np
+import zstandard
+
+from dcr_ray.codec import planes, threads
+from dcr_ray.codec.bits import dtype_of, itemsize
+from dcr_ray.codec.diff import ChunkDelta, TensorDelta
+from dcr_ray.codec.format import (
+    ESC_SECTION,
+    FORMAT_VERSION,
+    LOC_SECTION,
+    MAGIC,
+    Encoding,
+    FrameMeta,
+    digest,
+    value_section,
+)
+
+DEFAULT_ZSTD_LEVEL = 1
+#: zstd hash table size (log2) for every section. Location symbols and mask/value byte planes are close
+#: to memoryless: long matches are rare and short ones cost more bits than the literals they replace, so
+#: a small table (64 entries, zstd's minimum) that finds fewer of them gives smaller sections in less
+#: time than zstd's level default (``dcr-ray bench codec`` compares both in its zstd sweep; results in
+#: BENCHMARKS.md). ``None`` keeps zstd's default. The output is ordinary zstd (any decoder reads it);
+#: only the encoder's choices change.
+ZSTD_HASH_LOG: int | None = 6
+#: Frames with at least this many raw section bytes compress their sections in parallel.
+PARALLEL_MIN_RAW_BYTES = 256 << 10
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor for ``level`` (contexts are reused; one-shot output does not depend on it)."""
+    cache = _local.__dict__.setdefault("cctx", {})
+    key = (level, ZSTD_HASH_LOG)
+    c = cache.get(key)
+    if c is None:
+        if ZSTD_HASH_LOG is None:
+            c = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        else:
+            params = zstandard.ZstdCompressionParameters.from_level(
+                level, hash_log=ZSTD_HASH_LOG, write_content_size=True)
+            c = zstandard.ZstdCompressor(compression_params=params)
+        cache[key] = c
+    return c
+
+
+class FrameBuilder:
+    """Accumulates chunk deltas as items of one frame; :meth:`finish` returns the frame bytes.
+
+    ``mode="mixed"`` writes sparse chunks as XOR masks where the tensor allows it (``xor_ok``) and as
+    absolute new bits otherwise; ``mode="overwrite"`` writes absolute bits everywhere (retries).
+    Dense chunks are always absolute.
+    """
+
+    def __init__(self, meta: FrameMeta, *, mode: str = "mixed", zstd_level: int = DEFAULT_ZSTD_LEVEL,
+                 key: bytes | None = None):
+        if mode not in ("mixed", "overwrite"):
+            raise ValueError(f"mode must be 'mixed' or 'overwrite', got {mode!r}")
+        self.meta = meta
+        self.mode = mode
+        self.key = key
+        self.zstd_level = zstd_level
+        self.items: list[dict] = []
+        self._sections: dict[str, list[bytes | np.ndarray]] = {LOC_SECTION: [], ESC_SECTION: []}
+        self.raw_bytes = 0
+        self.changed = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def add(self, td: TensorDelta, chunk: ChunkDelta, *, xor_ok: bool = True) -> None:
+        """Add one chunk of ``td`` as an item."""
+        w = itemsize(dtype_of(td.dtype))
+        item = {"t": td.name, "dt": td.dtype, "sh": list(td.shape), "lo": chunk.lo, "hi": chunk.hi,
+                "n": chunk.count}
+        if chunk.is_dense:
+            enc = Encoding.DENSE
+            item["e"] = enc
+            values = chunk.dense
+        else:
+            enc = Encoding.XOR if (self.mode == "mixed" and xor_ok) else Encoding.OVERWRITE
+            item["e"] = enc
+            values = chunk.xor if enc is Encoding.XOR else chunk.new
+            loc = chunk.loc
+            item.update(lm=loc.mode, lw=loc.width, ls=loc.nsym, le=loc.nesc)
+            self._sections[LOC_SECTION].append(loc.prim)
+            self._sections[ESC_SECTION].append(loc.esc)
+            self.raw_bytes += loc.nbytes
+        for j, plane in enumerate(planes.split(values)):
+            self._sections.setdefault(value_section(enc, w, j), []).append(plane)
+        self.raw_bytes += values.nbytes
+        self.changed += chunk.count
+        self.items.append(item)
+
+    def finish(self) -> bytes:
+        """Compress the sections, sign, and return the complete frame."""
+        named = []
+        for name, parts in self._sections.items():
+            raw = b"".join(parts)  # planes are contiguous uint8 arrays: joined without a copy each
+            if raw:
+                named.append((name, raw))
+        level = self.zstd_level
+        if sum(len(r) for _, r in named) >= PARALLEL_MIN_RAW_BYTES:
+            # sections compress independently (one zstd frame each): same bytes, in parallel
+            comps = threads.run_all([lambda r=r: _compressor(level).compress(r) for _, r in named])
+        else:
+            comps = [_compressor(level).compress(r) for _, r in named]
+        sec_meta, bodies = [], []
+        for (name, raw), comp in zip(named, comps):
+            if len(comp) < len(raw):
+                sec_meta.append([name, "zstd", len(raw), len(comp)])
+                bodies.append(comp)
+            else:
+                sec_meta.append([name, "raw", len(raw), len(raw)])
+                bodies.append(raw)
+        m = self.meta
+        header = msgpack.packb(
+            {"fmt": FORMAT_VERSION, "transfer": m.transfer, "attempt": m.attempt, "producer": m.producer,
+             "payload": m.payload, "base": m.base, "target": m.target, "sections": sec_meta,
+             "items": self.items},
+            use_bin_type=True,
+        )
+        signed = b"".join([bytes([FORMAT_VERSION]), struct.pack("<I", len(header)), header, *bodies])
+        return MAGIC + signed + digest(signed, self.key)
+
+
+def encode_frames(
+    deltas: Iterable[TensorDelta],
+    meta: FrameMeta,
+    *,
+    mode: str = "mixed",
+    bucket_bytes: int = 64 << 20,
+    zstd_level: int = DEFAULT_ZSTD_LEVEL,
+    key: bytes | None = None,
+    xor_ok: Mapping[str, bool] | None = None,
+) -> Iterable[bytes]:
+    """Yield frames (payload ids from ``meta.payload`` on) holding every chunk of ``deltas``.
+
+    A frame is closed once its raw (pre-compression) size reaches ``bucket_bytes``; a chunk is never
+    split across frames, so choose ``chunk_elems * itemsize <= bucket_bytes``.
+    """
+    pid = meta.payload
+    fb = None
+    for td in deltas:
+        for ch in td.chunks:
+            if fb is None:
+                fb = FrameBuilder(dataclasses.replace(meta, payload=pid), mode=mode, zstd_level=zstd_level,
+                                  key=key)
+            fb.add(td, ch, xor_ok=True if xor_ok is None else xor_ok.get(td.name, True))
+            if fb.raw_bytes >= bucket_bytes:
+                yield fb.finish()
+                pid += 1
+                fb = None
+    if fb is not None and len(fb):
+        yield fb.finish()
