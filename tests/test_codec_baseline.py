@@ -49,7 +49,7 @@ def test_promote_makes_the_baseline_equal_the_new_bits(store):
     store.add("w", old)
     store.begin(1)
     td = store.diff("w", new)
-    store.stage(td)
+    store.add_pending(td)
     assert store.pending_version == 1 and store.pending() == [td]
     assert same_bits(store.tensor("w"), old), "staging does not touch the committed bits"
     assert store.promote(1) == td.changed > 0
@@ -62,7 +62,7 @@ def test_discard_leaves_the_committed_bits_and_version_unchanged(store):
     old = torch.randn(70).to(torch.float32)
     store.add("w", old)
     store.begin(1)
-    store.stage(store.diff("w", bumped(old, 3)))
+    store.add_pending(store.diff("w", bumped(old, 3)))
     store.discard()
     assert store.version == 0 and store.pending() == [] and store.pending_version is None
     assert same_bits(store.tensor("w"), old)
@@ -74,7 +74,7 @@ def test_a_repeated_promote_of_the_committed_version_is_a_no_op(store):
     old = torch.arange(20, dtype=torch.int32)
     store.add("w", old)
     store.begin(1)
-    store.stage(store.diff("w", bumped(old)))
+    store.add_pending(store.diff("w", bumped(old)))
     store.promote(1)
     assert store.promote(1) == 0 and store.version == 1
 
@@ -90,10 +90,10 @@ def test_begin_must_move_past_the_committed_version(store):
         store.promote(2)
 
 
-def test_stage_before_begin_is_a_baseline_error(store):
+def test_add_pending_before_begin_is_a_baseline_error(store):
     store.add("w", torch.zeros(4))
     with pytest.raises(BaselineError):
-        store.stage(store.diff("w", torch.ones(4)))
+        store.add_pending(store.diff("w", torch.ones(4)))
 
 
 def test_an_unknown_tensor_name_is_a_baseline_error(store):
@@ -123,8 +123,8 @@ def test_empty_and_scalar_tensors_have_baselines(store):
     store.add("empty", torch.zeros(0, 5, dtype=torch.bfloat16))
     store.add("scalar", torch.tensor(1.5, dtype=torch.float64))
     store.begin(1)
-    store.stage(store.diff("empty", torch.zeros(0, 5, dtype=torch.bfloat16)))
-    store.stage(store.diff("scalar", torch.tensor(-1.5, dtype=torch.float64)))
+    store.add_pending(store.diff("empty", torch.zeros(0, 5, dtype=torch.bfloat16)))
+    store.add_pending(store.diff("scalar", torch.tensor(-1.5, dtype=torch.float64)))
     assert store.promote(1) == 1
     assert same_bits(store.tensor("scalar"), torch.tensor(-1.5, dtype=torch.float64))
     assert store.tensor("empty").shape == (0, 5)

@@ -334,7 +334,7 @@ def test_a_baseline_store_promotes_exactly_the_new_bits_and_discard_keeps_the_ol
         store.begin(1)
         first = [store.diff(name, new) for name, (_, new) in pairs.items()]
         for td in first:
-            store.stage(td)
+            store.add_pending(td)
         store.discard()
         assert store.version == 0 and store.pending_version is None
         for name, (old, _) in pairs.items():
@@ -347,7 +347,7 @@ def test_a_baseline_store_promotes_exactly_the_new_bits_and_discard_keeps_the_ol
         assert list(encode_frames(first, m, bucket_bytes=1)) == list(encode_frames(again, m, bucket_bytes=1))
         for td, (name, (old, new)) in zip(again, pairs.items()):
             check_changed_set(td, old, new, chunk)
-            store.stage(td)
+            store.add_pending(td)
         written = store.promote(1)
         assert written == sum(td.changed for td in again)
         assert store.version == 1 and store.promote(1) == 0, "a repeated promote is a no-op"
@@ -384,7 +384,7 @@ def test_a_receiver_and_its_owner_baseline_agree_bit_for_bit_after_every_committ
             deltas = []
             for name, t in current.items():
                 deltas.append(store.diff(name, t))
-                store.stage(deltas[-1])
+                store.add_pending(deltas[-1])
             for f in encode_frames(deltas, meta(base=step - 1), bucket_bytes=data.draw(st.sampled_from([1, 64]))):
                 apply_frame(f, engine, expect_base=step - 1)
             store.promote(step)

@@ -155,7 +155,7 @@ def test_captured_vllm_loader_copies_replay_deltas_bit_exactly_on_an_unpacked_cp
         item_batches.append(items)
         store.begin(v + 1)
         for d in deltas:
-            store.stage(d)
+            store.add_pending(d)
         store.promote(v + 1)
 
     def run(worker, files, batches, final):

@@ -63,6 +63,6 @@ def refit(engine: VllmBackend, store: BaselineStore, state: dict[str, torch.Tens
     engine.flush()
     store.begin(base + 1)
     for d in deltas:
-        store.stage(d)
+        store.add_pending(d)
     store.promote(base + 1)
     return len(frames), sum(d.changed for d in deltas)

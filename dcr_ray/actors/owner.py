@@ -123,7 +123,7 @@ class DeltaOwner:
                 raise BaselineError(f"owner {self.owner_id}: tensor {name!r} disappeared from dcr_tensors()")
             td = self.store.diff(name, tensors[name])
             if td.chunks:
-                self.store.stage(td)
+                self.store.add_pending(td)
                 yield td
 
     def _send(self, deltas, *, transfer, attempt, base, target, mode, sink, t0) -> dict:

@@ -117,10 +117,10 @@ class BaselineStore:
         self._pending = {}
         self._pending_version = target_version
 
-    def stage(self, delta: TensorDelta) -> None:
+    def add_pending(self, delta: TensorDelta) -> None:
         """Keep ``delta`` as the pending change of its tensor."""
         if self._pending is None:
-            raise BaselineError("stage() before begin(): open a pending set first")
+            raise BaselineError("add_pending() before begin(): open a pending set first")
         self._pending[delta.name] = delta
 
     @property
@@ -146,9 +146,9 @@ class BaselineStore:
                     arr[ch.positions()] = ch.new
                 n += ch.count
         # No msync here: the memory-mapped files are private scratch space of this process (nothing
-        # re-opens them), so forcing dirty pages to disk bought no durability. It cost most of a refit's
-        # commit stage (``dcr-ray bench refit``: ~1.5 s of 11 s for 1.2 GB at 3%), because each flush
-        # also write-protects the pages and makes the next promote's scattered writes fault again.
+        # re-opens them), so forcing dirty pages to disk would buy no durability. It would cost time on
+        # every commit: each flush writes the dirty pages out and write-protects them, so the next
+        # promote's scattered writes fault again (BENCHMARKS.md, ``dcr-ray bench refit``).
         self.version = version
         self._pending = None
         self._pending_version = None
