@@ -17,7 +17,9 @@ from vllmtools import MAX_TOKENS, PROMPTS, Trainer, bits_identical, refit, write
 
 from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames, full_delta, read_frame  # noqa: E402
 from dcr_ray.engines.vllm import VllmBackend  # noqa: E402
-from dcr_ray.engines.vllm_worker import LoaderCapture, int_view, iter_checkpoint  # noqa: E402
+from dcr_ray.engines.vllm.capture import LoaderCapture  # noqa: E402
+from dcr_ray.engines.vllm.checkpoint import iter_checkpoint  # noqa: E402
+from dcr_ray.engines.vllm.storage import int_view  # noqa: E402
 from dcr_ray.errors import BaseVersionMismatchError, DcrError, TargetMismatchError  # noqa: E402
 from dcr_ray.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
 
@@ -151,7 +153,7 @@ def test_captured_vllm_loader_copies_replay_deltas_bit_exactly_on_an_unpacked_cp
         items = []
         for data in encode_frames(deltas, meta, bucket_bytes=32 << 10):
             fr = read_frame(data, shapes=engine.tensor_specs(), expect_base=v)
-            items += [(i.name, i.encoding, i.lo, i.hi, i.positions, i.values) for i in fr.items]
+            items += fr.items
         item_batches.append(items)
         store.begin(v + 1)
         for d in deltas:

@@ -18,15 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames, read_frame
-from dcr_ray.engines.vllm_worker import (
-    Geometry,
-    LoaderCapture,
-    fused_groups,
-    int_view,
-    map_positions,
-    strict_check,
-)
+from dcr_ray.codec import BaselineStore, DecodedItem, FrameMeta, encode_frames, read_frame
+from dcr_ray.engines.vllm.capture import Geometry, LoaderCapture, map_positions, strict_check
+from dcr_ray.engines.vllm.groups import fused_groups
+from dcr_ray.engines.vllm.storage import int_view
 from dcr_ray.errors import BackendError, BackendUnavailableError, LoaderCaptureError
 
 H, Q, KV = 16, 16, 8
@@ -139,16 +134,16 @@ def _loaded(state, **kw) -> FakeModel:
     return m
 
 
-def _frames_items(store: BaselineStore, new: dict[str, torch.Tensor], base: int, specs) -> list[tuple]:
+def _frames_items(store: BaselineStore, new: dict[str, torch.Tensor], base: int, specs) -> list[DecodedItem]:
     deltas = [d for d in (store.diff(n, t) for n, t in new.items()) if d.chunks]
     items = []
     meta = FrameMeta(transfer=f"t{base}", attempt=0, producer="p", payload=0, base=base, target=base + 1)
     for data in encode_frames(deltas, meta, bucket_bytes=256):
         frame = read_frame(data, shapes=specs, expect_base=base)
-        items += [(it.name, it.encoding, it.lo, it.hi, it.positions, it.values) for it in frame.items]
+        items += frame.items
     store.begin(base + 1)
     for d in deltas:
-        store.stage(d)
+        store.add_pending(d)
     store.promote(base + 1)
     return items
 
@@ -205,7 +200,7 @@ def test_captured_loader_copies_replay_deltas_bit_exactly_on_a_stand_in_model():
     for step in range(3):
         state = _perturb(state, seed=step + 1)
         items = _frames_items(store, {n: state[n] for n in affine}, step, _specs(v0))
-        assert {it[1] for it in items} <= {"xor", "dense"} and items
+        assert {it.encoding for it in items} <= {"xor", "dense"} and items
         assert cap.apply(items) > 0
     dense = _loaded({**v0, **{n: state[n] for n in affine}})
     for n in ("qkv.weight", "qkv.bias", "norm", "emb", "wt", "shard"):
@@ -244,12 +239,12 @@ def test_overwrite_items_repair_a_partially_applied_xor_attempt():
     deltas = [store.diff(n, t) for n, t in v1.items()]
     meta = FrameMeta(transfer="t", attempt=0, producer="p", payload=0, base=0, target=1)
     first = read_frame(next(iter(encode_frames(deltas[:1], meta))), shapes=_specs(v0))
-    cap.apply([(i.name, i.encoding, i.lo, i.hi, i.positions, i.values) for i in first.items])  # attempt 0, partial
+    cap.apply(first.items)  # attempt 0, partial
     retry = FrameMeta(transfer="t", attempt=1, producer="p", payload=0, base=0, target=1)
     for data in encode_frames(deltas, retry, mode="overwrite"):
         fr = read_frame(data, shapes=_specs(v0))
         assert {i.encoding for i in fr.items} <= {"ow", "dense"}
-        cap.apply([(i.name, i.encoding, i.lo, i.hi, i.positions, i.values) for i in fr.items])
+        cap.apply(fr.items)
     dense = _loaded({**v0, **v1})
     assert _bits_equal(live.qkv.weight, dense.qkv.weight) and _bits_equal(live.norm, dense.norm)
 
@@ -265,7 +260,7 @@ def test_post_load_transforms_and_double_writes_fall_back_to_the_native_loader()
         kind, why = cap.summary()["norm.weight"]
         assert kind == "fallback" and reason in why
         with pytest.raises(BackendError, match="native loader"):
-            cap.apply([("norm.weight", "dense", 0, H, None, int_view(v0["norm.weight"]).numpy())])
+            cap.apply([DecodedItem("norm.weight", "dense", 0, H, None, int_view(v0["norm.weight"]).numpy())])
         with pytest.raises(LoaderCaptureError, match="norm.weight"):
             strict_check(cap.summary())
 
@@ -277,13 +272,13 @@ def test_apply_checks_every_item_before_the_first_write():
     cap.probe("norm.weight", v0["norm.weight"])
     cap.probe("q_proj.weight", v0["q_proj.weight"])
     before = live.qkv.weight.detach().clone()
-    good = ("q_proj.weight", "ow", 0, 4, np.array([0, 1, 2, 3]), np.array([1, 2, 3, 4], np.uint16))
-    bad = ("norm.weight", "xor", 0, H, np.array([0, H + 5]), np.array([1, 1], np.uint16))
+    good = DecodedItem("q_proj.weight", "ow", 0, 4, np.array([0, 1, 2, 3]), np.array([1, 2, 3, 4], np.uint16))
+    bad = DecodedItem("norm.weight", "xor", 0, H, np.array([0, H + 5]), np.array([1, 1], np.uint16))
     with pytest.raises(BackendError, match="out of range"):
         cap.apply([good, bad])
     assert _bits_equal(live.qkv.weight, before)
     with pytest.raises(BackendError, match="never probed"):
-        cap.apply([("nope", "ow", 0, 1, np.array([0]), np.array([1], np.uint16))])
+        cap.apply([DecodedItem("nope", "ow", 0, 1, np.array([0]), np.array([1], np.uint16))])
 
 
 class _Mapper:
@@ -324,6 +319,19 @@ def test_fused_groups_come_from_the_models_own_mappings():
     info = fused_groups(_VllmLike(), names + ["elsewhere.weight"])
     assert info["unresolved"] == ["elsewhere.weight"] and len(info["groups"]) == 1
     assert sorted(info["groups"][0]) == sorted(names + ["elsewhere.weight"])
+
+
+def test_the_llvmlite_shim_keeps_every_module_global_inspectable_for_vllm_start_up():
+    # vLLM 0.32 calls vars(value).get("kernel") on every module global that has a __dict__ when an
+    # engine starts; llvmlite's ffi.lib (loaded with numba) breaks that scan unless the shim ran
+    from dcr_ray.engines.vllm.compat import make_llvmlite_safe_for_vllm
+
+    pytest.importorskip("numba")
+    make_llvmlite_safe_for_vllm()
+    for module in list(sys.modules.values()):
+        for value in list((getattr(module, "__dict__", None) or {}).values()):
+            if hasattr(value, "__dict__"):
+                vars(value).get("kernel")
 
 
 def test_the_vllm_backend_says_how_to_install_vllm_when_it_is_missing(tmp_path, monkeypatch):

