@@ -2,7 +2,7 @@
 
 Entry points:
 
-- :func:`launch` / :class:`Refit` - start a topology and run ``refit.refit.remote()``
+- :func:`launch` / :class:`Refit` - start a topology and run ``refit.remote()``
 - :class:`RefitConfig`, :class:`ClusterSpec` - configuration
 - :class:`OwnerMixin`, :func:`owned_names` - make an existing trainer actor an owner
 - :class:`HFEngine` - the default engine (a ``transformers`` model in each engine actor)

@@ -10,7 +10,7 @@
         engine=dcr_ray.HFEngine(dcr_ray.ModelSpec(size="tiny")),
     )
     ...                                                  # optimizer step on the trainers
-    report = ray.get(refit.refit.remote())              # every engine now holds the new bits
+    report = ray.get(refit.remote())                    # every engine now holds the new bits
     print(report)
 
 ``Refit`` is a thin public class over the private coordinator actor (named
@@ -29,11 +29,12 @@ import torch
 
 from dcr_ray.actors.coordinator import CoordinatorActor
 from dcr_ray.actors.owner import StandaloneOwner
-from dcr_ray.config import ClusterSpec, RefitConfig
+from dcr_ray.config import ClusterSpec, RefitConfig, validate
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray.errors import ConfigError
 from dcr_ray.models import ModelSpec, build_model
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, actor_options
+from dcr_ray.relay.transport import Transport
 from dcr_ray.report import RefitReport
 
 
@@ -60,9 +61,9 @@ class HFEngine:
 class Refit:
     """Handle of a running dcr_ray topology.
 
-    ``refit.refit.remote()`` starts a refit and returns an ObjectRef of its :class:`RefitReport`
-    (it resolves only after the commit record is written; otherwise ``ray.get`` raises
-    ``RefitError``). :meth:`run` is the blocking shortcut.
+    ``refit.remote()`` starts a refit and returns an ObjectRef of its :class:`RefitReport` (it
+    resolves only after the commit record is written; otherwise ``ray.get`` raises ``RefitError``).
+    :meth:`run` is the blocking shortcut.
     """
 
     def __init__(self, actor, *, owns_owners: bool = False):
@@ -74,10 +75,9 @@ class Refit:
         """The topology launched earlier in this Ray cluster (by any driver)."""
         return cls(ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE))
 
-    @property
-    def refit(self):
-        """The coordinator's ``refit`` actor method: call ``.remote()`` on it."""
-        return self._actor.refit
+    def remote(self) -> ray.ObjectRef:
+        """Start a refit; returns the ObjectRef of its :class:`RefitReport` (``ray.get`` it)."""
+        return self._actor.refit.remote()
 
     @property
     def actor(self):
@@ -86,7 +86,7 @@ class Refit:
 
     def run(self, timeout: float | None = None) -> RefitReport:
         """Refit now and wait for the report."""
-        return ray.get(self._actor.refit.remote(), timeout=timeout)
+        return ray.get(self.remote(), timeout=timeout)
 
     def status(self) -> dict:
         return ray.get(self._actor.status.remote())
@@ -131,40 +131,42 @@ def launch(
     owner_tensors: list[Mapping[str, torch.Tensor]] | None = None,
     config: RefitConfig | None = None,
     coordinator_resources: dict | None = None,
+    transport: Transport | None = None,
 ) -> Refit:
-    """Start a topology: coordinator, engines per cluster, relay trees; attach owners; bootstrap.
+    """Start a topology: coordinator, engines per cluster, the transport; attach owners; bootstrap.
 
     Owners come either as ``owners`` (actor handles whose class mixes in :class:`dcr_ray.OwnerMixin`;
     a dict names them, a list names them ``owner0``, ``owner1``, ...) or as ``owner_tensors`` (one
     ``{name: tensor}`` dict per standalone owner actor to create). ``engine`` builds one backend in
-    each engine actor (default: :class:`HFEngine` of the tiny model).
+    each engine actor (default: :class:`HFEngine` of the tiny model). ``transport`` replaces the one
+    ``config.transport`` names (e.g. a wrapped one that emulates slow links in benchmarks).
+
+    Everything is checked before any actor is spawned: a bad set-up raises :class:`ConfigError` and
+    leaves nothing behind.
     """
     if not ray.is_initialized():
         raise ConfigError("call ray.init() first (dcr_ray runs in your Ray cluster)")
-    config = config or RefitConfig()
     engine = engine or HFEngine()
-    own_owners = False
     if owners is None and owner_tensors is None:
         raise ConfigError("give owners=[actor handles] or owner_tensors=[{name: tensor}, ...]")
     if owners is not None and owner_tensors is not None:
         raise ConfigError("give either owners or owner_tensors, not both")
-    if owner_tensors is not None:
+    if isinstance(owners, (list, tuple)):
+        owners = {f"owner{i}": h for i, h in enumerate(owners)}
+    planned = owners if owners is not None else {f"owner{i}": StandaloneOwner for i in range(len(owner_tensors))}
+    config = validate(config or RefitConfig(), clusters, planned)
+    if _coordinator_exists():
+        raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in this Ray cluster; "
+                          "use dcr_ray.Refit.get() to reach it, or its shutdown() first")
+    own_owners = owner_tensors is not None
+    if own_owners:
         Owner = ray.remote(StandaloneOwner)
         owners = {f"owner{i}": Owner.options(**actor_options("owner", f"dcr_owner:owner{i}")).remote(t)
                   for i, t in enumerate(owner_tensors)}
-        own_owners = True
-    if isinstance(owners, (list, tuple)):
-        owners = {f"owner{i}": h for i, h in enumerate(owners)}
-    try:
-        ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
-        raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in this Ray cluster; "
-                          "use Refit.get() or shut it down first")
-    except ValueError:
-        pass
     Coordinator = ray.remote(CoordinatorActor)
     actor = Coordinator.options(**actor_options("coordinator", COORDINATOR_NAME,
                                                 resources=coordinator_resources)).remote(
-        config, clusters, engine, dict(owners))
+        config, clusters, engine, dict(owners), transport)
     n_eng = sum(c.engines for c in clusters)
     print(f"[dcr_ray] starting {n_eng} engines in {len(clusters)} clusters, {len(owners)} owners, "
           f"transport={config.transport}; dense bootstrap...", file=sys.stderr, flush=True)
@@ -176,3 +178,11 @@ def launch(
         refit.shutdown()
         raise
     return refit
+
+
+def _coordinator_exists() -> bool:
+    try:
+        ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True

@@ -1,15 +1,24 @@
 """Configuration of a refit topology. Every field is documented; invalid settings fail fast with a
-message that says how to fix them. No hidden environment variables: everything is here."""
+message that says how to fix them. Constructors only check; :func:`validate` (run by
+:func:`dcr_ray.launch` before anything is spawned) checks the objects together and fills defaults
+that need the file system (temporary directories).
+
+One environment variable exists, for the codec's CPU kernels: ``DCR_RAY_JIT=0`` selects the numpy
+apply path instead of the numba kernels (both write the same bits; see :mod:`dcr_ray.codec.kernels`).
+"""
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import math
 import tempfile
 from dataclasses import dataclass, field
+from typing import Literal, Mapping, get_args
 
 from dcr_ray.errors import ConfigError
 
-TRANSPORTS = ("relay", "object_store")
+TransportKind = Literal["relay", "object_store"]
+TRANSPORTS: tuple[str, ...] = get_args(TransportKind)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -26,35 +35,33 @@ class ClusterSpec:
     Empty: no pinning (a single-machine run)."""
     fanout: int = 4
     """How many children (engines or sub-relays) one relay forwards to inside the cluster."""
-    link_mbps: float | None = None
-    """Emulated bandwidth of this cluster's boundary link in Mbit/s (benchmarks); ``None``: no emulation."""
-    link_latency_s: float = 0.0
-    """Emulated one-way latency added per payload crossing the boundary (benchmarks)."""
 
     def __post_init__(self):
-        if not self.name or any(c in self.name for c in "/\\ "):
+        if not isinstance(self.name, str) or not self.name or any(c in self.name for c in "/\\ "):
             raise ConfigError(f"ClusterSpec.name {self.name!r} must be non-empty without '/', '\\' or spaces")
+        for f in ("engines", "fanout"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"ClusterSpec({self.name}).{f} must be an integer, got {v!r}")
         if self.engines < 1:
             raise ConfigError(f"ClusterSpec({self.name}).engines must be >= 1, got {self.engines}")
         if self.fanout < 2:
             raise ConfigError(f"ClusterSpec({self.name}).fanout must be >= 2, got {self.fanout}")
-        if self.link_mbps is not None and self.link_mbps <= 0:
-            raise ConfigError(f"ClusterSpec({self.name}).link_mbps must be > 0 or None, got {self.link_mbps}")
 
 
 @dataclass(kw_only=True, slots=True)
 class RefitConfig:
     """How refits are encoded, moved and committed."""
 
-    transport: str = "relay"
+    transport: TransportKind = "relay"
     """``"relay"`` (Ray object store through a relay tree; the default) or ``"object_store"`` (fsspec)."""
     storage_url: str | None = None
     """Object-storage root for ``transport="object_store"``: a local directory (default: a fresh temp
-    directory) or an fsspec URL such as ``s3://bucket/prefix``."""
-    storage_options: dict = field(default_factory=dict)
+    directory, made by :func:`validate`) or an fsspec URL such as ``s3://bucket/prefix``."""
+    storage_options: dict[str, object] = field(default_factory=dict)
     """Extra fsspec options for ``storage_url`` (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``)."""
     commit_dir: str | None = None
-    """Directory of the durable commit record (default: a fresh temp directory)."""
+    """Directory of the durable commit record (default: a fresh temp directory, made by :func:`validate`)."""
     bucket_bytes: int = 16 << 20
     """Upper bound (raw, before compression) of one payload frame. 16 MiB by default: at a 3% change
     rate one BF16 frame then covers ~0.25 B elements, so payloads of models from ~1 B parameters up
@@ -97,14 +104,42 @@ class RefitConfig:
             )
         if not 1 <= self.max_inflight_payloads <= 1024:
             raise ConfigError("RefitConfig.max_inflight_payloads must be in 1..1024")
-        if self.stage_timeout_s <= 0:
-            raise ConfigError("RefitConfig.stage_timeout_s must be > 0 seconds")
+        if not (isinstance(self.stage_timeout_s, (int, float)) and math.isfinite(self.stage_timeout_s)
+                and self.stage_timeout_s > 0):
+            raise ConfigError(f"RefitConfig.stage_timeout_s must be a finite number of seconds > 0, "
+                              f"got {self.stage_timeout_s!r}")
         if self.max_attempts < 1:
             raise ConfigError("RefitConfig.max_attempts must be >= 1")
+        if not 1 <= self.zstd_level <= 22:
+            raise ConfigError(f"RefitConfig.zstd_level must be in 1..22 (1 is fastest), got {self.zstd_level}")
         if self.key is not None and not (isinstance(self.key, bytes) and 1 <= len(self.key) <= 64):
             raise ConfigError("RefitConfig.key must be bytes of length 1..64 (a BLAKE2b key) or None")
-        if self.transport == "object_store" and self.storage_url is None:
-            self.storage_url = tempfile.mkdtemp(prefix="dcr_objstore_")
-        if self.commit_dir is None:
-            self.commit_dir = tempfile.mkdtemp(prefix="dcr_commit_")
-        os.makedirs(self.commit_dir, exist_ok=True)
+
+
+def validate(config: RefitConfig, clusters: list[ClusterSpec], owners: Mapping[str, object]) -> RefitConfig:
+    """Check a set-up as a whole before anything is spawned; returns ``config`` with defaults filled.
+
+    Cluster names must be unique and at least one cluster given; at least one owner, each an actor
+    whose class mixes in :class:`dcr_ray.OwnerMixin`. Missing ``commit_dir`` / ``storage_url`` become
+    fresh temporary directories (on the driver's machine: set both for a multi-machine cluster).
+    """
+    if not isinstance(config, RefitConfig):
+        raise ConfigError(f"config must be a dcr_ray.RefitConfig, got {type(config).__name__}")
+    if not clusters or not all(isinstance(c, ClusterSpec) for c in clusters):
+        raise ConfigError("give clusters=[dcr_ray.ClusterSpec(name=..., engines=...), ...] (at least one)")
+    names = [c.name for c in clusters]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"cluster names must be unique; {dup} appear more than once")
+    if not owners:
+        raise ConfigError("at least one owner is needed: owners=[trainer actors] or owner_tensors=[...]")
+    for oid, h in owners.items():
+        if not hasattr(h, "dcr_attach"):
+            raise ConfigError(f"owner {oid!r} ({type(h).__name__}) is not an owner actor: its class must mix "
+                              f"in dcr_ray.OwnerMixin and implement dcr_tensors()")
+    fill = {}
+    if config.commit_dir is None:
+        fill["commit_dir"] = tempfile.mkdtemp(prefix="dcr_commit_")
+    if config.transport == "object_store" and config.storage_url is None:
+        fill["storage_url"] = tempfile.mkdtemp(prefix="dcr_objstore_")
+    return dataclasses.replace(config, **fill) if fill else config

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
 
     for step in range(args.steps):
         losses = ray.get([t.step.remote(seed=step) for t in trainers])
-        report = ray.get(refit.refit.remote())
+        report = ray.get(refit.remote())
         print(f"step {step} loss {losses[0]:.4f} | {report}")
 
     # Verify: every engine == trainer's BF16 weights == a dense reload through the model's loader.

@@ -8,7 +8,7 @@ Where dcr_ray plugs into an existing loop:
   1. the trainer worker class mixes in ``dcr_ray.OwnerMixin`` and implements ``dcr_tensors()``
      (its share of the canonical BF16 weights, by ``dcr_ray.owned_names``),
   2. ``dcr_ray.launch(owners=worker_group, clusters=..., engine=...)`` once,
-  3. ``ray.get(refit.refit.remote())`` after every optimizer step, instead of a weight broadcast.
+  3. ``ray.get(refit.remote())`` after every optimizer step, instead of a weight broadcast.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         batch = [x[:n] for x in samples]
         # train: the same batch on every data-parallel rank keeps replicas bit-identical
         loss = ray.get([w.step_on.remote(batch) for w in group])[0]
-        report = ray.get(refit.refit.remote())
+        report = ray.get(refit.remote())
         print(f"iter {it}: rollouts from policy v{versions} | loss {loss:.4f} | refit -> {report}")
     refit.shutdown()
     ray.shutdown()

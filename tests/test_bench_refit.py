@@ -11,7 +11,7 @@ import pytest
 
 from dcr_ray.bench import refit as R
 from dcr_ray.cli import build_parser
-from dcr_ray.relay.link import LinkModel
+from dcr_ray.testing.links import LinkModel
 
 
 def _case(rate, transport="relay", link=20.0, changed_frac=None, **kw):

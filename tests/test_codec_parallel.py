@@ -160,19 +160,3 @@ def test_warming_up_the_kernels_loads_every_width_and_is_harmless_when_disabled(
     kernels.warm_up(background=False)
     monkeypatch.setattr(kernels, "ENABLED", False)
     kernels.warm_up(background=False)  # a no-op
-
-
-def test_loading_the_kernels_keeps_every_module_global_inspectable_for_vllm_start_up():
-    # vLLM 0.32 calls vars(value).get("kernel") on every module global that has a __dict__ when an
-    # engine starts; llvmlite (loaded with numba) had one that broke it (see make_llvmlite_safe_for_vllm)
-    import sys
-
-    from dcr_ray.codec import kernels
-
-    if not kernels.ENABLED:
-        pytest.skip("numba is not installed (or DCR_RAY_JIT=0)")
-    kernels.warm_up(background=False)
-    for module in list(sys.modules.values()):
-        for value in list((getattr(module, "__dict__", None) or {}).values()):
-            if hasattr(value, "__dict__"):
-                vars(value).get("kernel")

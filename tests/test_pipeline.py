@@ -59,7 +59,7 @@ def test_engines_are_bit_identical_to_the_trainer_and_a_dense_reload_after_sever
         _assert_engines_hold(refit, trainers)
         for step in range(3):
             ray.get([t.step.remote(seed=step) for t in trainers])
-            report = ray.get(refit.refit.remote())
+            report = ray.get(refit.remote())
             assert report.version == step + 1
             assert set(report.engine_versions.values()) == {step + 1}
             assert report.changed > 0 and report.wire_bytes > 0 and report.retries == 0
@@ -212,3 +212,56 @@ def test_an_in_place_engine_pauses_generation_while_a_transfer_is_open(local_ray
         assert ray.get(eng.generate.remote([[1, 2]], 2))["version"] == 0
     finally:
         refit.shutdown()
+
+
+def _alive(*names: str) -> set[str]:
+    """Which of these named dcr_ray actors exist."""
+    out = set()
+    for n in names:
+        try:
+            ray.get_actor(n, namespace=dcr_ray.options.NAMESPACE)
+            out.add(n)
+        except ValueError:
+            pass
+    return out
+
+
+LAUNCH_NAMES = ("dcr_coordinator", "dcr_owner:owner0", "dcr_engine:a/e0", "dcr_engine:other/e0",
+                "dcr_relay:a/head", "dcr_relay:other/head")
+
+
+def test_a_second_launch_in_the_same_ray_cluster_fails_with_a_clear_error_and_leaves_the_first_running(local_ray):
+    refit, trainers = _launch(dcr_ray.RefitConfig(), world=1, engines=(1, 1))
+    try:
+        with pytest.raises(dcr_ray.errors.ConfigError, match="already runs in this Ray cluster"):
+            dcr_ray.launch(owners=trainers, clusters=[dcr_ray.ClusterSpec(name="other")], engine=dcr_ray.HFEngine(SPEC))
+        assert _alive(*LAUNCH_NAMES, "dcr_engine:c0/e0") == {"dcr_coordinator", "dcr_engine:c0/e0"}
+        ray.get(trainers[0].step.remote(seed=2))
+        assert ray.get(refit.remote()).version == 1  # the first topology still refits
+    finally:
+        refit.shutdown()
+
+
+def test_bad_set_ups_are_refused_before_any_actor_is_spawned(local_ray):
+    Plain = ray.remote(num_cpus=0)(type("NotAnOwner", (), {"ping": lambda self: 1}))
+    plain = Plain.remote()
+    sd = canonical_state_dict(dcr_ray.build_model(SPEC))
+    bad = [
+        (dict(owner_tensors=[sd], clusters=[]), "at least one"),
+        (dict(owner_tensors=[sd], clusters=[dcr_ray.ClusterSpec(name="a"), dcr_ray.ClusterSpec(name="a")]),
+         r"unique; \['a'\]"),
+        (dict(owner_tensors=[], clusters=[dcr_ray.ClusterSpec(name="a")]), "at least one owner"),
+        (dict(owners=[], clusters=[dcr_ray.ClusterSpec(name="a")]), "at least one owner"),
+        (dict(owners=[plain], clusters=[dcr_ray.ClusterSpec(name="a")]), "mix in dcr_ray.OwnerMixin"),
+    ]
+    for kw, msg in bad:
+        with pytest.raises(dcr_ray.errors.ConfigError, match=msg):
+            dcr_ray.launch(engine=dcr_ray.HFEngine(SPEC), **kw)
+        assert _alive(*LAUNCH_NAMES) == set(), kw
+    for make, msg in [(lambda: dcr_ray.ClusterSpec(name="a", engines=2.5), "must be an integer"),
+                      (lambda: dcr_ray.RefitConfig(stage_timeout_s=float("nan")), "finite"),
+                      (lambda: dcr_ray.RefitConfig(stage_timeout_s=float("inf")), "finite"),
+                      (lambda: dcr_ray.RefitConfig(zstd_level=100), "1..22")]:
+        with pytest.raises(dcr_ray.errors.ConfigError, match=msg):
+            make()
+    ray.kill(plain)

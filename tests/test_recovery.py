@@ -9,7 +9,7 @@ import ray
 import torch
 
 import dcr_ray
-from dcr_ray.testing import FlakyEngine, TrainerThatFailsToPromoteOnce
+from dcr_ray.testing.faults import FlakyEngine, TrainerThatFailsToPromoteOnce
 from dcr_ray.trainer import TinyTrainer
 
 pytestmark = pytest.mark.slow

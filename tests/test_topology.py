@@ -6,7 +6,7 @@ import pytest
 
 from dcr_ray.config import ClusterSpec, RefitConfig
 from dcr_ray.errors import ConfigError
-from dcr_ray.relay.link import LinkModel
+from dcr_ray.testing.links import LinkModel
 from dcr_ray.relay.tree import plan_tree
 
 

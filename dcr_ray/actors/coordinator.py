@@ -1,4 +1,8 @@
-"""The commit coordinator: the named actor that drives every refit and owns the topology.
+"""The commit coordinator: the named actor that drives every refit (the state machine, nothing else).
+
+It holds a :class:`~dcr_ray.actors.topology.Topology` (engines, owners, the transport) and the durable
+commit record, and decides: which engines are required, which attempt runs, when to retry, commit or
+give up.
 
 One refit (version v -> v+1), attempt ``a`` (``a = 0`` sends mixed XOR/OVERWRITE frames, every retry
 sends OVERWRITE frames of the same pending changed set, which repairs any partial XOR)::
@@ -24,20 +28,19 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import asdict
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from dcr_ray import metrics
 from dcr_ray.actors.commit import CommitLog, CommitRecord
-from dcr_ray.actors.engine import EngineActor
+from dcr_ray.actors.coverage import check_coverage
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.actors.topology import Topology
 from dcr_ray.config import ClusterSpec, RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError, DcrError, RefitError, RefitTimeoutError
-from dcr_ray.options import actor_options
-from dcr_ray.relay.relay import RelayActor
-from dcr_ray.relay.sinks import attempt_prefix, storage_fs
-from dcr_ray.relay.tree import plan_tree
+from dcr_ray.relay.transport import Transport, make_transport
 from dcr_ray.report import RefitReport
 
 log = logging.getLogger("dcr_ray")
@@ -50,62 +53,40 @@ class _Dead(Exception):
 
 class CoordinatorActor:
     def __init__(self, config: RefitConfig, clusters: list[ClusterSpec], backend_factory,
-                 owners: dict[str, object]):
-        names = [c.name for c in clusters]
-        if len(set(names)) != len(names) or not clusters:
-            raise ConfigError(f"cluster names must be unique and at least one given, got {names}")
-        if not owners:
-            raise ConfigError("at least one owner is needed")
+                 owners: dict[str, object], transport: Transport | None = None):
         self.config = config
-        self.clusters = {c.name: c for c in clusters}
+        self.topology = Topology(clusters, owners, transport or make_transport(config))
         self.backend_factory = backend_factory
-        self.owners = dict(owners)
-        self.engines: dict[str, object] = {}
-        self.engine_cluster: dict[str, str] = {}
         self.required: set[str] = set()
-        self.heads: dict[str, object] = {}
-        self.relays: dict[str, object] = {}
         self.commits = CommitLog(config.commit_dir)
         self.version = 0
         self._lock = threading.Lock()
         self._started = False
         self.history: list[dict] = []
 
+    @property
+    def engines(self) -> dict[str, object]:
+        return self.topology.engines
+
+    @property
+    def owners(self) -> dict[str, object]:
+        return self.topology.owners
+
+    @property
+    def transport(self) -> Transport:
+        return self.topology.transport
+
     # -- start-up ---------------------------------------------------------------------------------
     def start(self) -> dict:
-        """Create engines and relays, attach owners, write record v0, bootstrap every engine."""
+        """Create engines and the transport, attach owners, write record v0, bootstrap every engine."""
         with self._lock:
             if self._started:
                 return self.status()
             cfg = self.config
-            Engine = ray.remote(EngineActor)
-            Relay = ray.remote(RelayActor)
-            for c in self.clusters.values():
-                ids = [f"{c.name}/e{i}" for i in range(c.engines)]
-                for eid in ids:
-                    self.engines[eid] = Engine.options(
-                        **actor_options("engine", f"dcr_engine:{eid}", resources=c.resources)
-                    ).remote(eid, c.name, self.backend_factory, cfg, link_mbps=c.link_mbps,
-                             link_latency_s=c.link_latency_s)
-                    self.engine_cluster[eid] = c.name
-                tree = plan_tree(c.name, ids, c.fanout)
-                made = {}
-                for node in tree.walk():
-                    head = node is tree
-                    made[node.relay_id] = Relay.options(
-                        **actor_options("relay", f"dcr_relay:{node.relay_id}", resources=c.resources)
-                    ).remote(node.relay_id, c.name, head=head,
-                             link_mbps=c.link_mbps if head else None,
-                             link_latency_s=c.link_latency_s if head else 0.0)
-                for node in tree.walk():
-                    kids = [("engine", self.engines[e], [e]) for e in node.engines]
-                    kids += [("relay", made[s.relay_id], s.all_engines()) for s in node.subrelays]
-                    made[node.relay_id].set_children.remote(kids)
-                self.relays.update(made)
-                self.heads[c.name] = made[tree.relay_id]
+            self.topology.start(self.backend_factory, cfg)
             t = cfg.stage_timeout_s
             specs = self._get({o: h.dcr_attach.remote(o, cfg) for o, h in self.owners.items()}, t, "attach")
-            self._check_coverage(specs)
+            check_coverage(specs, self.topology.engine_specs(t))
             rec = self.commits.read()
             if rec is None:
                 self.commits.compare_and_set(None, CommitRecord(version=0, transfer="attach", baseline="",
@@ -120,36 +101,6 @@ class CoordinatorActor:
             self._started = True
             return self.status()
 
-    def _check_coverage(self, owner_specs: dict[str, dict]) -> None:
-        union: dict[str, tuple] = {}
-        for o, specs in owner_specs.items():
-            for n, s in specs.items():
-                if n in union:
-                    raise ConfigError(f"tensor {n!r} has two owners ({o} and another): each canonical "
-                                      f"element needs exactly one owner (see dcr_ray.owned_names)")
-                union[n] = (s[0], tuple(s[1]))
-        eng_specs = ray.get(next(iter(self.engines.values())).call_backend.remote("tensor_specs"),
-                            timeout=self.config.stage_timeout_s)
-        eng = {n: (s[0], tuple(s[1])) for n, s in eng_specs.items()}
-        missing = sorted(set(eng) - set(union))
-        extra = sorted(set(union) - set(eng))
-        bad = sorted(n for n in set(eng) & set(union) if eng[n] != union[n])
-        if missing or extra or bad:
-            raise ConfigError(
-                "owners and engines disagree on the canonical tensors: "
-                f"no owner for {missing[:5]}{'...' if len(missing) > 5 else ''}; "
-                f"unknown to engines {extra[:5]}; dtype/shape differ for "
-                f"{[(n, union[n], eng[n]) for n in bad[:3]]}"
-            )
-
-    def _sink(self, targets: list[str] | None) -> dict:
-        if self.config.transport == "relay":
-            heads = [self.heads[c] for c in self.clusters
-                     if targets is None or any(self.engine_cluster[e] == c for e in targets)]
-            return {"kind": "relay", "heads": heads, "targets": targets}
-        engines = [self.engines[e] for e in (targets or sorted(self.required))]
-        return {"kind": "object_store", "url": self.config.storage_url, "engines": engines, "targets": targets}
-
     def _bootstrap(self, engine_ids: list[str]) -> None:
         """Dense refit of ``engine_ids`` to the committed version (joining engines)."""
         t = self.config.stage_timeout_s
@@ -157,7 +108,7 @@ class CoordinatorActor:
         try:
             self._get({e: self.engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, self.version)
                        for e in engine_ids}, t, "bootstrap prepare")
-            sink = self._sink(engine_ids)
+            sink = self.transport.sink(engine_ids, sorted(self.required))
             sums = self._get({o: h.dcr_bootstrap.remote(transfer, sink) for o, h in self.owners.items()}, t,
                              "bootstrap stream")
             keys = [k for s in sums.values() for k in s["payloads"]]
@@ -169,9 +120,9 @@ class CoordinatorActor:
             # engines a failed bootstrap wrote into hold no version until a later bootstrap succeeds
             for e in engine_ids:
                 self.engines[e].abort.remote(transfer, True)
-            self._release(transfer)
+            self.transport.release(transfer)
             raise
-        self._release(transfer)
+        self.transport.release(transfer)
         self.required |= set(engine_ids)
         log.info("dcr_ray: bootstrapped %d engines densely at version %d", len(engine_ids), self.version)
 
@@ -202,16 +153,6 @@ class CoordinatorActor:
         if errors:
             raise next(iter(errors.values()))
         return out
-
-    def _release(self, transfer: str) -> None:
-        for r in self.relays.values():
-            r.release.remote(transfer)
-        if self.config.transport == "object_store":
-            fs, root = storage_fs(self.config.storage_url, self.config.storage_options)
-            try:
-                fs.rm(f"{root}/{transfer}", recursive=True)
-            except FileNotFoundError:
-                pass
 
     # -- one refit ----------------------------------------------------------------------------------
     def refit(self) -> RefitReport:
@@ -263,7 +204,7 @@ class CoordinatorActor:
         otherwise close the next attempt that a later ``prepare`` just opened.
         """
         calls = {e: self.engines[e].abort.remote(transfer, final) for e in self.required}
-        self._release(transfer)
+        self.transport.release(transfer)
         dirty = []
         for e, ref in calls.items():
             try:
@@ -302,7 +243,7 @@ class CoordinatorActor:
         self._get({e: self.engines[e].prepare.remote(transfer, attempt, base, target) for e in req}, t,
                   "prepare")
         t1 = time.perf_counter()
-        sink = self._sink(None)
+        sink = self.transport.sink(None, req)
         sums = self._get({o: h.dcr_stream.remote(transfer, attempt, base, target, sink)
                           for o, h in self.owners.items()}, t, "stream")
         keys = [k for s in sums.values() for k in s["payloads"]]
@@ -335,11 +276,11 @@ class CoordinatorActor:
             log.warning("dcr_ray: %s", w)
         t_act = time.perf_counter()
         try:
-            link = self._link_bytes(transfer, acks)
+            link = self.transport.link_bytes(transfer, acks)
         except (RayActorError, GetTimeoutError) as e:  # statistics only: the refit is committed
             link = {}
             warnings.append(f"link byte counts unavailable: {type(e).__name__}")
-        self._release(transfer)
+        self.transport.release(transfer)
         t3 = time.perf_counter()
         construct = max(s["construct_s"] for s in sums.values())
         stream = t2 - t1
@@ -365,15 +306,6 @@ class CoordinatorActor:
         rec = self.commits.read()
         return rec.transfer if rec else ""
 
-    def _link_bytes(self, transfer: str, acks: dict) -> dict:
-        if self.config.transport == "relay":
-            stats = ray.get([self.heads[c].stats.remote() for c in self.clusters], timeout=self.config.stage_timeout_s)
-            return {s["cluster"]: s["bytes_in"].get(transfer, 0) for s in stats}
-        out = {c: 0 for c in self.clusters}
-        for a in acks.values():
-            out[a["cluster"]] += a["bytes"]
-        return out
-
     # -- membership & inspection ------------------------------------------------------------------
     def rejoin(self, engine_id: str) -> dict:
         """Bring an engine (new or fallen out of the required set) back by dense bootstrap."""
@@ -384,16 +316,17 @@ class CoordinatorActor:
             return self.status()
 
     def status(self) -> dict:
+        rec = self.commits.read()
         return {"version": self.version, "required": sorted(self.required), "engines": sorted(self.engines),
-                "owners": sorted(self.owners), "clusters": list(self.clusters),
-                "transport": self.config.transport, "commit_record": self.commits.read().__repr__()}
+                "owners": sorted(self.owners), "clusters": list(self.topology.clusters),
+                "transport": self.transport.kind, "commit_record": None if rec is None else asdict(rec)}
 
     def handles(self) -> dict:
         """Actor handles: ``{"engines": {id: h}, "owners": {id: h}, "relays": {id: h}}``."""
-        return {"engines": dict(self.engines), "owners": dict(self.owners), "relays": dict(self.relays)}
+        return self.topology.handles()
 
     def relay_stats(self) -> list[dict]:
-        return ray.get([r.stats.remote() for r in self.relays.values()], timeout=self.config.stage_timeout_s)
+        return self.transport.stats()
 
     def reports(self) -> list[dict]:
         return list(self.history)

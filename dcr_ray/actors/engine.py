@@ -24,43 +24,54 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import NamedTuple
 
 import ray
 
+from dcr_ray import metrics
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.codec import kernels
-from dcr_ray.codec import DIGEST_SIZE, peek_meta, read_frame
+from dcr_ray.codec import DIGEST_SIZE, PayloadKey, decode_frame, open_frame
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import DcrError, EngineStateError, FrameError, RefitError, RefitTimeoutError
-from dcr_ray.relay.link import LinkModel
+
+
+class _Attempt(NamedTuple):
+    """The attempt an engine is in: frames of any other (transfer, attempt) are stale."""
+
+    transfer: str
+    attempt: int
+    base: int
+    target: int
 
 
 class EngineActor:
-    """Hosts one engine backend (built in this process by ``backend_factory()``)."""
+    """Hosts one engine backend (built in this process by ``backend_factory()``).
 
-    def __init__(self, engine_id: str, cluster: str, backend_factory, config: RefitConfig, *,
-                 link_mbps: float | None = None, link_latency_s: float = 0.0):
+    ``reader`` is the transport's engine side (:class:`~dcr_ray.relay.transport.PayloadReader`): it
+    turns what :meth:`deliver` is given (frame bytes, or a reference such as an object path) into bytes.
+    """
+
+    def __init__(self, engine_id: str, cluster: str, backend_factory, config: RefitConfig, reader):
         self.engine_id = engine_id
         self.cluster = cluster
         self.config = config
         self.backend = backend_factory()
         self.specs = self.backend.tensor_specs()
         self.version: int | None = None  # None until bootstrapped
-        self._cur: tuple | None = None  # (transfer, attempt, base, target)
-        self._applied: dict[tuple, bytes] = {}
+        self._cur: _Attempt | None = None
+        self._applied: dict[PayloadKey, bytes] = {}
         self._error: DcrError | None = None
         self._cv = threading.Condition()
         self._apply_s = 0.0
         self._bytes = 0
         self._stats = {"applied": 0, "duplicate": 0, "stale": 0, "rejected": 0}
-        self._fs = None
-        self._staged: list[tuple[tuple, bytes]] = []
+        self.reader = reader
+        self._staged: list[tuple[PayloadKey, bytes]] = []
         #: transfer whose frames were written into the backend in place (its attempts may repair them)
         self._touched: str | None = None
         #: why this engine's weights match no version (an abandoned transfer wrote into them)
         self._dirty: str | None = None
-        #: this engine's node link across the cluster boundary (object-storage reads cross it)
-        self.link = LinkModel(link_mbps, link_latency_s)
         kernels.warm_up()  # load the apply kernels while the dense bootstrap runs
 
     # -- protocol -----------------------------------------------------------------------------------
@@ -75,39 +86,39 @@ class EngineActor:
                     f"engine {self.engine_id} holds version {self.version}, the transfer needs {base}; "
                     f"it must be bootstrapped (dense) before it can take deltas"
                 )
-            if self._cur is None or self._cur[:2] != (transfer, attempt):
-                if self._cur is None or self._cur[0] != transfer:
+            if self._cur is None or (self._cur.transfer, self._cur.attempt) != (transfer, attempt):
+                if self._cur is None or self._cur.transfer != transfer:
                     self._applied.clear()
-                self._cur = (transfer, attempt, base, target)
+                self._cur = _Attempt(transfer, attempt, base, target)
                 self._staged = []
                 self._error = None
                 self._apply_s = 0.0
                 self._bytes = 0
             return {"engine": self.engine_id, "version": self.version}
 
-    def deliver(self, data: bytes) -> str:
-        """Validate and apply one frame; returns ``applied``/``duplicate``/``stale``/``rejected``."""
+    def deliver(self, payload, targets: list[str] | None = None) -> str:
+        """Read one payload through the transport, validate it and apply it.
+
+        Returns ``applied``/``duplicate``/``stale``/``rejected`` (``skipped`` when ``targets`` names
+        other engines).
+        """
+        if targets is not None and self.engine_id not in targets:
+            return "skipped"
+        try:
+            data = self.reader.read(payload)
+        except Exception as e:  # an unreadable payload fails this attempt's flush, as a bad frame does
+            with self._cv:
+                self._error = RefitError(f"engine {self.engine_id}: reading a payload failed: {e!r}")
+                self._stats["rejected"] += 1
+                self._cv.notify_all()
+            return "rejected"
         with self._cv:
             status = self._deliver_locked(data)
             self._stats[status] += 1
             self._cv.notify_all()
-            return status
-
-    def deliver_object(self, path: str, targets: list[str] | None = None) -> str:
-        """Object-storage transport: read the frame at ``path`` and :meth:`deliver` it."""
-        if targets is not None and self.engine_id not in targets:
-            return "skipped"
-        if self._fs is None:
-            from dcr_ray.relay.sinks import storage_fs
-
-            self._fs = storage_fs(self.config.storage_url, self.config.storage_options)[0]
-        data = self._fs.cat_file(path)
-        self.link.cross(len(data))  # emulated link (benchmarks; no delay without one)
-        return self.deliver(data)
-
-    def set_link(self, mbps: float | None, latency_s: float = 0.0) -> None:
-        """Change the emulated link of object-storage reads (benchmarks; ``None``: no emulation)."""
-        self.link = LinkModel(mbps, latency_s)
+        if status in ("applied", "rejected"):
+            metrics.record(f"engine_{status}", tags={"engine": self.engine_id})
+        return status
 
     def _deliver_locked(self, data: bytes) -> str:
         if self._cur is None:
@@ -115,14 +126,15 @@ class EngineActor:
                 f"engine {self.engine_id} got a payload before prepare(): not part of an open transfer")
             return "rejected"
         try:
-            meta = peek_meta(data)
+            header = open_frame(data, key=self.config.key)  # digest checked before the header is parsed
         except FrameError as e:
             self._error = e
             return "rejected"
-        transfer, attempt, base, _target = self._cur
-        if (meta.transfer, meta.attempt) != (transfer, attempt):
+        cur = self._cur
+        meta = header.meta
+        if (meta.transfer, meta.attempt) != (cur.transfer, cur.attempt):
             return "stale"
-        key = (meta.transfer, meta.attempt, meta.producer, meta.payload)
+        key = meta.key
         dg = bytes(data[-DIGEST_SIZE:])
         if key in self._applied:
             if self._applied[key] != dg:
@@ -131,11 +143,11 @@ class EngineActor:
             return "duplicate"
         t0 = time.perf_counter()
         try:
-            frame = self._read(data, base)
-            if self.config.stage_payloads and base != BOOTSTRAP_BASE:
+            frame = self._decode(header, cur.base)
+            if self.config.stage_payloads and cur.base != BOOTSTRAP_BASE:
                 self._staged.append((key, bytes(data)))  # validated; applied at flush
             else:
-                self._touched = transfer
+                self._touched = cur.transfer
                 self.backend.apply(frame)
         except FrameError as e:
             self._error = e
@@ -150,11 +162,11 @@ class EngineActor:
 
     def flush(self, transfer: str, attempt: int, expected: list[tuple], timeout_s: float) -> dict:
         """Wait until every expected payload is applied, flush the backend, acknowledge."""
-        want = {tuple(k) for k in expected}
+        want = {PayloadKey(*k) for k in expected}
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while True:
-                if self._cur is None or self._cur[:2] != (transfer, attempt):
+                if self._cur is None or (self._cur.transfer, self._cur.attempt) != (transfer, attempt):
                     raise EngineStateError(f"engine {self.engine_id}: flush for an attempt it is not in")
                 if self._error is not None:
                     raise self._error
@@ -171,16 +183,16 @@ class EngineActor:
             if self._staged:
                 self._touched = transfer
             for _key, data in sorted(self._staged, key=lambda kd: kd[0]):
-                self.backend.apply(self._read(data, self._cur[2]))
+                self.backend.apply(self._decode(open_frame(data, key=self.config.key), self._cur.base))
             self._staged = []
             self.backend.flush()
             self._apply_s += time.perf_counter() - t0
             return {"engine": self.engine_id, "cluster": self.cluster, "applied": len(want),
                     "apply_s": self._apply_s, "bytes": self._bytes}
 
-    def _read(self, data, base: int):
-        return read_frame(data, shapes=self.specs, key=self.config.key, expect_base=base,
-                          max_raw_bytes=max(self.config.bucket_bytes * 2, 1 << 20))
+    def _decode(self, header, base: int):
+        return decode_frame(header, shapes=self.specs, expect_base=base,
+                            max_raw_bytes=max(self.config.bucket_bytes * 2, 1 << 20))
 
     def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8,
                  timeout_s: float | None = None) -> dict:
@@ -206,7 +218,7 @@ class EngineActor:
     def activate(self, version: int, transfer: str | None = None) -> int:
         """Make ``version`` current (after the commit record is written). Idempotent."""
         with self._cv:
-            if transfer is None or (self._cur is not None and self._cur[0] == transfer):
+            if transfer is None or (self._cur is not None and self._cur.transfer == transfer):
                 self.version = version
                 self._cur = None
                 self._touched = self._dirty = None
@@ -225,7 +237,7 @@ class EngineActor:
         deltas and generation, and must be bootstrapped densely (the coordinator does it).
         """
         with self._cv:
-            if self._cur is not None and self._cur[0] == transfer:
+            if self._cur is not None and self._cur.transfer == transfer:
                 self._cur = None
                 self._staged = []
             if final and self._touched == transfer:
@@ -240,8 +252,7 @@ class EngineActor:
     def info(self) -> dict:
         with self._cv:
             return {"engine": self.engine_id, "cluster": self.cluster, "version": self.version,
-                    "node": ray.get_runtime_context().get_node_id(), "link_busy_s": self.link.busy_s,
-                    "link_bytes": self.link.bytes, **self._stats}
+                    "node": ray.get_runtime_context().get_node_id(), **self._stats}
 
     def get_version(self) -> int | None:
         return self.version

@@ -41,9 +41,10 @@ import torch
 
 from dcr_ray.codec.baseline import BaselineStore
 from dcr_ray.codec.diff import TensorDelta, full_delta
-from dcr_ray.codec import FrameMeta, encode_frames
+from dcr_ray.codec import FrameMeta, PayloadKey, encode_frames
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
+from dcr_ray.relay.transport import Sink
 
 #: Base version carried by bootstrap frames: accepted by an engine that is being bootstrapped only.
 BOOTSTRAP_BASE = -1
@@ -129,15 +130,16 @@ class DeltaOwner:
     def _send(self, deltas, *, transfer, attempt, base, target, mode, sink, t0) -> dict:
         meta = FrameMeta(transfer=transfer, attempt=attempt, producer=self.owner_id, payload=0,
                          base=base, target=target)
-        payloads, changed, wire = [], 0, 0
+        payloads: list[PayloadKey] = []
+        wire = 0
         send_s = 0.0
         for frame in encode_frames(deltas, meta, mode=mode, bucket_bytes=self.config.bucket_bytes,
                                    zstd_level=self.config.zstd_level, key=self.config.key):
-            pid = len(payloads)
+            key = PayloadKey(transfer, attempt, self.owner_id, len(payloads))
             ts = time.perf_counter()
-            sink.send(frame, (transfer, attempt, self.owner_id, pid))
+            sink.send(frame, key)
             send_s += time.perf_counter() - ts
-            payloads.append(pid)
+            payloads.append(key)
             wire += len(frame)
         ts = time.perf_counter()
         sink.drain()
@@ -145,7 +147,7 @@ class DeltaOwner:
         changed = sum(td.changed for td in self.store.pending()) if base != BOOTSTRAP_BASE else 0
         return {
             "producer": self.owner_id,
-            "payloads": [(transfer, attempt, self.owner_id, p) for p in payloads],
+            "payloads": payloads,
             "wire_bytes": wire,
             "changed": changed,
             "construct_s": time.perf_counter() - t0 - send_s,
@@ -248,17 +250,12 @@ class OwnerMixin:
             raise BaselineError("this owner was not attached: the coordinator calls dcr_attach() first")
         return self._dcr
 
-    def dcr_stream(self, transfer: str, attempt: int, base: int, target: int, sink_desc: dict) -> dict:
-        from dcr_ray.relay.sinks import make_sink
-
-        sink = make_sink(sink_desc, self.config_of_owner())
+    def dcr_stream(self, transfer: str, attempt: int, base: int, target: int, sink: Sink) -> dict:
         return self._dcr_owner().stream(self.dcr_tensors(), transfer=transfer, attempt=attempt,
                                         base=base, target=target, sink=sink)
 
-    def dcr_bootstrap(self, transfer: str, sink_desc: dict) -> dict:
-        from dcr_ray.relay.sinks import make_sink
-
-        return self._dcr_owner().bootstrap(transfer=transfer, sink=make_sink(sink_desc, self.config_of_owner()))
+    def dcr_bootstrap(self, transfer: str, sink: Sink) -> dict:
+        return self._dcr_owner().bootstrap(transfer=transfer, sink=sink)
 
     def dcr_promote(self, version: int) -> int:
         return self._dcr_owner().promote(version)
@@ -268,15 +265,6 @@ class OwnerMixin:
 
     def dcr_version(self) -> int:
         return self._dcr_owner().version
-
-    def dcr_baseline(self, name: str) -> torch.Tensor:
-        """The committed bits of ``name`` (checks and dense references)."""
-        owner = self._dcr_owner()
-        owner.settle()
-        return owner.store.tensor(name)
-
-    def config_of_owner(self) -> RefitConfig:
-        return self._dcr_owner().config
 
 
 class StandaloneOwner(OwnerMixin):

@@ -3,7 +3,7 @@
 What runs (real Ray on this machine, loopback only):
 
 - **Topology.** One rollout cluster behind an emulated cross-cluster link
-  (:class:`~dcr_ray.relay.link.LinkModel`: ``--link-mbps`` bandwidth, ``--latency-ms`` one-way latency).
+  (:class:`~dcr_ray.testing.links.LinkModel`: ``--link-mbps`` bandwidth, ``--latency-ms`` one-way latency).
   ``relay``: the cluster's head relay pulls every payload across the link once and fans it out to
   ``--engines`` engines. ``object_store``: owners write frames to object storage (a local directory in
   the training region) and every engine reads them across its own node link (the same model, per node).
@@ -343,7 +343,7 @@ class SyntheticBackend(EngineBackend):
         return self._tensors
 
     def apply(self, frame) -> None:
-        from dcr_ray.codec.frame import apply_decoded
+        from dcr_ray.codec import apply_decoded
 
         apply_decoded(frame, self._tensors)
 
@@ -446,24 +446,22 @@ class Topology:
     latency_s: float = 0.0
     owner_share_bytes: int = 0
 
+    def _link_holders(self) -> dict:
+        """Actors whose emulated link a payload crosses: relay heads, or engines reading storage."""
+        return {f"head{i}": h for i, h in enumerate(self.heads)} if self.transport == "relay" else self.engines
+
     def set_link(self, mbps: float | None, latency_s: float) -> None:
         import ray
 
         self.link_mbps, self.latency_s = mbps, (latency_s if mbps else 0.0)
-        if self.transport == "relay":
-            ray.get([h.set_link.remote(mbps, latency_s) for h in self.heads])
-        else:
-            ray.get([e.set_link.remote(mbps, latency_s) for e in self.engines.values()])
+        ray.get([a.__ray_call__.remote(_set_link, mbps, latency_s) for a in self._link_holders().values()])
 
     def link_busy(self) -> dict:
         """Link -> (serialisation seconds, bytes) so far."""
         import ray
 
-        if self.transport == "relay":
-            st = ray.get([h.stats.remote() for h in self.heads])
-            return {s["relay"]: (s["link_busy_s"], s["link_bytes"]) for s in st}
-        st = ray.get([e.info.remote() for e in self.engines.values()])
-        return {s["engine"]: (s["link_busy_s"], s["link_bytes"]) for s in st}
+        holders = self._link_holders()
+        return dict(zip(holders, ray.get([a.__ray_call__.remote(_link_busy) for a in holders.values()])))
 
     def shutdown(self) -> None:
         import ray
@@ -475,11 +473,36 @@ class Topology:
                 ray.kill(h)
 
 
+def _set_link(actor_self, mbps, latency_s) -> None:
+    from dcr_ray.testing.links import link_of
+
+    link_of(actor_self).set(mbps, latency_s)
+
+
+def _link_busy(actor_self) -> tuple[float, int]:
+    from dcr_ray.testing.links import link_of
+
+    link = link_of(actor_self)
+    return link.busy_s, link.bytes
+
+
 def _config(s: Settings, transport: str):
     from dcr_ray.config import RefitConfig
 
     return RefitConfig(transport=transport, bucket_bytes=s.bucket_bytes, chunk_elems=s.bucket_bytes // 8,
                        stage_timeout_s=900.0)
+
+
+def _launch(s: Settings, transport: str, **kw):
+    """``dcr_ray.launch`` of one ``rollout`` cluster whose boundary is an emulated link (off until set)."""
+    import dcr_ray
+    from dcr_ray.config import validate
+    from dcr_ray.testing.links import EmulatedLinks
+
+    clusters = [dcr_ray.ClusterSpec(name="rollout", engines=s.engines)]
+    config = validate(_config(s, transport), clusters, kw["owners"])
+    return dcr_ray.launch(clusters=clusters, config=config, transport=EmulatedLinks(config, {"rollout": (None, 0.0)}),
+                          **kw)
 
 
 def _finish_launch(kind, transport, refit, owners, canonical, numel, model, s, share) -> Topology:
@@ -519,8 +542,7 @@ def launch_stress(s: Settings, transport: str) -> Topology:
         owners[f"owner{r}"] = Owner.options(**actor_options("owner", f"dcr_bench_owner{r}")).remote(mine, s.seed)
     ray.get([h.bench_set_baseline.remote(s.baseline) for h in owners.values()])
     t = time.perf_counter()
-    refit = dcr_ray.launch(owners=owners, clusters=[dcr_ray.ClusterSpec(name="rollout", engines=s.engines)],
-                           engine=SyntheticEngine(shapes), config=_config(s, transport))
+    refit = _launch(s, transport, owners=owners, engine=SyntheticEngine(shapes))
     _log(f"  up in {time.perf_counter() - t:.1f}s")
     return _finish_launch("stress", transport, refit, owners, 2 * numel, numel, s.size, s, share)
 
@@ -539,8 +561,7 @@ def launch_adamw(s: Settings, transport: str) -> Topology:
     owners = {"trainer": trainer}
     ray.get(trainer.bench_set_baseline.remote(s.baseline))
     t = time.perf_counter()
-    refit = dcr_ray.launch(owners=owners, clusters=[dcr_ray.ClusterSpec(name="rollout", engines=s.engines)],
-                           engine=dcr_ray.HFEngine(spec, seed=s.seed + 1), config=_config(s, transport))
+    refit = _launch(s, transport, owners=owners, engine=dcr_ray.HFEngine(spec, seed=s.seed + 1))
     numel = sum(ray.get(trainer.__ray_call__.remote(lambda self: [t.numel() for t in self.dcr_tensors().values()])))
     _log(f"  up in {time.perf_counter() - t:.1f}s ({numel / 1e6:.1f} M parameters)")
     return _finish_launch("adamw", transport, refit, owners, 2 * numel, numel, "small", s, 2 * numel)

@@ -36,36 +36,6 @@ _lock = threading.Lock()
 _fns: dict | None = None
 
 
-def make_llvmlite_safe_for_vllm() -> None:
-    """Let vLLM start in a process where numba (llvmlite) is already imported.
-
-    vLLM 0.32 scans every module global at engine start-up and calls ``vars(value).get(...)`` on any
-    value that has a ``__dict__``. llvmlite's ``binding.ffi.lib`` forwards *every* attribute name to
-    its C library, so ``lib.__dict__`` is a C-function wrapper and the scan dies with
-    ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``. Giving that one object a
-    layout-identical subclass whose ``__dict__`` is an empty dict fixes the scan and changes nothing
-    else (no slots, no lookups of real symbols). A no-op when llvmlite is not loaded.
-    """
-    import sys
-
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    lib = getattr(ffi, "lib", None)
-    if lib is None or isinstance(_vars_or_none(lib), dict):
-        return
-    base = type(lib)
-    safe = type(base.__name__, (base,), {"__slots__": (), "__dict__": property(lambda self: {}),
-                                         "__module__": base.__module__})
-    lib.__class__ = safe
-
-
-def _vars_or_none(obj):
-    """``vars(obj)``, or None when it cannot be taken."""
-    try:
-        return vars(obj)
-    except TypeError:
-        return None
-
-
 def _compiled() -> dict:
     """The kernels, defined on first use (importing numba is slow, and most processes never apply)."""
     global _fns
@@ -73,8 +43,6 @@ def _compiled() -> dict:
         with _lock:
             if _fns is None:
                 import numba
-
-                make_llvmlite_safe_for_vllm()
 
                 jit = numba.njit(nogil=True, cache=True, boundscheck=False)
 

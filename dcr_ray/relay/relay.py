@@ -2,8 +2,8 @@
 
 A cluster's *head* relay receives ``push(key, [ref], targets)`` from every owner. The ref arrives
 nested in a list, so Ray does not resolve it for us; the head pulls the bytes once (the only
-crossing of that cluster's boundary, counted in ``stats()``), waits out the emulated link if one is
-configured, and ``ray.put``s them again: the copy is now owned by, and located at, the head's node.
+crossing of that cluster's boundary, counted in ``stats()`` and reported to ``on_cross`` when one is
+given), and ``ray.put``s them again: the copy is now owned by, and located at, the head's node.
 It forwards *that* ref, so engines in the cluster pull from the head's node (or from each other),
 never from the owner across the boundary. The copy also outlives the owner actor, so a late engine
 or a retry inside the same attempt does not cross again. Copies are released when the coordinator
@@ -22,26 +22,24 @@ from collections import defaultdict
 
 import ray
 
-from dcr_ray.relay.link import LinkModel
+from dcr_ray import metrics
 
 
 class RelayActor:
-    def __init__(self, relay_id: str, cluster: str, *, head: bool, link_mbps: float | None = None,
-                 link_latency_s: float = 0.0):
+    """One relay of a cluster's tree. ``on_cross(nbytes)`` (heads only, optional) observes, and may
+    delay, each boundary crossing: benchmarks pass a link emulator (:mod:`dcr_ray.testing.links`)."""
+
+    def __init__(self, relay_id: str, cluster: str, *, head: bool, on_cross=None):
         self.relay_id = relay_id
         self.cluster = cluster
         self.head = head
-        self.link = LinkModel(link_mbps, link_latency_s)
+        self.on_cross = on_cross
         self.children: list[tuple[str, object, frozenset]] = []
         self._held: dict[str, list] = defaultdict(list)
         self._lock = threading.Lock()
         self._bytes_in: dict[str, int] = defaultdict(int)
         self._payloads_in: dict[str, set] = defaultdict(set)
         self._seen: set[tuple] = set()
-
-    def set_link(self, mbps: float | None, latency_s: float = 0.0) -> None:
-        """Change the emulated boundary link (benchmarks; ``None``: no emulation)."""
-        self.link = LinkModel(mbps, latency_s)
 
     def set_children(self, children: list[tuple[str, object, list[str]]]) -> None:
         """``[(kind, handle, engine ids below it)]`` with kind ``"engine"`` or ``"relay"``."""
@@ -56,12 +54,14 @@ class RelayActor:
         if dup:  # a repeated push (retried call): the payload already crossed and was forwarded
             return 0
         data = ray.get(refs[0])
-        self.link.cross(len(data))
+        if self.on_cross is not None:
+            self.on_cross(len(data))
         own = ray.put(data)
         with self._lock:
             self._held[transfer].append(own)
             self._bytes_in[transfer] += len(data)
             self._payloads_in[transfer].add(key)
+        metrics.record("relay_bytes", len(data), tags={"cluster": self.cluster})
         self._forward(key, own, targets)
         return len(data)
 
@@ -92,5 +92,4 @@ class RelayActor:
         with self._lock:
             return {"relay": self.relay_id, "cluster": self.cluster, "head": self.head,
                     "bytes_in": dict(self._bytes_in),
-                    "payloads_in": {t: len(s) for t, s in self._payloads_in.items()},
-                    "link_busy_s": self.link.busy_s, "link_bytes": self.link.bytes}
+                    "payloads_in": {t: len(s) for t, s in self._payloads_in.items()}}

@@ -1,0 +1,119 @@
+"""The object-storage transport: one object per payload in a directory or an fsspec store.
+
+An owner writes each frame as ``<root>/<transfer>/a<attempt>/<producer>/<payload>.dcrf`` and tells each
+targeted engine its path; the engine reads it (every engine reads its own copy, so each read crosses
+that engine's boundary). The coordinator deletes ``<root>/<transfer>`` when the transfer ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from dcr_ray.codec import PayloadKey
+from dcr_ray.errors import ConfigError
+from dcr_ray.relay.backpressure import wait_bounded
+
+
+def storage_fs(url: str, options: dict | None = None):
+    """(fsspec filesystem, root path) for a storage URL or local directory."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+    return fs, root.rstrip("/")
+
+
+class StoredFrame(str):
+    """The path of a frame in object storage (what an object-storage engine is delivered)."""
+
+
+class ObjectStoreSink:
+    """Owner side: write each frame as one object, then deliver its path to each targeted engine."""
+
+    def __init__(self, url: str, options: dict, engines: list, targets: list[str] | None, *,
+                 max_inflight: int, timeout_s: float):
+        self.url, self.options = url, options
+        self.engines = engines
+        self.targets = targets
+        self.bound = max_inflight * max(1, len(engines))
+        self.timeout = timeout_s
+        self._fs = None
+        self._acks: list = []
+        self._made: set[str] = set()
+
+    def send(self, frame: bytes, key: PayloadKey) -> None:
+        if self._fs is None:
+            self._fs, self._root = storage_fs(self.url, self.options)
+        transfer, attempt, producer, pid = key
+        prefix = f"{self._root}/{transfer}/a{attempt}/{producer}"
+        if prefix not in self._made:
+            self._fs.makedirs(prefix, exist_ok=True)
+            self._made.add(prefix)
+        path = StoredFrame(f"{prefix}/{pid:06d}.dcrf")
+        self._fs.pipe_file(path, frame)
+        for e in self.engines:
+            self._acks.append(e.deliver.remote(path, self.targets))
+        self._acks = wait_bounded(self._acks, self.bound, self.timeout)
+
+    def drain(self) -> None:
+        wait_bounded(self._acks, 0, self.timeout)
+        self._acks = []
+
+
+class ObjectReader:
+    """Engine side: read a delivered path from the store (the filesystem opens on first use)."""
+
+    def __init__(self, url: str, options: dict):
+        self.url, self.options = url, options
+        self._fs = None
+
+    def read(self, payload: Any) -> bytes:
+        if self._fs is None:
+            self._fs = storage_fs(self.url, self.options)[0]
+        return self._fs.cat_file(str(payload))
+
+
+class ObjectStoreTransport:
+    """Owners write, engines read, the coordinator deletes each transfer's prefix when it ends."""
+
+    kind = "object_store"
+
+    def __init__(self, config):
+        if config.storage_url is None:
+            raise ConfigError("the object_store transport needs RefitConfig.storage_url (launch() sets a default)")
+        self.config = config
+        self.url = config.storage_url
+        self.options = dict(config.storage_options)
+        self._engines: dict[str, Any] = {}
+        self._engine_cluster: dict[str, str] = {}
+
+    def reader(self, cluster: str) -> ObjectReader:
+        return ObjectReader(self.url, self.options)
+
+    def build(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
+        self._engines = dict(engines)
+        self._engine_cluster = dict(engine_cluster)
+
+    def sink(self, targets: list[str] | None, required: list[str]) -> ObjectStoreSink:
+        engines = [self._engines[e] for e in (targets if targets is not None else required)]
+        return ObjectStoreSink(self.url, self.options, engines, targets,
+                               max_inflight=self.config.max_inflight_payloads,
+                               timeout_s=self.config.stage_timeout_s)
+
+    def release(self, transfer: str) -> None:
+        fs, root = storage_fs(self.url, self.options)
+        try:
+            fs.rm(f"{root}/{transfer}", recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def link_bytes(self, transfer: str, acks: Mapping[str, dict]) -> dict[str, int]:
+        out = {c: 0 for c in dict.fromkeys(self._engine_cluster.values())}
+        for a in acks.values():
+            out[a["cluster"]] += a["bytes"]
+        return out
+
+    def actors(self) -> dict[str, Any]:
+        return {}
+
+    def stats(self) -> list[dict]:
+        return []

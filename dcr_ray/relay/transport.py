@@ -1,0 +1,81 @@
+"""How payloads travel from owners to engines: one protocol, two implementations, chosen once.
+
+A :class:`Transport` lives in the coordinator. For each stream it hands every owner a picklable
+:class:`Sink` (owner side: ``send`` each finished frame while still diffing, ``drain`` at the end);
+it gives each engine a :class:`PayloadReader` at start-up (engine side: turns what arrives into frame
+bytes); it releases an attempt's copies when the coordinator ends it, and it reports the bytes that
+crossed each cluster's boundary.
+
+Implementations:
+
+* :class:`~dcr_ray.relay.relay_tree.RelayTransport` (``"relay"``): Ray object store through a tree of
+  relay actors per cluster; each payload crosses each cluster boundary once.
+* :class:`~dcr_ray.relay.object_store.ObjectStoreTransport` (``"object_store"``): one object per
+  payload in a directory or an fsspec store (``s3://...``); each engine reads its own copy.
+
+A transport may also be wrapped (benchmarks wrap one to emulate slow links, see
+:mod:`dcr_ray.testing.links`): the coordinator only ever talks to this protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+from dcr_ray.codec import PayloadKey
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Owner side of one stream (picklable; built by the coordinator, used in the owner's process)."""
+
+    def send(self, frame: bytes, key: PayloadKey) -> None:
+        """Hand one frame to the transport; blocks while too many are unacknowledged (backpressure)."""
+
+    def drain(self) -> None:
+        """Wait until every frame sent was acknowledged by the first hop."""
+
+
+@runtime_checkable
+class PayloadReader(Protocol):
+    """Engine side (picklable; used in the engine's process): what arrived -> the frame's bytes."""
+
+    def read(self, payload: Any) -> bytes:
+        """The frame bytes of ``payload`` (bytes themselves, or a reference the transport resolves)."""
+
+
+class Transport(Protocol):
+    """Coordinator side: builds the transport's actors, makes sinks and readers, releases, accounts."""
+
+    kind: str
+
+    def reader(self, cluster: str) -> PayloadReader:
+        """The reader an engine of ``cluster`` uses (given to the engine at creation)."""
+
+    def build(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
+        """Create what the transport needs once engines exist (e.g. relay actors per cluster)."""
+
+    def sink(self, targets: list[str] | None, required: list[str]) -> Sink:
+        """A sink that reaches ``targets`` (engine ids), or every engine in ``required`` when None."""
+
+    def release(self, transfer: str) -> None:
+        """Drop every copy the transport holds of ``transfer``'s payloads (all its attempts)."""
+
+    def link_bytes(self, transfer: str, acks: Mapping[str, dict]) -> dict[str, int]:
+        """Bytes of ``transfer`` that crossed each cluster's boundary (``acks``: engine flush replies)."""
+
+    def actors(self) -> dict[str, Any]:
+        """The transport's own actors by id (relays), for inspection and shutdown."""
+
+    def stats(self) -> list[dict]:
+        """Per-actor statistics (relays: bytes and payloads in)."""
+
+
+def make_transport(config) -> Transport:
+    """The transport ``config.transport`` names."""
+    if config.transport == "relay":
+        from dcr_ray.relay.relay_tree import RelayTransport
+
+        return RelayTransport(config)
+    from dcr_ray.relay.object_store import ObjectStoreTransport
+
+    return ObjectStoreTransport(config)
