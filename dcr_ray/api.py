@@ -7,7 +7,7 @@
         owners=[trainer0, trainer1],                     # actors with dcr_ray.OwnerMixin
         clusters=[dcr_ray.ClusterSpec(name="us-east", engines=2),
                   dcr_ray.ClusterSpec(name="eu-west", engines=2)],
-        engine=dcr_ray.HFEngine(dcr_ray.ModelSpec(size="tiny")),
+        engine=dcr_ray.HFEngine("/path/to/hf_checkpoint"),
     )
     ...                                                  # optimizer step on the trainers
     report = ray.get(refit.remote())                    # every engine now holds the new bits
@@ -32,30 +32,38 @@ from dcr_ray.actors.owner import StandaloneOwner
 from dcr_ray.config import ClusterSpec, RefitConfig, validate
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray.errors import ConfigError
-from dcr_ray.models import ModelSpec, build_model
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, actor_options
 from dcr_ray.relay.transport import Transport
 from dcr_ray.report import RefitReport
 
 
 class HFEngine:
-    """Engine factory: a ``transformers`` model of ``spec`` in each engine actor (the default).
+    """Engine factory: a ``transformers`` causal LM in each engine actor (the embedded receiver).
 
-    ``seed`` overrides the spec's seed for the engine's initial weights (they are replaced by the
-    dense bootstrap anyway; a different seed proves it).
+    ``model`` is a Hugging Face checkpoint directory visible to the engines' nodes (loaded with
+    ``AutoModelForCausalLM.from_pretrained`` in ``dtype``), or a picklable zero-argument callable that
+    returns the model (e.g. :class:`dcr_ray.testing.models.ModelSpec`). The engine's initial bits do not
+    matter: the dense bootstrap replaces them with the owners' committed bits.
     """
 
-    def __init__(self, spec: ModelSpec = ModelSpec(), seed: int | None = None):
-        self.spec = spec
-        self.seed = seed
+    def __init__(self, model: str | Callable[[], torch.nn.Module], *, dtype: str = "bfloat16"):
+        if not (isinstance(model, str) or callable(model)):
+            raise ConfigError(f"HFEngine(model) takes a checkpoint directory or a callable returning a model, "
+                              f"got {type(model).__name__}")
+        self.model = model
+        self.dtype = dtype
+
+    def _build(self) -> torch.nn.Module:
+        if callable(self.model):
+            return self.model()
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model, dtype=getattr(torch, self.dtype))
 
     def __call__(self) -> EngineBackend:
-        from dataclasses import replace
-
         from dcr_ray.engines.hf import TransformersBackend
 
-        spec = self.spec if self.seed is None else replace(self.spec, seed=self.seed)
-        return TransformersBackend(lambda: build_model(spec))
+        return TransformersBackend(self._build)
 
 
 class Refit:
@@ -126,7 +134,7 @@ class Refit:
 def launch(
     *,
     clusters: list[ClusterSpec],
-    engine: Callable[[], EngineBackend] | None = None,
+    engine: Callable[[], EngineBackend],
     owners: Mapping[str, object] | list | None = None,
     owner_tensors: list[Mapping[str, torch.Tensor]] | None = None,
     config: RefitConfig | None = None,
@@ -138,7 +146,7 @@ def launch(
     Owners come either as ``owners`` (actor handles whose class mixes in :class:`dcr_ray.OwnerMixin`;
     a dict names them, a list names them ``owner0``, ``owner1``, ...) or as ``owner_tensors`` (one
     ``{name: tensor}`` dict per standalone owner actor to create). ``engine`` builds one backend in
-    each engine actor (default: :class:`HFEngine` of the tiny model). ``transport`` replaces the one
+    each engine actor (:class:`HFEngine`, :class:`~dcr_ray.engines.vllm.VllmEngine`). ``transport`` replaces the one
     ``config.transport`` names (e.g. a wrapped one that emulates slow links in benchmarks).
 
     Everything is checked before any actor is spawned: a bad set-up raises :class:`ConfigError` and
@@ -146,7 +154,8 @@ def launch(
     """
     if not ray.is_initialized():
         raise ConfigError("call ray.init() first (dcr_ray runs in your Ray cluster)")
-    engine = engine or HFEngine()
+    if not callable(engine):
+        raise ConfigError("engine must be an engine factory, e.g. dcr_ray.HFEngine('/path/to/checkpoint')")
     if owners is None and owner_tensors is None:
         raise ConfigError("give owners=[actor handles] or owner_tensors=[{name: tensor}, ...]")
     if owners is not None and owner_tensors is not None:
@@ -169,7 +178,7 @@ def launch(
         config, clusters, engine, dict(owners), transport)
     n_eng = sum(c.engines for c in clusters)
     print(f"[dcr_ray] starting {n_eng} engines in {len(clusters)} clusters, {len(owners)} owners, "
-          f"transport={config.transport}; dense bootstrap...", file=sys.stderr, flush=True)
+          f"transport={config.transport.kind}; dense bootstrap...", file=sys.stderr, flush=True)
     refit = Refit(actor, owns_owners=own_owners)
     try:
         ray.get(actor.start.remote())

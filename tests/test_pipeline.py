@@ -11,14 +11,15 @@ import ray
 import torch
 
 import dcr_ray
+from dcr_ray.testing.models import ModelSpec, build_model
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
 from dcr_ray.codec.bits import bits_equal
 from dcr_ray.engines.base import canonical_state_dict
-from dcr_ray.trainer import TinyTrainer
+from dcr_ray.testing.trainer import TinyTrainer
 
 pytestmark = pytest.mark.slow
-SPEC = dcr_ray.ModelSpec(size="tiny", seed=0)
+SPEC = ModelSpec(size="tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def _launch(config: dcr_ray.RefitConfig, world: int = 2, engines=(2, 1)):
     Trainer = ray.remote(num_cpus=0)(TinyTrainer)
     trainers = [Trainer.remote(SPEC, lr=1e-4, rank=r, world=world) for r in range(world)]
     clusters = [dcr_ray.ClusterSpec(name=f"c{i}", engines=n, fanout=2 if i else 4) for i, n in enumerate(engines)]
-    refit = dcr_ray.launch(owners=trainers, clusters=clusters, engine=dcr_ray.HFEngine(SPEC, seed=7),
+    refit = dcr_ray.launch(owners=trainers, clusters=clusters, engine=dcr_ray.HFEngine(SPEC.with_seed(7)),
                            config=config)
     return refit, trainers
 
@@ -40,7 +41,7 @@ def _launch(config: dcr_ray.RefitConfig, world: int = 2, engines=(2, 1)):
 def _assert_engines_hold(refit, trainers):
     want = ray.get(trainers[0].rollout_state.remote())
     # the dense reference: the same weights loaded through the model's own loader
-    dense = dcr_ray.build_model(dcr_ray.ModelSpec(size="tiny", seed=42))
+    dense = build_model(ModelSpec(size="tiny", seed=42))
     dense.load_state_dict(want, strict=False)
     dense_sd = canonical_state_dict(dense)
     for eid, eng in refit.engines().items():
@@ -53,7 +54,7 @@ def _assert_engines_hold(refit, trainers):
 
 @pytest.mark.parametrize("transport", ["relay", "object_store"])
 def test_engines_are_bit_identical_to_the_trainer_and_a_dense_reload_after_several_refits(local_ray, transport):
-    refit, trainers = _launch(dcr_ray.RefitConfig(transport=transport))
+    refit, trainers = _launch(dcr_ray.RefitConfig(transport=dcr_ray.TransportConfig(kind=transport)))
     try:
         # the engines started from another seed: the dense bootstrap already made them equal
         _assert_engines_hold(refit, trainers)
@@ -88,7 +89,7 @@ def test_a_refit_with_no_change_commits_an_empty_version(local_ray):
 def _frames_for(trainer_state: dict, base: int, target: int, transfer: str, attempt: int = 0):
     """Frames turning the tiny model at ``seed=0`` into ``trainer_state``."""
     store = BaselineStore(in_memory=True)
-    init = canonical_state_dict(dcr_ray.build_model(SPEC))
+    init = canonical_state_dict(build_model(SPEC))
     for n, t in init.items():
         store.add(n, t)
     deltas = [store.diff(n, trainer_state[n]) for n in init]
@@ -152,7 +153,7 @@ def test_an_engine_that_was_not_prepared_rejects_payloads_and_writes_nothing(loc
 
 
 def test_owners_that_do_not_cover_the_engines_tensors_are_refused_with_a_clear_error(local_ray):
-    model = dcr_ray.build_model(SPEC)
+    model = build_model(SPEC)
     sd = canonical_state_dict(model)
     half = dict(list(sd.items())[: len(sd) // 2])
     with pytest.raises(Exception, match="no owner for"):
@@ -172,7 +173,7 @@ def test_owners_that_do_not_cover_the_engines_tensors_are_refused_with_a_clear_e
 
 
 def test_a_staging_engine_keeps_serving_the_old_version_until_flush_and_then_the_new_bits(local_ray):
-    refit, trainers = _launch(dcr_ray.RefitConfig(stage_payloads=True), world=1, engines=(1, 1))
+    refit, trainers = _launch(dcr_ray.RefitConfig(engines=dcr_ray.EngineConfig(apply="staged")), world=1, engines=(1, 1))
     try:
         eng = refit.engines()["c0/e0"]
         prompts = [[1, 2, 3, 4], [5, 6, 7]]
@@ -245,7 +246,7 @@ def test_a_second_launch_in_the_same_ray_cluster_fails_with_a_clear_error_and_le
 def test_bad_set_ups_are_refused_before_any_actor_is_spawned(local_ray):
     Plain = ray.remote(num_cpus=0)(type("NotAnOwner", (), {"ping": lambda self: 1}))
     plain = Plain.remote()
-    sd = canonical_state_dict(dcr_ray.build_model(SPEC))
+    sd = canonical_state_dict(build_model(SPEC))
     bad = [
         (dict(owner_tensors=[sd], clusters=[]), "at least one"),
         (dict(owner_tensors=[sd], clusters=[dcr_ray.ClusterSpec(name="a"), dcr_ray.ClusterSpec(name="a")]),
@@ -259,9 +260,9 @@ def test_bad_set_ups_are_refused_before_any_actor_is_spawned(local_ray):
             dcr_ray.launch(engine=dcr_ray.HFEngine(SPEC), **kw)
         assert _alive(*LAUNCH_NAMES) == set(), kw
     for make, msg in [(lambda: dcr_ray.ClusterSpec(name="a", engines=2.5), "must be an integer"),
-                      (lambda: dcr_ray.RefitConfig(stage_timeout_s=float("nan")), "finite"),
-                      (lambda: dcr_ray.RefitConfig(stage_timeout_s=float("inf")), "finite"),
-                      (lambda: dcr_ray.RefitConfig(zstd_level=100), "1..22")]:
+                      (lambda: dcr_ray.CommitConfig(timeout_s=float("nan")), "finite"),
+                      (lambda: dcr_ray.CommitConfig(timeout_s=float("inf")), "finite"),
+                      (lambda: dcr_ray.CodecConfig(zstd_level=100), "1..22")]:
         with pytest.raises(dcr_ray.errors.ConfigError, match=msg):
             make()
     ray.kill(plain)

@@ -9,11 +9,12 @@ import ray
 import torch
 
 import dcr_ray
+from dcr_ray.testing.models import ModelSpec
 from dcr_ray.testing.faults import FlakyEngine, TrainerThatFailsToPromoteOnce
-from dcr_ray.trainer import TinyTrainer
+from dcr_ray.testing.trainer import TinyTrainer
 
 pytestmark = pytest.mark.slow
-SPEC = dcr_ray.ModelSpec(size="tiny")
+SPEC = ModelSpec(size="tiny")
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +24,12 @@ def local_ray():
     ray.shutdown()
 
 
-def _start(engine, clusters, trainer_cls=TinyTrainer, **cfg):
+def _start(engine, clusters, trainer_cls=TinyTrainer, max_attempts: int = 3):
     Trainer = ray.remote(num_cpus=0)(trainer_cls)
     trainer = Trainer.remote(SPEC, lr=1e-3)
     refit = dcr_ray.launch(owners=[trainer], clusters=clusters, engine=engine,
-                           config=dcr_ray.RefitConfig(bucket_bytes=1 << 18, chunk_elems=1 << 15, **cfg))
+                           config=dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(bucket_bytes=1 << 18, chunk_elems=1 << 15),
+                                                      commit=dcr_ray.CommitConfig(max_attempts=max_attempts)))
     return refit, trainer
 
 

@@ -15,7 +15,8 @@ import ray
 import torch
 
 import dcr_ray
-from dcr_ray.trainer import TinyTrainer
+from dcr_ray.testing.models import ModelSpec
+from dcr_ray.testing.trainer import TinyTrainer
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("s3fs", reason="s3fs is needed for s3:// storage (pip install dcr_ray[s3])")
@@ -61,13 +62,15 @@ def test_refits_through_an_s3_compatible_store_are_bit_exact_and_leave_no_object
     fs = s3fs.S3FileSystem(**opts)
     raytools.init_local_ray()
     try:
-        spec = dcr_ray.ModelSpec(size="tiny")
+        spec = ModelSpec(size="tiny")
         Trainer = ray.remote(num_cpus=0)(TinyTrainer)
         trainers = [Trainer.remote(spec, lr=1e-4, rank=r, world=2) for r in range(2)]
-        cfg = dcr_ray.RefitConfig(transport="object_store", storage_url="s3://dcr-test/refits",
-                                  storage_options=opts, key=b"shared-secret")
+        cfg = dcr_ray.RefitConfig(
+            transport=dcr_ray.TransportConfig(kind="object_store", storage_url="s3://dcr-test/refits",
+                                              storage_options=opts),
+            codec=dcr_ray.CodecConfig(key=b"shared-secret"))
         refit = dcr_ray.launch(owners=trainers, clusters=[dcr_ray.ClusterSpec(name="remote", engines=2)],
-                               engine=dcr_ray.HFEngine(spec, seed=3), config=cfg)
+                               engine=dcr_ray.HFEngine(spec.with_seed(3)), config=cfg)
         for step in range(2):
             ray.get([t.step.remote(seed=step) for t in trainers])
             report = refit.run()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcr_ray.config import ClusterSpec, RefitConfig
+from dcr_ray.config import ClusterSpec, CodecConfig, EngineConfig, OwnerConfig, RefitConfig, TransportConfig
 from dcr_ray.errors import ConfigError
 from dcr_ray.testing.links import LinkModel
 from dcr_ray.relay.tree import plan_tree
@@ -23,16 +23,22 @@ def test_a_relay_tree_serves_every_engine_once_and_no_relay_exceeds_its_fanout(n
 
 
 def test_configuration_errors_say_which_field_and_how_to_fix_it():
-    with pytest.raises(ConfigError, match="transport must be one of"):
-        RefitConfig(transport="nccl")
+    with pytest.raises(ConfigError, match=r"TransportConfig.kind must be one of \('relay', 'object_store'\)"):
+        TransportConfig(kind="nccl")
     with pytest.raises(ConfigError, match="lower chunk_elems or raise bucket_bytes"):
-        RefitConfig(chunk_elems=1 << 24, bucket_bytes=1 << 20)
+        CodecConfig(chunk_elems=1 << 24, bucket_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="RefitConfig.transport must be a dcr_ray.TransportConfig"):
+        RefitConfig(transport="relay")
+    with pytest.raises(ConfigError, match="EngineConfig.apply must be one of"):
+        EngineConfig(apply="later")
+    with pytest.raises(ConfigError, match="OwnerConfig.promote must be one of"):
+        OwnerConfig(promote=True)
     with pytest.raises(ConfigError, match="fanout must be >= 2"):
         ClusterSpec(name="a", fanout=1)
     with pytest.raises(ConfigError, match="engines must be >= 1"):
         ClusterSpec(name="a", engines=0)
     with pytest.raises(ConfigError, match="BLAKE2b key"):
-        RefitConfig(key="not-bytes")
+        CodecConfig(key="not-bytes")
 
 
 def test_the_link_model_charges_bandwidth_and_latency_per_crossing():

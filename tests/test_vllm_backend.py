@@ -21,7 +21,7 @@ from dcr_ray.engines.vllm.capture import LoaderCapture  # noqa: E402
 from dcr_ray.engines.vllm.checkpoint import iter_checkpoint  # noqa: E402
 from dcr_ray.engines.vllm.storage import int_view  # noqa: E402
 from dcr_ray.errors import BaseVersionMismatchError, DcrError, TargetMismatchError  # noqa: E402
-from dcr_ray.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
+from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

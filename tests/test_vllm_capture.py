@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from dcr_ray.codec import BaselineStore, DecodedItem, FrameMeta, encode_frames, read_frame
-from dcr_ray.engines.vllm.capture import Geometry, LoaderCapture, map_positions, strict_check
+from dcr_ray.engines.vllm.capture import LoaderCapture
+from dcr_ray.engines.vllm.plan import Geometry, map_positions, strict_check
 from dcr_ray.engines.vllm.groups import fused_groups
 from dcr_ray.engines.vllm.storage import int_view
 from dcr_ray.errors import BackendError, BackendUnavailableError, LoaderCaptureError
@@ -337,7 +338,7 @@ def test_the_llvmlite_shim_keeps_every_module_global_inspectable_for_vllm_start_
 def test_the_vllm_backend_says_how_to_install_vllm_when_it_is_missing(tmp_path, monkeypatch):
     import dcr_ray
     from dcr_ray.engines import vllm as vb
-    from dcr_ray.models import ModelSpec, build_model, save_checkpoint
+    from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint
 
     assert dcr_ray is not None
     save_checkpoint(build_model(ModelSpec(arch="llama")), str(tmp_path))
@@ -351,7 +352,7 @@ def test_the_vllm_backend_says_how_to_install_vllm_when_it_is_missing(tmp_path, 
 def test_capture_mode_is_refused_on_cpu_before_vllm_starts(tmp_path, monkeypatch):
     from dcr_ray.engines import vllm as vb
     from dcr_ray.errors import ConfigError
-    from dcr_ray.models import ModelSpec, build_model, save_checkpoint
+    from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -21,7 +21,7 @@ from dcr_ray.codec import BaselineStore  # noqa: E402
 from dcr_ray.engines.base import checkpoint_state_dict  # noqa: E402
 from dcr_ray.engines.vllm import VllmBackend, worker  # noqa: E402
 from dcr_ray.errors import BackendError  # noqa: E402
-from dcr_ray.models import ModelSpec, build_model, hf_config, save_checkpoint  # noqa: E402
+from dcr_ray.testing.models import ModelSpec, build_model, hf_config, save_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

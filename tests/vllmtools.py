@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames, read_frame
 from dcr_ray.engines.base import checkpoint_state_dict
 from dcr_ray.engines.vllm.storage import int_view
-from dcr_ray.models import ModelSpec, build_model
+from dcr_ray.testing.models import ModelSpec, build_model
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [900, 17, 4]]
 MAX_TOKENS = 8

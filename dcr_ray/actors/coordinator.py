@@ -19,7 +19,7 @@ attempt; an engine whose actor died leaves the required set (it rejoins later by
 after ``max_attempts`` the owners discard their pending sets, engines that an abandoned attempt wrote
 into in place are re-bootstrapped densely to the committed version (or leave the required set when
 that fails too), and ``refit`` raises ``RefitError``.
-Every wait has a timeout (``stage_timeout_s``).
+Every wait has a timeout (``CommitConfig.timeout_s``).
 """
 
 from __future__ import annotations
@@ -34,21 +34,17 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from dcr_ray import metrics
+from dcr_ray.actors.calls import ActorsDied, gather, get_all
 from dcr_ray.actors.commit import CommitLog, CommitRecord
 from dcr_ray.actors.coverage import check_coverage
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.actors.topology import Topology
 from dcr_ray.config import ClusterSpec, RefitConfig
-from dcr_ray.errors import BaselineError, ConfigError, DcrError, RefitError, RefitTimeoutError
+from dcr_ray.errors import BaselineError, ConfigError, DcrError, RefitError
 from dcr_ray.relay.transport import Transport, make_transport
 from dcr_ray.report import RefitReport
 
 log = logging.getLogger("dcr_ray")
-
-
-class _Dead(Exception):
-    def __init__(self, ids):
-        self.ids = ids
 
 
 class CoordinatorActor:
@@ -58,7 +54,7 @@ class CoordinatorActor:
         self.topology = Topology(clusters, owners, transport or make_transport(config))
         self.backend_factory = backend_factory
         self.required: set[str] = set()
-        self.commits = CommitLog(config.commit_dir)
+        self.commits = CommitLog(config.commit.dir)
         self.version = 0
         self._lock = threading.Lock()
         self._started = False
@@ -84,8 +80,8 @@ class CoordinatorActor:
                 return self.status()
             cfg = self.config
             self.topology.start(self.backend_factory, cfg)
-            t = cfg.stage_timeout_s
-            specs = self._get({o: h.dcr_attach.remote(o, cfg) for o, h in self.owners.items()}, t, "attach")
+            t = cfg.commit.timeout_s
+            specs = get_all({o: h.dcr_attach.remote(o, cfg) for o, h in self.owners.items()}, t, "attach")
             check_coverage(specs, self.topology.engine_specs(t))
             rec = self.commits.read()
             if rec is None:
@@ -93,8 +89,8 @@ class CoordinatorActor:
                                                                 members=sorted(self.engines)))
             elif rec.version != 0:
                 raise ConfigError(
-                    f"commit_dir {cfg.commit_dir} already holds version {rec.version}; owners start "
-                    f"at version 0: use a fresh commit_dir"
+                    f"the commit record in {cfg.commit.dir} already holds version {rec.version}; owners start "
+                    f"at version 0: use a fresh CommitConfig.dir"
                 )
             self.version = 0
             self._bootstrap(list(self.engines))
@@ -103,18 +99,18 @@ class CoordinatorActor:
 
     def _bootstrap(self, engine_ids: list[str]) -> None:
         """Dense refit of ``engine_ids`` to the committed version (joining engines)."""
-        t = self.config.stage_timeout_s
+        t = self.config.commit.timeout_s
         transfer = f"boot{self.version}-{uuid.uuid4().hex[:8]}"
         try:
-            self._get({e: self.engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, self.version)
+            get_all({e: self.engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, self.version)
                        for e in engine_ids}, t, "bootstrap prepare")
             sink = self.transport.sink(engine_ids, sorted(self.required))
-            sums = self._get({o: h.dcr_bootstrap.remote(transfer, sink) for o, h in self.owners.items()}, t,
+            sums = get_all({o: h.dcr_bootstrap.remote(transfer, sink) for o, h in self.owners.items()}, t,
                              "bootstrap stream")
             keys = [k for s in sums.values() for k in s["payloads"]]
-            self._get({e: self.engines[e].flush.remote(transfer, 0, keys, t) for e in engine_ids}, t,
+            get_all({e: self.engines[e].flush.remote(transfer, 0, keys, t) for e in engine_ids}, t,
                       "bootstrap flush")
-            self._get({e: self.engines[e].activate.remote(self.version, transfer) for e in engine_ids}, t,
+            get_all({e: self.engines[e].activate.remote(self.version, transfer) for e in engine_ids}, t,
                       "bootstrap activate")
         except BaseException:
             # engines a failed bootstrap wrote into hold no version until a later bootstrap succeeds
@@ -127,33 +123,6 @@ class CoordinatorActor:
         log.info("dcr_ray: bootstrapped %d engines densely at version %d", len(engine_ids), self.version)
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _gather(self, calls: dict, timeout: float, stage: str) -> tuple[dict, list, dict]:
-        """``(results, dead ids, {id: error})`` of ``{id: ref}``, all waited for within ``timeout``."""
-        deadline = time.monotonic() + timeout
-        out, dead, errors = {}, [], {}
-        for k, ref in calls.items():
-            try:
-                out[k] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-            except RayActorError:
-                dead.append(k)
-            except GetTimeoutError:
-                errors[k] = RefitTimeoutError(f"stage '{stage}': {k} did not answer within {timeout:.0f} s")
-            except DcrError as e:
-                errors[k] = e
-            except ray.exceptions.RayTaskError as e:
-                cause = e.as_instanceof_cause()
-                errors[k] = cause if isinstance(cause, DcrError) else RefitError(f"{stage}: {k}: {e}")
-        return out, dead, errors
-
-    def _get(self, calls: dict, timeout: float, stage: str) -> dict:
-        """Results of ``{id: ref}``; dead actors raise :class:`_Dead`, others the first error."""
-        out, dead, errors = self._gather(calls, timeout, stage)
-        if dead:
-            raise _Dead(dead)
-        if errors:
-            raise next(iter(errors.values()))
-        return out
-
     # -- one refit ----------------------------------------------------------------------------------
     def refit(self) -> RefitReport:
         """Move the owners' current tensors to every required engine as version v+1 and commit."""
@@ -165,7 +134,7 @@ class CoordinatorActor:
             transfer = f"v{target}-{uuid.uuid4().hex[:8]}"
             last: Exception | None = None
             dropped: list[str] = []
-            for attempt in range(self.config.max_attempts):
+            for attempt in range(self.config.commit.max_attempts):
                 if not self.required:
                     last = RefitError("no required engine is alive")
                     break
@@ -173,7 +142,7 @@ class CoordinatorActor:
                     report = self._attempt(transfer, attempt, base, target, t_start)
                     report.dropped_engines = dropped
                     return report
-                except _Dead as d:
+                except ActorsDied as d:
                     gone = [x for x in d.ids if x in self.engines]
                     if len(gone) < len(d.ids):  # an owner died: its data is gone, cannot continue
                         last = RefitError(f"owner actor(s) died: {[x for x in d.ids if x not in gone]}")
@@ -208,7 +177,7 @@ class CoordinatorActor:
         dirty = []
         for e, ref in calls.items():
             try:
-                if ray.get(ref, timeout=self.config.stage_timeout_s)["dirty"]:
+                if ray.get(ref, timeout=self.config.commit.timeout_s)["dirty"]:
                     dirty.append(e)
             except (RayActorError, GetTimeoutError):
                 pass  # a dead or hung engine is dropped by the next refit's prepare
@@ -218,7 +187,7 @@ class CoordinatorActor:
         """Owners drop their pending changed sets (their baselines stay the committed bits)."""
         refs = [h.dcr_discard.remote() for h in self.owners.values()]
         try:
-            ray.get(refs, timeout=self.config.stage_timeout_s)
+            ray.get(refs, timeout=self.config.commit.timeout_s)
         except (RayActorError, GetTimeoutError):
             pass  # a dead owner has nothing pending; a hung one fails the next refit's stream
 
@@ -237,17 +206,17 @@ class CoordinatorActor:
                     f"they left the required set: Refit.rejoin(engine_id) restores each")
 
     def _attempt(self, transfer: str, attempt: int, base: int, target: int, t_start: float) -> RefitReport:
-        t = self.config.stage_timeout_s
+        t = self.config.commit.timeout_s
         req = sorted(self.required)
         t0 = time.perf_counter()
-        self._get({e: self.engines[e].prepare.remote(transfer, attempt, base, target) for e in req}, t,
+        get_all({e: self.engines[e].prepare.remote(transfer, attempt, base, target) for e in req}, t,
                   "prepare")
         t1 = time.perf_counter()
         sink = self.transport.sink(None, req)
-        sums = self._get({o: h.dcr_stream.remote(transfer, attempt, base, target, sink)
+        sums = get_all({o: h.dcr_stream.remote(transfer, attempt, base, target, sink)
                           for o, h in self.owners.items()}, t, "stream")
         keys = [k for s in sums.values() for k in s["payloads"]]
-        acks = self._get({e: self.engines[e].flush.remote(transfer, attempt, keys, t) for e in req}, t,
+        acks = get_all({e: self.engines[e].flush.remote(transfer, attempt, keys, t) for e in req}, t,
                          "flush")
         t2 = time.perf_counter()
         self.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer,
@@ -257,7 +226,7 @@ class CoordinatorActor:
         # now takes the failing actor out of service and is reported, the version stays v+1.
         self.version = target
         warnings = []
-        _, dead, errors = self._gather({o: h.dcr_promote.remote(target) for o, h in self.owners.items()},
+        _, dead, errors = gather({o: h.dcr_promote.remote(target) for o, h in self.owners.items()},
                                        t, "promote")
         if dead or errors:
             bad = sorted({*dead, *errors})
@@ -265,7 +234,7 @@ class CoordinatorActor:
             warnings.append(f"owner(s) {bad} did not promote their baseline to v{target} ({why}); their "
                             f"next stream is refused until the topology is relaunched")
         t_pro = time.perf_counter()
-        versions, dead, errors = self._gather(
+        versions, dead, errors = gather(
             {e: self.engines[e].activate.remote(target, transfer) for e in req}, t, "activate")
         if dead or errors:
             bad = sorted({*dead, *errors})
@@ -281,20 +250,11 @@ class CoordinatorActor:
             link = {}
             warnings.append(f"link byte counts unavailable: {type(e).__name__}")
         self.transport.release(transfer)
-        t3 = time.perf_counter()
-        construct = max(s["construct_s"] for s in sums.values())
-        stream = t2 - t1
-        report = RefitReport(
-            version=target, transfer=transfer, attempts=attempt + 1,
-            seconds={"prepare": t1 - t0, "construct": construct, "stream": stream,
-                     "transport": max(0.0, stream - max(0.0, construct - max(s["send_wait_s"] for s in sums.values()))),
-                     "apply": max(a["apply_s"] for a in acks.values()), "commit": t3 - t2,
-                     "commit_record": t_rec - t2, "promote": t_pro - t_rec, "activate": t_act - t_pro,
-                     "total": t3 - t_start},
-            payloads=len(keys), wire_bytes=sum(s["wire_bytes"] for s in sums.values()), link_bytes=link,
-            changed=sum(s["changed"] for s in sums.values()), numel=sum(s["numel"] for s in sums.values()),
-            engine_versions=versions, mode=next(iter(sums.values()))["mode"], warnings=warnings,
-        )
+        report = RefitReport.from_stages(
+            version=target, transfer=transfer, attempts=attempt + 1, sums=sums, acks=acks, link_bytes=link,
+            engine_versions=versions, warnings=warnings,
+            marks={"start": t_start, "prepare": t0, "stream": t1, "flushed": t2, "record": t_rec,
+                   "promoted": t_pro, "activated": t_act, "end": time.perf_counter()})
         self.history.append(report.to_dict())
         metrics.record("refit_seconds", report.seconds["total"])
         metrics.record("refit_wire", report.wire_bytes)

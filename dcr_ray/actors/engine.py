@@ -16,7 +16,7 @@ before the next ``prepare`` returns: a stale attempt's writes cannot land after 
 
 Serving: :meth:`EngineActor.generate` reports the policy version it used. With in-place apply
 (default) generation pauses from ``prepare`` to ``activate``, so no output ever mixes versions; with
-``RefitConfig.stage_payloads`` payloads are validated and staged while the engine keeps serving the
+``EngineConfig(apply="staged")`` payloads are validated and staged while the engine keeps serving the
 old version, and are applied together at ``flush`` (the only pause).
 """
 
@@ -126,7 +126,7 @@ class EngineActor:
                 f"engine {self.engine_id} got a payload before prepare(): not part of an open transfer")
             return "rejected"
         try:
-            header = open_frame(data, key=self.config.key)  # digest checked before the header is parsed
+            header = open_frame(data, key=self.config.codec.key)  # digest checked before the header is parsed
         except FrameError as e:
             self._error = e
             return "rejected"
@@ -144,7 +144,7 @@ class EngineActor:
         t0 = time.perf_counter()
         try:
             frame = self._decode(header, cur.base)
-            if self.config.stage_payloads and cur.base != BOOTSTRAP_BASE:
+            if self.config.engines.apply == "staged" and cur.base != BOOTSTRAP_BASE:
                 self._staged.append((key, bytes(data)))  # validated; applied at flush
             else:
                 self._touched = cur.transfer
@@ -183,7 +183,7 @@ class EngineActor:
             if self._staged:
                 self._touched = transfer
             for _key, data in sorted(self._staged, key=lambda kd: kd[0]):
-                self.backend.apply(self._decode(open_frame(data, key=self.config.key), self._cur.base))
+                self.backend.apply(self._decode(open_frame(data, key=self.config.codec.key), self._cur.base))
             self._staged = []
             self.backend.flush()
             self._apply_s += time.perf_counter() - t0
@@ -192,7 +192,7 @@ class EngineActor:
 
     def _decode(self, header, base: int):
         return decode_frame(header, shapes=self.specs, expect_base=base,
-                            max_raw_bytes=max(self.config.bucket_bytes * 2, 1 << 20))
+                            max_raw_bytes=max(self.config.codec.bucket_bytes * 2, 1 << 20))
 
     def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8,
                  timeout_s: float | None = None) -> dict:
@@ -201,10 +201,10 @@ class EngineActor:
         Waits (pauses) while an in-place transfer is open or between its attempts, so outputs always
         come from one version; refuses (``EngineStateError``) while the engine holds no version.
         """
-        deadline = time.monotonic() + (timeout_s or self.config.stage_timeout_s)
+        deadline = time.monotonic() + (timeout_s or self.config.commit.timeout_s)
         with self._cv:
             # in place: paused while a transfer is open, and between its attempts (half-written bits)
-            while (self._cur is not None or self._touched is not None) and not self.config.stage_payloads:
+            while (self._cur is not None or self._touched is not None) and self.config.engines.apply != "staged":
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RefitTimeoutError(f"engine {self.engine_id}: paused for a refit longer than allowed")

@@ -25,7 +25,7 @@ Protocol (driven by the coordinator; every call is idempotent for the same argum
         attempt>0: re-send the same pending changed set as OVERWRITE (repairs any partial XOR)
     dcr_promote(version)                         # after the commit record: pending -> baseline
                                                  # (in a background thread unless
-                                                 # config.background_promote is False)
+                                                 # config.owners.promote is "inline")
     dcr_discard()                                # abandoned transfer: baseline unchanged
     dcr_bootstrap(transfer, version, sink)       # dense frames of the committed baseline
 """
@@ -70,7 +70,7 @@ class DeltaOwner:
         self.owner_id = owner_id
         self.config = config
         self.store = BaselineStore(directory=baseline_dir, in_memory=in_memory,
-                                   chunk_elems=config.chunk_elems)
+                                   chunk_elems=config.codec.chunk_elems)
         self._pending_transfer: str | None = None
         self._last_summary: dict | None = None
         self._promoting: threading.Thread | None = None
@@ -101,7 +101,7 @@ class DeltaOwner:
             return self._last_summary  # a repeated call (Ray may deliver a call twice)
         t0 = time.perf_counter()
         fresh = self._pending_transfer != transfer or self.store.pending_version != target
-        mode = "mixed" if (attempt == 0 and self.config.xor) else "overwrite"
+        mode = "mixed" if (attempt == 0 and self.config.codec.encodings == "mixed") else "overwrite"
         if fresh:
             self.store.begin(target)
             self._pending_transfer = transfer
@@ -133,8 +133,8 @@ class DeltaOwner:
         payloads: list[PayloadKey] = []
         wire = 0
         send_s = 0.0
-        for frame in encode_frames(deltas, meta, mode=mode, bucket_bytes=self.config.bucket_bytes,
-                                   zstd_level=self.config.zstd_level, key=self.config.key):
+        for frame in encode_frames(deltas, meta, mode=mode, bucket_bytes=self.config.codec.bucket_bytes,
+                                   zstd_level=self.config.codec.zstd_level, key=self.config.codec.key):
             key = PayloadKey(transfer, attempt, self.owner_id, len(payloads))
             ts = time.perf_counter()
             sink.send(frame, key)
@@ -159,7 +159,7 @@ class DeltaOwner:
         """Send the committed baseline densely (frames with base :data:`BOOTSTRAP_BASE`)."""
         self.settle()
         t0 = time.perf_counter()
-        deltas = (full_delta(n, self.store.tensor(n), chunk_elems=self.config.chunk_elems)
+        deltas = (full_delta(n, self.store.tensor(n), chunk_elems=self.config.codec.chunk_elems)
                   for n in self.store.names())
         summary = self._send(deltas, transfer=transfer, attempt=0, base=BOOTSTRAP_BASE,
                              target=self.store.version, mode="overwrite", sink=sink, t0=t0)
@@ -169,7 +169,7 @@ class DeltaOwner:
     def promote(self, version: int) -> int:
         """Fold the pending set of ``version`` into the baseline (the commit record is written).
 
-        With ``config.background_promote`` this returns at once (``-1``) and a thread does the
+        With ``config.owners.promote == "background"`` this returns at once (``-1``) and a thread does the
         writes; every later call that reads the baseline waits for it first (:meth:`settle`).
         Idempotent: promoting the version being or already promoted does nothing.
         """
@@ -177,7 +177,7 @@ class DeltaOwner:
             if self._promoting is not None and self._promoting_version == version:
                 return -1  # a repeated call while this version's promote runs
             self.settle()
-            if not self.config.background_promote:
+            if self.config.owners.promote == "inline":
                 return self._promote_now(version)
             if self.store.version == version:
                 return 0  # already promoted

@@ -3,7 +3,7 @@
 Cases (all measured in one run, on the same data for every encoder):
 
 - ``adamw-lr1e-06`` / ``adamw-lr1e-05``: real updates. A small ``transformers`` causal LM
-  (:func:`dcr_ray.models.build_model`, ``size="small"``, ~40 M parameters) with FP32 master weights
+  (:func:`dcr_ray.testing.models.build_model`, ``size="small"``, ~40 M parameters) with FP32 master weights
   trained by ``torch.optim.AdamW`` at a constant LR on random token batches (real ``loss.backward()``);
   each measured step compares the BF16 copy of the master weights before the step (baseline) with the
   BF16 copy after it.
@@ -354,7 +354,7 @@ def real_steps(s: Settings, lr: float):
     import torch
 
     from dcr_ray.codec import bits_view
-    from dcr_ray.models import ModelSpec, build_model
+    from dcr_ray.testing.models import ModelSpec, build_model
 
     model = build_model(ModelSpec(size="small", seed=s.seed)).float().train()  # FP32 master weights
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

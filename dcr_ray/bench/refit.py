@@ -9,7 +9,7 @@ What runs (real Ray on this machine, loopback only):
   the training region) and every engine reads them across its own node link (the same model, per node).
   Two owners (one per half of the canonical names). The link is switched on *after* the dense bootstrap,
   so only refits are timed.
-- **Cases.** ``adamw``: a real ``small`` model (:class:`~dcr_ray.trainer.TinyTrainer`, FP32 master
+- **Cases.** ``adamw``: a real ``small`` model (:class:`~dcr_ray.testing.trainer.TinyTrainer`, FP32 master
   weights, ``torch.optim.AdamW``, constant LR) refitted after real optimizer steps; its measured change
   rate is reported. ``stress-1%/3%/5%``: synthetic BF16 tensors with the canonical names and shapes of
   ``ModelSpec(size="large")`` (602 M parameters, 1.2 GB; ``medium`` with ``--quick``), held by two
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 from dcr_ray.actors.owner import StandaloneOwner, stable_hash
 from dcr_ray.engines.base import EngineBackend
-from dcr_ray.trainer import TinyTrainer
+from dcr_ray.testing.trainer import TinyTrainer
 
 #: Targets from the issue, at the headline link (checked and reported, never asserted).
 TARGETS = {"speedup_3pct_min": 40.0, "speedup_5pct_min": 25.0, "efficiency_min": 0.85,
@@ -195,7 +195,7 @@ def canonical_shapes(size: str, arch: str = "qwen2") -> dict[str, tuple[int, ...
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dcr_ray.models import ModelSpec, hf_config
+    from dcr_ray.testing.models import ModelSpec, hf_config
 
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(hf_config(ModelSpec(size=size, arch=arch)))
@@ -328,7 +328,7 @@ class BenchOwner(_Probe, StandaloneOwner):
 
 
 class BenchTrainer(_Probe, TinyTrainer):
-    """The real-update owner: :class:`~dcr_ray.trainer.TinyTrainer` plus the benchmark probes."""
+    """The real-update owner: :class:`~dcr_ray.testing.trainer.TinyTrainer` plus the benchmark probes."""
 
 
 class SyntheticBackend(EngineBackend):
@@ -487,10 +487,11 @@ def _link_busy(actor_self) -> tuple[float, int]:
 
 
 def _config(s: Settings, transport: str):
-    from dcr_ray.config import RefitConfig
+    from dcr_ray.config import CodecConfig, CommitConfig, RefitConfig, TransportConfig
 
-    return RefitConfig(transport=transport, bucket_bytes=s.bucket_bytes, chunk_elems=s.bucket_bytes // 8,
-                       stage_timeout_s=900.0)
+    return RefitConfig(transport=TransportConfig(kind=transport),
+                       codec=CodecConfig(bucket_bytes=s.bucket_bytes, chunk_elems=s.bucket_bytes // 8),
+                       commit=CommitConfig(timeout_s=900.0))
 
 
 def _launch(s: Settings, transport: str, **kw):
@@ -554,14 +555,16 @@ def launch_adamw(s: Settings, transport: str) -> Topology:
     import dcr_ray
     from dcr_ray.options import actor_options
 
-    spec = dcr_ray.ModelSpec(size="small", seed=s.seed)
+    from dcr_ray.testing.models import ModelSpec
+
+    spec = ModelSpec(size="small", seed=s.seed)
     _log(f"[{transport}] real-update topology: small model, AdamW lr={s.real_lr:g}, {s.engines} HF engines")
     Trainer = ray.remote(BenchTrainer)
     trainer = Trainer.options(**actor_options("owner", "dcr_bench_trainer")).remote(spec, lr=s.real_lr)
     owners = {"trainer": trainer}
     ray.get(trainer.bench_set_baseline.remote(s.baseline))
     t = time.perf_counter()
-    refit = _launch(s, transport, owners=owners, engine=dcr_ray.HFEngine(spec, seed=s.seed + 1))
+    refit = _launch(s, transport, owners=owners, engine=dcr_ray.HFEngine(spec.with_seed(s.seed + 1)))
     numel = sum(ray.get(trainer.__ray_call__.remote(lambda self: [t.numel() for t in self.dcr_tensors().values()])))
     _log(f"  up in {time.perf_counter() - t:.1f}s ({numel / 1e6:.1f} M parameters)")
     return _finish_launch("adamw", transport, refit, owners, 2 * numel, numel, "small", s, 2 * numel)

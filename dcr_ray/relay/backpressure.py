@@ -15,6 +15,6 @@ def wait_bounded(pending: list, bound: int, timeout: float) -> list:
     while len(pending) > bound:
         ready, pending = ray.wait(pending, num_returns=len(pending) - bound, timeout=timeout)
         if not ready:
-            raise RefitTimeoutError(f"no hop acknowledgement within {timeout:.0f} s (stage_timeout_s)")
+            raise RefitTimeoutError(f"no hop acknowledgement within {timeout:.0f} s (CommitConfig.timeout_s)")
         ray.get(ready)
     return pending

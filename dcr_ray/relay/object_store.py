@@ -78,11 +78,11 @@ class ObjectStoreTransport:
     kind = "object_store"
 
     def __init__(self, config):
-        if config.storage_url is None:
-            raise ConfigError("the object_store transport needs RefitConfig.storage_url (launch() sets a default)")
+        if config.transport.storage_url is None:
+            raise ConfigError("the object_store transport needs TransportConfig.storage_url (launch() sets a default)")
         self.config = config
-        self.url = config.storage_url
-        self.options = dict(config.storage_options)
+        self.url = config.transport.storage_url
+        self.options = dict(config.transport.storage_options)
         self._engines: dict[str, Any] = {}
         self._engine_cluster: dict[str, str] = {}
 
@@ -96,8 +96,8 @@ class ObjectStoreTransport:
     def sink(self, targets: list[str] | None, required: list[str]) -> ObjectStoreSink:
         engines = [self._engines[e] for e in (targets if targets is not None else required)]
         return ObjectStoreSink(self.url, self.options, engines, targets,
-                               max_inflight=self.config.max_inflight_payloads,
-                               timeout_s=self.config.stage_timeout_s)
+                               max_inflight=self.config.transport.max_inflight_payloads,
+                               timeout_s=self.config.commit.timeout_s)
 
     def release(self, transfer: str) -> None:
         fs, root = storage_fs(self.url, self.options)

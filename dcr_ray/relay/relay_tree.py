@@ -94,19 +94,19 @@ class RelayTransport:
     def sink(self, targets: list[str] | None, required: list[str]) -> RelaySink:
         clusters = {self._engine_cluster[e] for e in targets} if targets is not None else set(self.heads)
         heads = [h for c, h in self.heads.items() if c in clusters]
-        return RelaySink(heads, targets, max_inflight=self.config.max_inflight_payloads,
-                         timeout_s=self.config.stage_timeout_s)
+        return RelaySink(heads, targets, max_inflight=self.config.transport.max_inflight_payloads,
+                         timeout_s=self.config.commit.timeout_s)
 
     def release(self, transfer: str) -> None:
         for r in self.relays.values():
             r.release.remote(transfer)
 
     def link_bytes(self, transfer: str, acks: Mapping[str, dict]) -> dict[str, int]:
-        stats = ray.get([h.stats.remote() for h in self.heads.values()], timeout=self.config.stage_timeout_s)
+        stats = ray.get([h.stats.remote() for h in self.heads.values()], timeout=self.config.commit.timeout_s)
         return {s["cluster"]: s["bytes_in"].get(transfer, 0) for s in stats}
 
     def actors(self) -> dict[str, Any]:
         return dict(self.relays)
 
     def stats(self) -> list[dict]:
-        return ray.get([r.stats.remote() for r in self.relays.values()], timeout=self.config.stage_timeout_s)
+        return ray.get([r.stats.remote() for r in self.relays.values()], timeout=self.config.commit.timeout_s)

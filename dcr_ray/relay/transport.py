@@ -72,7 +72,7 @@ class Transport(Protocol):
 
 def make_transport(config) -> Transport:
     """The transport ``config.transport`` names."""
-    if config.transport == "relay":
+    if config.transport.kind == "relay":
         from dcr_ray.relay.relay_tree import RelayTransport
 
         return RelayTransport(config)

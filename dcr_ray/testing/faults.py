@@ -4,7 +4,7 @@
 *after* ``n`` frames of a transfer were applied in place: the engine then holds a partially applied
 XOR delta, which is exactly the state a retry must repair.
 
-``TrainerThatFailsToPromoteOnce`` is a real :class:`~dcr_ray.trainer.TinyTrainer` owner whose first
+``TrainerThatFailsToPromoteOnce`` is a real :class:`~dcr_ray.testing.trainer.TinyTrainer` owner whose first
 promote fails: the failure lands right after the commit record is written, a moment a test cannot hit
 by killing an actor from outside.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dcr_ray.codec import DecodedFrame
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray.errors import BaselineError, FrameError
-from dcr_ray.trainer import TinyTrainer
+from dcr_ray.testing.trainer import TinyTrainer
 
 
 class InjectedFault(FrameError):
@@ -62,7 +62,7 @@ class FlakyEngine:
 
 
 class TrainerThatFailsToPromoteOnce(TinyTrainer):
-    """A :class:`~dcr_ray.trainer.TinyTrainer` whose first ``dcr_promote`` raises."""
+    """A :class:`~dcr_ray.testing.trainer.TinyTrainer` whose first ``dcr_promote`` raises."""
 
     _promote_failed = False
 

@@ -13,7 +13,7 @@ import torch
 from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, apply_decoded, read_frame
 from dcr_ray.codec.bits import bits_view, dtype_of, itemsize, wire_name
 from dcr_ray.engines.base import EngineBackend
-from dcr_ray.engines.vllm.capture import merge_summaries, strict_check
+from dcr_ray.engines.vllm.plan import merge_summaries, strict_check
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
 from dcr_ray.engines.vllm.compat import shutdown_llm, start_llm, will_use_cuda
 from dcr_ray.engines.vllm.worker import WORKER_EXTENSION
@@ -56,7 +56,7 @@ class VllmBackend(EngineBackend):
         """
         Args:
             model: checkpoint directory (config + ``*.safetensors``), e.g. from
-                :func:`dcr_ray.models.save_checkpoint`. Its tensors are the canonical names.
+                :func:`dcr_ray.testing.models.save_checkpoint`. Its tensors are the canonical names.
             mode: ``auto`` (``capture`` when vLLM runs on CUDA, else ``mirror``), ``mirror`` or
                 ``capture`` (CUDA only).
             version: the policy version the checkpoint holds (reported by :meth:`generate`).

@@ -25,7 +25,7 @@ def checkpoint_files(directory: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if not files:
         raise BackendError(f"no *.safetensors files in {directory!r}: the vLLM backend needs a Hugging Face "
-                           f"checkpoint directory (dcr_ray.models.save_checkpoint writes one)")
+                           f"checkpoint directory (save_pretrained writes one)")
     return files
 
 

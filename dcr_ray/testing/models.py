@@ -6,7 +6,7 @@ process that builds the same spec gets the same initial bits (trainer, engines, 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -55,6 +55,14 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def with_seed(self, seed: int) -> "ModelSpec":
+        """The same architecture with another random init (e.g. engines whose bootstrap replaces it)."""
+        return replace(self, seed=seed)
+
+    def __call__(self) -> torch.nn.Module:
+        """A spec is a model factory: ``HFEngine(spec)`` / ``VllmEngine(spec)`` build it in each engine."""
+        return build_model(self)
 
 
 def hf_config(spec: ModelSpec):

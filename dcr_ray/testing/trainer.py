@@ -13,7 +13,7 @@ import torch
 
 from dcr_ray.actors.owner import OwnerMixin, owned_names
 from dcr_ray.engines.base import checkpoint_state_dict
-from dcr_ray.models import ModelSpec, build_model
+from dcr_ray.testing.models import ModelSpec, build_model
 
 
 class TinyTrainer(OwnerMixin):
