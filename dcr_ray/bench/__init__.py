@@ -1,7 +1,7 @@
 """Benchmarks behind ``dcr-ray bench ...``.
 
-Each benchmark is a module here that exposes ``add_parser(subparsers)``: it adds its own subcommand
-(with ``set_defaults(func=...)``) to the ``bench`` group. :data:`MODULES` lists them; adding a
+Each benchmark is a module or package here that exposes ``add_parser(subparsers)``: it adds its own
+subcommand (with ``set_defaults(func=...)``) to the ``bench`` group. :data:`MODULES` lists them; adding a
 benchmark is one entry there. Modules import their heavy dependencies (torch, transformers,
 matplotlib) inside the functions that run, so ``dcr-ray --help`` stays fast.
 

@@ -1,0 +1,84 @@
+"""``dcr-ray bench refit``: end-to-end refit time against a full-checkpoint reference over the same link.
+
+What runs (real Ray on this machine, loopback only):
+
+- **Topology.** One rollout cluster behind an emulated cross-cluster link
+  (:class:`~dcr_ray.testing.links.LinkModel`: ``--link-mbps`` bandwidth, ``--latency-ms`` one-way latency).
+  ``relay``: the cluster's head relay pulls every payload across the link once and fans it out to
+  ``--engines`` engines. ``object_store``: owners write frames to object storage (a local directory in
+  the training region) and every engine reads them across its own node link (the same model, per node).
+  Two owners (one per half of the canonical names). The link is switched on *after* the dense bootstrap,
+  so only refits are timed.
+- **Cases.** ``adamw``: a real ``small`` model (:class:`~dcr_ray.testing.trainer.TinyTrainer`, FP32 master
+  weights, ``torch.optim.AdamW``, constant LR) refitted after real optimizer steps; its measured change
+  rate is reported. ``stress-1%/3%/5%``: synthetic BF16 tensors with the canonical names and shapes of
+  ``ModelSpec(size="large")`` (602 M parameters, 1.2 GB; ``medium`` with ``--quick``), held by two
+  owner actors, received by engines with a light backend (the same in-place ``apply_decoded`` as the
+  ``transformers`` backend, without a model around it); each case changes a uniform ``rate`` of the
+  elements by a relative ``1e-2 * randn`` (one ulp when rounding would leave an element unchanged),
+  the recipe of ``dcr-ray bench codec``.
+- **Reference.** Transport-only full checkpoint: every canonical byte crosses each link once, with no
+  encoding or apply cost, timed by the same link model (``bytes * 8 / bw + latency``). The model is
+  checked against a measured push of the whole checkpoint through a relay head (``reference_check``).
+- **Peers** on the same link and data: ``dense`` (per-tensor streaming of raw bits; apply = copy),
+  ``areal`` (AReaL-DTE style: int32 index + raw value, dense fallback at 0.9x) and ``slime``
+  (uint16 gaps + zstd, overwrite values) from :mod:`dcr_ray.bench.peers`. Their construction (bitwise
+  diff + encode) and apply are *measured* in the owner processes on this machine; their time is
+  ``construction + modelled link time of their bytes + apply`` (they encode, then send, then apply:
+  no streaming overlap), reported per case in ``peers``; ``peers_link_s`` gives the link time alone.
+- **Per case:** refit seconds (coordinator: prepare -> commit record -> activate), reference seconds,
+  speedup, wire and reference bytes, byte ratio (reference / wire bytes), efficiency (speedup / byte
+  ratio), delta construction and apply seconds, the transport lower bound (busiest link's serialisation
+  time + latency) as a fraction of refit time, owner and engine peak RSS during the refit (VmHWM,
+  reset before each refit), and ``bit_exact``: SHA-256 of every tensor's integer view, owners vs every
+  engine, after every refit, plus an element-wise integer-view comparison at the end of each topology.
+- **Sweep** over link bandwidth (10 Mbit/s .. 10 Gbit/s) at 3%: a *model* (measured compute-bound
+  refit time with no link, measured overhead outside the link at the headline link, the link model)
+  and a few measured points.
+- **Projection** to 30B/120B/235B/1T from the measured per-byte costs and the link model at 5 Gbit/s,
+  beside NeMo-DCR's published numbers. A projection, labelled as such.
+
+Modules, one idea each:
+
+- :mod:`.settings`      :class:`Settings` of one run and the constants the modules share
+- :mod:`.cli`           the ``refit`` subcommand's options and entry point (:func:`run`)
+- :mod:`.actors`        what runs inside the Ray actors: synthetic owners, the AdamW trainer, the light
+  engine backend, and their probes (fingerprints, peer measurements)
+- :mod:`.topology`      launching a stress or AdamW topology; switching its emulated link
+- :mod:`.memory`        peak RSS of the actor processes during a refit
+- :mod:`.measure`       one measured refit, bit-exactness checks, the reference model and its check
+- :mod:`.runner`        the whole run (:func:`run_bench`): every case, then the derived results
+- :mod:`.sweep`         the link-bandwidth sweep model
+- :mod:`.large_models`  the projection to large models
+- :mod:`.targets`       the targets at the headline link and their checks
+- :mod:`.report`        text table, Markdown tables, PNG plot
+- :mod:`.progress`      progress lines on stderr
+"""
+
+from __future__ import annotations
+
+from dcr_ray.bench.refit.actors import (BenchOwner, BenchTrainer, SyntheticBackend, SyntheticEngine,
+                                        canonical_shapes)
+from dcr_ray.bench.refit.cli import add_parser, run
+from dcr_ray.bench.refit.large_models import (NEMO, PROJECTION_APPLIERS, PROJECTION_LINK_MBPS, PROJECTION_MODELS,
+                                              PROJECTION_OWNERS, projection)
+from dcr_ray.bench.refit.measure import (check_exact, check_exact_elementwise, measure_refit, reference_check,
+                                         reference_seconds)
+from dcr_ray.bench.refit.memory import MemorySampler
+from dcr_ray.bench.refit.report import format_table, markdown, plot
+from dcr_ray.bench.refit.runner import run_adamw, run_bench, run_stress, summarise
+from dcr_ray.bench.refit.settings import (DEFAULT_BUCKET_MIB, DEFAULT_LATENCY_MS, DEFAULT_LINK_MBPS, PEERS,
+                                          STRESS_RATES, TRANSPORTS, Settings)
+from dcr_ray.bench.refit.sweep import SWEEP_MBPS, SWEEP_MEASURED_FACTORS, sweep_model
+from dcr_ray.bench.refit.targets import TARGETS, checks
+from dcr_ray.bench.refit.topology import Topology, launch_adamw, launch_stress
+
+__all__ = [
+    "BenchOwner", "BenchTrainer", "DEFAULT_BUCKET_MIB", "DEFAULT_LATENCY_MS", "DEFAULT_LINK_MBPS", "MemorySampler",
+    "NEMO", "PEERS", "PROJECTION_APPLIERS", "PROJECTION_LINK_MBPS", "PROJECTION_MODELS", "PROJECTION_OWNERS",
+    "STRESS_RATES", "SWEEP_MBPS", "SWEEP_MEASURED_FACTORS", "Settings", "SyntheticBackend", "SyntheticEngine",
+    "TARGETS", "TRANSPORTS", "Topology", "add_parser", "canonical_shapes", "check_exact", "check_exact_elementwise",
+    "checks", "format_table", "launch_adamw", "launch_stress", "markdown", "measure_refit", "plot", "projection",
+    "reference_check", "reference_seconds", "run", "run_adamw", "run_bench", "run_stress", "summarise",
+    "sweep_model",
+]

@@ -1,0 +1,194 @@
+"""What runs inside the benchmark's Ray actors: owners, trainer, engine backend, and the probes they answer.
+
+:class:`BenchOwner` holds synthetic BF16 tensors with a model's canonical names and shapes and perturbs
+them; :class:`BenchTrainer` is a real AdamW trainer. Both mix in the probes (fingerprints, peer
+measurements). :class:`SyntheticEngine` builds the light receiver of the stress cases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+
+from dcr_ray.actors.owner import StandaloneOwner, stable_hash
+from dcr_ray.bench.refit.settings import PEERS
+from dcr_ray.engines.base import EngineBackend
+from dcr_ray.testing.trainer import TinyTrainer
+
+
+def canonical_shapes(size: str, arch: str = "qwen2") -> dict[str, tuple[int, ...]]:
+    """Canonical (Hugging Face) names and shapes of ``ModelSpec(size=size)``, without allocating it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dcr_ray.testing.models import ModelSpec, hf_config
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(hf_config(ModelSpec(size=size, arch=arch)))
+    return {n: tuple(t.shape) for n, t in m.state_dict().items()}
+
+
+def _digests(tensors) -> dict[str, str]:
+    """SHA-256 of each tensor's integer view (bit-exact fingerprints)."""
+    from dcr_ray.codec.bits import bits_view
+
+    return {n: hashlib.sha256(memoryview(bits_view(t))).hexdigest() for n, t in tensors.items()}
+
+
+def actor_pid(_self) -> int:
+    """The process id of an actor (run in it with ``__ray_call__``)."""
+    return os.getpid()
+
+
+def engine_digests(self) -> dict[str, str]:
+    """An engine actor's fingerprints of its tensors (run in it with ``__ray_call__``)."""
+    return _digests(self.backend.tensors())
+
+
+class _Probe:
+    """Benchmark methods mixed into the owner actors (they run in the owner's process)."""
+
+    _bench_in_memory = False
+
+    def bench_set_baseline(self, kind: str) -> None:
+        """``"memory"``: keep the baseline in in-memory arrays instead of memory-mapped files."""
+        self._bench_in_memory = kind == "memory"
+
+    def dcr_attach(self, owner_id, config, baseline_dir=None, in_memory=False):
+        return super().dcr_attach(owner_id, config, baseline_dir, in_memory or self._bench_in_memory)
+
+    def bench_digests(self) -> dict[str, str]:
+        return _digests(self.dcr_tensors())
+
+    def bench_tensors(self, names: list[str]) -> dict:
+        ts = self.dcr_tensors()
+        return {n: ts[n] for n in names}
+
+    def bench_names(self) -> list[str]:
+        return list(self.dcr_tensors())
+
+    def bench_peers(self) -> dict:
+        """Measure the peers' construction and apply on this owner's change (current vs committed bits).
+
+        Construction = bitwise diff (flatnonzero of ``old != new``, timed once, shared by both sparse
+        peers) + the peer's encode; apply = the peer's decoder into a copy of the committed bits (copy
+        not timed); every result is checked bit for bit. ``dense`` streams the raw bits (no
+        construction); its apply is a copy.
+        """
+        import numpy as np
+
+        from dcr_ray.bench import peers
+        from dcr_ray.codec.bits import bits_view
+
+        store = self._dcr_owner().store
+        cur = self.dcr_tensors()
+        out = {p: {"construct_s": 0.0, "apply_s": 0.0, "bytes": 0, "exact": True} for p in PEERS}
+        for name in store.names():
+            old, new = store.bits(name), bits_view(cur[name])
+            hdr = peers.TENSOR_HEADER_BYTES + len(name.encode())
+            tgt = np.array(old)
+            t = time.perf_counter()
+            np.copyto(tgt, new)
+            out["dense"]["apply_s"] += time.perf_counter() - t
+            out["dense"]["bytes"] += new.nbytes + hdr
+            t = time.perf_counter()
+            pos = np.flatnonzero(old != new)
+            t_diff = time.perf_counter() - t
+            if not len(pos):
+                continue
+            for p in ("areal", "slime"):
+                enc, app = peers.PEERS[p]
+                t = time.perf_counter()
+                payload = enc(pos, new, len(new))
+                out[p]["construct_s"] += t_diff + time.perf_counter() - t
+                out[p]["bytes"] += len(payload) + hdr
+                np.copyto(tgt, old)
+                t = time.perf_counter()
+                app(payload, tgt)
+                out[p]["apply_s"] += time.perf_counter() - t
+                out[p]["exact"] &= bool(np.array_equal(tgt, new))
+        return out
+
+
+class BenchOwner(_Probe, StandaloneOwner):
+    """A standalone owner that makes its own synthetic BF16 tensors and perturbs them in place."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0):
+        import torch
+
+        super().__init__(None)
+        torch.set_num_threads(1)
+        for name, shape in shapes.items():
+            g = torch.Generator().manual_seed((seed * 1_000_003 + stable_hash(name)) % (1 << 62))
+            self._tensors[name] = torch.randn(shape, generator=g).mul_(0.02).to(torch.bfloat16)
+
+    def perturb(self, rate: float, seed: int) -> dict:
+        """Change a uniform ``rate`` of every tensor's elements by a relative ``1e-2 * randn``.
+
+        Positions are Bernoulli(``rate``) (geometric gaps); an element whose value rounds back to
+        its old bits is moved by one ulp, so every chosen element changes its bits.
+        """
+        import numpy as np
+        import torch
+
+        from dcr_ray.codec.bits import bits_view
+
+        t0 = time.perf_counter()
+        changed = numel = 0
+        for name, t in self._tensors.items():
+            n = t.numel()
+            rng = np.random.default_rng([seed, stable_hash(name) % (1 << 32)])
+            gaps = rng.geometric(rate, size=int(n * rate + 6 * math.sqrt(n * rate) + 16))
+            pos = np.cumsum(gaps) - 1
+            pos = pos[pos < n]
+            bits = bits_view(t)
+            if len(pos):
+                ti = torch.from_numpy(pos)
+                old = t.reshape(-1)[ti].float()
+                noise = torch.from_numpy(rng.standard_normal(len(pos), dtype=np.float32))
+                nb = bits_view((old * (1 + 1e-2 * noise)).to(torch.bfloat16)).copy()
+                same = nb == bits[pos]
+                nb[same] ^= 1
+                bits[pos] = nb
+            changed += len(pos)
+            numel += n
+        return {"changed": changed, "numel": numel, "seconds": time.perf_counter() - t0}
+
+
+class BenchTrainer(_Probe, TinyTrainer):
+    """The real-update owner: :class:`~dcr_ray.testing.trainer.TinyTrainer` plus the benchmark probes."""
+
+
+class SyntheticBackend(EngineBackend):
+    """A light receiver: canonical BF16 tensors applied in place exactly like the transformers backend."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        import torch
+
+        self._tensors = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+
+    def tensors(self):
+        return self._tensors
+
+    def apply(self, frame) -> None:
+        from dcr_ray.codec import apply_decoded
+
+        apply_decoded(frame, self._tensors)
+
+    def load_dense(self, tensors) -> None:
+        from dcr_ray.codec.bits import bits_view
+
+        for name, t in tensors:
+            bits_view(self._tensors[name])[:] = bits_view(t.contiguous())
+
+
+class SyntheticEngine:
+    """Engine factory for :class:`SyntheticBackend` (picklable; builds in the engine process)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes = dict(shapes)
+
+    def __call__(self) -> SyntheticBackend:
+        return SyntheticBackend(self.shapes)

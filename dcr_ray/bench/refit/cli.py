@@ -1,0 +1,74 @@
+"""The ``dcr-ray bench refit`` subcommand: its options and its entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from dcr_ray.bench.refit.progress import log
+from dcr_ray.bench.refit.report import format_table, markdown, plot
+from dcr_ray.bench.refit.runner import run_bench
+from dcr_ray.bench.refit.settings import (DEFAULT_BUCKET_MIB, DEFAULT_LATENCY_MS, DEFAULT_LINK_MBPS, TRANSPORTS,
+                                          Settings)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``refit`` to the ``bench`` subcommands."""
+    p = subparsers.add_parser(
+        "refit", help="end-to-end refit time vs a full-checkpoint reference over an emulated link",
+        description="End-to-end refits on a local Ray (relay tree and object storage) over an emulated "
+                    "cross-cluster link, against a transport-only full-checkpoint reference and peers. "
+                    "Table on stdout, progress on stderr.",
+    )
+    p.add_argument("--quick", action="store_true", help="a few minutes: the medium model instead of large")
+    p.add_argument("--json", metavar="PATH", help="write results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: speedup vs change rate, and the link sweep")
+    p.add_argument("--markdown", metavar="PATH", help="write the result tables as Markdown (for BENCHMARKS.md)")
+    p.add_argument("--link-mbps", type=float, default=DEFAULT_LINK_MBPS,
+                   help=f"headline link bandwidth in Mbit/s (default {DEFAULT_LINK_MBPS:g})")
+    p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS,
+                   help=f"one-way link latency in ms (default {DEFAULT_LATENCY_MS:g})")
+    p.add_argument("--size", choices=["tiny", "small", "medium", "large"], default=None,
+                   help="shapes of the synthetic stress model (default large; medium with --quick)")
+    p.add_argument("--engines", type=int, default=2, help="engines in the rollout cluster (default 2)")
+    p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated (default: both)")
+    p.add_argument("--real-steps", type=int, default=None, help="measured AdamW steps (default 3; 2 quick)")
+    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of the real case (default 1e-6)")
+    p.add_argument("--bucket-mib", type=int, default=DEFAULT_BUCKET_MIB,
+                   help=f"payload bucket in MiB of raw bytes (default {DEFAULT_BUCKET_MIB})")
+    p.add_argument("--rates", default="1,3,5", help="stress change rates in %% (default 1,3,5)")
+    p.add_argument("--cases", default="stress,adamw", help="stress, adamw or both (default: both)")
+    p.add_argument("--baseline", choices=["mmap", "memory"], default="mmap",
+                   help="owners' baseline store: memory-mapped files (dcr_ray's default) or in-memory arrays")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-sweep", action="store_true", help="skip the measured points of the link sweep")
+    p.add_argument("--no-reference-check", action="store_true", help="skip the measured reference push")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``dcr-ray bench refit``."""
+    s = Settings.from_args(args)
+    result = run_bench(s)
+    print(format_table(result))
+    if args.json:
+        _mkdir_for(args.json)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        log(f"wrote {args.json}")
+    if args.plot:
+        _mkdir_for(args.plot)
+        plot(result, args.plot)
+        log(f"wrote {args.plot}")
+    if args.markdown:
+        _mkdir_for(args.markdown)
+        with open(args.markdown, "w") as f:
+            f.write(markdown(result))
+        log(f"wrote {args.markdown}")
+    return 0 if all(c["bit_exact"] for c in result["cases"]) else 1
+
+
+def _mkdir_for(path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -1,0 +1,172 @@
+"""The whole run: every case on every transport, then the results derived from them, as one JSON-able dict."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+from dcr_ray.bench.refit.large_models import projection
+from dcr_ray.bench.refit.measure import check_exact_elementwise, measure_refit, reference_check
+from dcr_ray.bench.refit.progress import log
+from dcr_ray.bench.refit.settings import TRANSPORTS, Settings
+from dcr_ray.bench.refit.sweep import SWEEP_MEASURED_FACTORS, sweep_model
+from dcr_ray.bench.refit.targets import TARGETS, checks
+from dcr_ray.bench.refit.topology import launch_adamw, launch_stress
+
+
+def run_bench(s: Settings) -> dict:
+    """Run every case; returns the JSON-able result."""
+    import numpy as np
+    import ray
+    import torch
+
+    t_start = time.perf_counter()
+    load0 = os.getloadavg()
+    _init_ray()
+    log(f"dcr-ray bench refit ({'quick' if s.quick else 'full'}): headline link {s.link_mbps:g} Mbit/s, "
+        f"latency {s.latency_s * 1e3:g} ms, transports {','.join(s.transports)}")
+    result: dict = {"bench": "refit", "quick": s.quick}
+    cases = []
+    for transport in s.transports:
+        if "stress" in s.cases:
+            cases += run_stress(s, transport, result)
+        if "adamw" in s.cases:
+            cases += run_adamw(s, transport)
+    result["cases"] = cases
+    result["summary"] = summarise(cases)
+    result["sweep"] = sweep_model(result, s)
+    result["projection"] = projection(cases)
+    result["targets"] = TARGETS
+    result["checks"] = checks(cases, s)
+    result["settings"] = {k: getattr(s, k) for k in Settings.__dataclass_fields__}
+    result["machine"] = {
+        "cpus": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_model(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
+        "ray": ray.__version__, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+    }
+    result["elapsed_s"] = time.perf_counter() - t_start
+    log(f"finished in {result['elapsed_s']:.1f}s")
+    return result
+
+
+def run_stress(s: Settings, transport: str, result: dict) -> list[dict]:
+    """The stress cases, one per rate; on the relay transport also the sweep points and the reference check
+    (into ``result``)."""
+    import ray
+
+    topo = launch_stress(s, transport)
+    cases = []
+    seed = s.seed * 1000 + 100
+    try:
+        def perturb(rate):
+            nonlocal seed
+            seed += 1
+            r = ray.get([h.perturb.remote(rate, seed) for h in topo.owners.values()])
+            return sum(x["changed"] for x in r) / sum(x["numel"] for x in r)
+
+        for rate in s.rates:
+            got = perturb(rate)
+            log(f"  stress {rate:.0%} (exact rate {got:.3%})")
+            c = measure_refit(topo)
+            c["name"] = f"stress-{rate:.0%}-{s.size}-{transport}"
+            c["case"] = f"stress-{rate:.0%}"
+            cases.append(c)
+            log(f"    {_short(c)}")
+        if s.sweep and transport == "relay":
+            pts = []
+            for f in (*SWEEP_MEASURED_FACTORS, None):
+                mbps = s.link_mbps * f if f else None
+                topo.set_link(mbps, s.latency_s)
+                perturb(0.03)
+                c = measure_refit(topo, with_peers=False)
+                pts.append(c)
+                log(f"  sweep point {('%g Mbit/s' % mbps) if mbps else 'no link'}: refit {c['dcr_seconds']:.2f}s"
+                    + (f", {c['speedup']:.1f}x, LB {c['lower_bound_fraction']:.0%}" if mbps else "")
+                    + f", exact={c['bit_exact']}")
+            result["sweep_measured"] = pts
+            topo.set_link(s.link_mbps, s.latency_s)
+        if s.reference_check and transport == "relay":
+            result["reference_check"] = reference_check(topo, s)
+        ok = check_exact_elementwise(topo)
+        log(f"  element-wise integer-view check: {'ok' if ok else 'MISMATCH'}")
+        for c in cases + result.get("sweep_measured", []) * (transport == "relay"):
+            c["bit_exact"] = c["bit_exact"] and ok
+    finally:
+        topo.shutdown()
+    return cases
+
+
+def run_adamw(s: Settings, transport: str) -> list[dict]:
+    """The real-update cases: a refit after each measured AdamW step (after one warm-up step)."""
+    import ray
+
+    topo = launch_adamw(s, transport)
+    cases = []
+    try:
+        trainer = topo.owners["trainer"]
+        for step in range(s.real_steps + 1):  # step 0: warm-up (Adam's first step is not typical)
+            loss = ray.get(trainer.step.remote(seed=s.seed * 1000 + step))
+            c = measure_refit(topo, with_peers=step > 0)
+            if step == 0:
+                log(f"  warm-up step loss {loss:.3f}, change rate {c['change_rate']:.2%} (not reported)")
+                continue
+            c["name"] = f"adamw-small-{transport}-step{step}"
+            c["case"] = "adamw"
+            c["loss"] = loss
+            cases.append(c)
+            log(f"  step {step}: {_short(c)}")
+        ok = check_exact_elementwise(topo)
+        for c in cases:
+            c["bit_exact"] = c["bit_exact"] and ok
+        log(f"  element-wise integer-view check: {'ok' if ok else 'MISMATCH'}")
+    finally:
+        topo.shutdown()
+    return cases
+
+
+def summarise(cases: list[dict]) -> list[dict]:
+    """The real-update cases averaged per transport (the per-step rows stay in ``cases``)."""
+    out = []
+    for tr in TRANSPORTS:
+        rows = [c for c in cases if c.get("case") == "adamw" and c["transport"] == tr]
+        if not rows:
+            continue
+        keys = ("change_rate", "dcr_seconds", "reference_seconds", "speedup", "wire_bytes", "byte_ratio",
+                "efficiency", "lower_bound_fraction", "construct_s", "apply_s")
+        avg = {k: sum(r[k] for r in rows) / len(rows) for k in keys if all(r.get(k) is not None for r in rows)}
+        out.append({"case": "adamw", "transport": tr, "steps": len(rows), **avg})
+    return out
+
+
+def _init_ray() -> None:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind 127.0.0.1 (loopback only)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, logging_level="ERROR",
+                 log_to_driver=False)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _short(c: dict) -> str:
+    """One progress line for a measured case."""
+    sp = f"{c['speedup']:.1f}x" if c.get("speedup") else "-"
+    lb = f"{c['lower_bound_fraction']:.0%}" if c.get("lower_bound_fraction") is not None else "-"
+    eff = f"{c['efficiency']:.2f}" if c.get("efficiency") else "-"
+    return (f"rate {c['change_rate']:.2%}: refit {c['dcr_seconds']:.2f}s vs reference {c['reference_seconds']:.1f}s "
+            f"= {sp} (byte ratio {c['byte_ratio'] or 0:.1f}, eff {eff}), wire {c['wire_bytes'] / 1e6:.2f} MB, "
+            f"construct {c['construct_s']:.2f}s apply {c['apply_s']:.2f}s commit {c['commit_s']:.2f}s, "
+            f"LB {lb}, exact={c['bit_exact']}")
