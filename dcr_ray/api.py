@@ -134,7 +134,7 @@ class Refit:
 def launch(
     *,
     clusters: list[ClusterSpec],
-    engine: Callable[[], EngineBackend],
+    engine: Callable[[], EngineBackend] | None = None,
     owners: Mapping[str, object] | list | None = None,
     owner_tensors: list[Mapping[str, torch.Tensor]] | None = None,
     config: RefitConfig | None = None,
@@ -146,7 +146,8 @@ def launch(
     Owners come either as ``owners`` (actor handles whose class mixes in :class:`dcr_ray.OwnerMixin`;
     a dict names them, a list names them ``owner0``, ``owner1``, ...) or as ``owner_tensors`` (one
     ``{name: tensor}`` dict per standalone owner actor to create). ``engine`` builds one backend in
-    each engine actor (:class:`HFEngine`, :class:`~dcr_ray.engines.vllm.VllmEngine`). ``transport`` replaces the one
+    each engine actor dcr_ray starts (:class:`HFEngine`, :class:`~dcr_ray.engines.vllm.VllmEngine`);
+    engines of other systems join through ``ClusterSpec(adopt=[...])``. ``transport`` replaces the one
     ``config.transport`` names (e.g. a wrapped one that emulates slow links in benchmarks).
 
     Everything is checked before any actor is spawned: a bad set-up raises :class:`ConfigError` and
@@ -154,8 +155,6 @@ def launch(
     """
     if not ray.is_initialized():
         raise ConfigError("call ray.init() first (dcr_ray runs in your Ray cluster)")
-    if not callable(engine):
-        raise ConfigError("engine must be an engine factory, e.g. dcr_ray.HFEngine('/path/to/checkpoint')")
     if owners is None and owner_tensors is None:
         raise ConfigError("give owners=[actor handles] or owner_tensors=[{name: tensor}, ...]")
     if owners is not None and owner_tensors is not None:
@@ -163,7 +162,7 @@ def launch(
     if isinstance(owners, (list, tuple)):
         owners = {f"owner{i}": h for i, h in enumerate(owners)}
     planned = owners if owners is not None else {f"owner{i}": StandaloneOwner for i in range(len(owner_tensors))}
-    config = validate(config or RefitConfig(), clusters, planned)
+    config = validate(config or RefitConfig(), clusters, planned, engine)
     if _coordinator_exists():
         raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in this Ray cluster; "
                           "use dcr_ray.Refit.get() to reach it, or its shutdown() first")
@@ -176,7 +175,7 @@ def launch(
     actor = Coordinator.options(**actor_options("coordinator", COORDINATOR_NAME,
                                                 resources=coordinator_resources)).remote(
         config, clusters, engine, dict(owners), transport)
-    n_eng = sum(c.engines for c in clusters)
+    n_eng = sum(c.started + len(c.adopt) for c in clusters)
     print(f"[dcr_ray] starting {n_eng} engines in {len(clusters)} clusters, {len(owners)} owners, "
           f"transport={config.transport.kind}; dense bootstrap...", file=sys.stderr, flush=True)
     refit = Refit(actor, owns_owners=own_owners)

@@ -33,8 +33,13 @@ class ClusterSpec:
 
     name: str
     """Cluster name, e.g. ``"us-east"``; appears in reports (wire bytes per cluster link) and actor names."""
-    engines: int = 1
-    """Number of engine actors in this cluster."""
+    engines: int | None = None
+    """Engines dcr_ray starts in this cluster with ``launch(engine=...)`` (default: 1, or 0 when
+    ``adopt`` is given). Their ids are ``<cluster>/e<i>``."""
+    adopt: list = field(default_factory=list)
+    """Engines dcr_ray did not start, as engine factories, e.g.
+    ``dcr_ray.engines.vllm.AdoptedVllmEngine(handle, checkpoint=...)``: dcr_ray starts a light proxy
+    engine actor for each (ids ``<cluster>/a<i>``) that drives the engine through its own API."""
     resources: dict[str, float] = field(default_factory=dict)
     """Ray custom resources that pin this cluster's relays and engines to its nodes, e.g.
     ``{"cluster-us-east": 0.001}`` when nodes were started with ``--resources='{"cluster-us-east": 100}'``.
@@ -47,12 +52,24 @@ class ClusterSpec:
             raise ConfigError(f"ClusterSpec.name {self.name!r} must be non-empty without '/', '\\' or spaces")
         for f in ("engines", "fanout"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int):
+            if (v is not None or f == "fanout") and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ConfigError(f"ClusterSpec({self.name}).{f} must be an integer, got {v!r}")
-        if self.engines < 1:
-            raise ConfigError(f"ClusterSpec({self.name}).engines must be >= 1, got {self.engines}")
+        if not isinstance(self.adopt, list) or not all(callable(a) for a in self.adopt):
+            raise ConfigError(f"ClusterSpec({self.name}).adopt must be a list of engine factories "
+                              f"(e.g. AdoptedVllmEngine(handle, checkpoint=...))")
+        if self.engines is not None and self.engines < 0:
+            raise ConfigError(f"ClusterSpec({self.name}).engines must be >= 0, got {self.engines}")
+        if self.started + len(self.adopt) < 1:
+            raise ConfigError(f"ClusterSpec({self.name}) has no engine: set engines >= 1 or adopt=[...]")
         if self.fanout < 2:
             raise ConfigError(f"ClusterSpec({self.name}).fanout must be >= 2, got {self.fanout}")
+
+    @property
+    def started(self) -> int:
+        """How many engines dcr_ray starts here."""
+        if self.engines is not None:
+            return self.engines
+        return 0 if self.adopt else 1
 
 
 def _choice(owner: str, name: str, value, allowed: tuple) -> None:
@@ -183,7 +200,8 @@ class RefitConfig:
                                   f"{type(getattr(self, name)).__name__}")
 
 
-def validate(config: RefitConfig, clusters: list[ClusterSpec], owners: Mapping[str, object]) -> RefitConfig:
+def validate(config: RefitConfig, clusters: list[ClusterSpec], owners: Mapping[str, object],
+             engine: object = None) -> RefitConfig:
     """Check a set-up as a whole before anything is spawned; returns ``config`` with defaults filled.
 
     Cluster names must be unique and at least one cluster given; at least one owner, each an actor
@@ -200,6 +218,10 @@ def validate(config: RefitConfig, clusters: list[ClusterSpec], owners: Mapping[s
         raise ConfigError(f"cluster names must be unique; {dup} appear more than once")
     if not owners:
         raise ConfigError("at least one owner is needed: owners=[trainer actors] or owner_tensors=[...]")
+    starts = [c.name for c in clusters if c.started]
+    if starts and not callable(engine):
+        raise ConfigError(f"clusters {starts} start engines: give launch(engine=...) an engine factory, e.g. "
+                          f"dcr_ray.HFEngine('/path/to/checkpoint'), or adopt engines instead")
     for oid, h in owners.items():
         if not hasattr(h, "dcr_attach"):
             raise ConfigError(f"owner {oid!r} ({type(h).__name__}) is not an owner actor: its class must mix "

@@ -86,10 +86,6 @@ class RefitTimeoutError(RefitError, TimeoutError):
     """A stage of a refit did not finish within its configured timeout."""
 
 
-class StaleAttemptError(RefitError):
-    """A call belongs to an attempt or version that is no longer current; it was ignored."""
-
-
 class CommitConflictError(RefitError):
     """The commit record's compare-and-set failed: another writer moved the version."""
 

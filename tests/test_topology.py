@@ -35,8 +35,12 @@ def test_configuration_errors_say_which_field_and_how_to_fix_it():
         OwnerConfig(promote=True)
     with pytest.raises(ConfigError, match="fanout must be >= 2"):
         ClusterSpec(name="a", fanout=1)
-    with pytest.raises(ConfigError, match="engines must be >= 1"):
+    with pytest.raises(ConfigError, match=r"ClusterSpec\(a\) has no engine: set engines >= 1 or adopt"):
         ClusterSpec(name="a", engines=0)
+    with pytest.raises(ConfigError, match="engines must be >= 0"):
+        ClusterSpec(name="a", engines=-1)
+    with pytest.raises(ConfigError, match="adopt must be a list of engine factories"):
+        ClusterSpec(name="a", adopt=["http://not-a-factory"])
     with pytest.raises(ConfigError, match="BLAKE2b key"):
         CodecConfig(key="not-bytes")
 

@@ -19,7 +19,7 @@ from vllmtools import MAX_TOKENS, PROMPTS, Trainer, bits_identical, refit, write
 
 from dcr_ray.codec import BaselineStore  # noqa: E402
 from dcr_ray.engines.base import checkpoint_state_dict  # noqa: E402
-from dcr_ray.engines.vllm import VllmBackend, worker  # noqa: E402
+from dcr_ray.engines.vllm import VllmBackend, groups  # noqa: E402
 from dcr_ray.errors import BackendError  # noqa: E402
 from dcr_ray.testing.models import ModelSpec, build_model, hf_config, save_checkpoint  # noqa: E402
 
@@ -82,6 +82,6 @@ def test_an_engine_whose_reload_is_not_a_fresh_load_refuses_to_start(tmp_path, m
     """Without dcr_ray's fused-experts fix-up, vLLM's reload leaves unpacked expert bits in packed
     storage; the start-up check sees the storage change and the engine refuses to start."""
     ckpt = save_checkpoint(build_model(ModelSpec(arch="qwen3_moe")), str(tmp_path))
-    monkeypatch.setattr(worker, "reprocess_moe_experts", lambda model, modules: [])
+    monkeypatch.setattr(groups, "reprocess_moe_experts", lambda model, modules: [])
     with pytest.raises(BackendError, match=r"not a fresh load.*mlp\.experts\..*w13_weight"):
         VllmBackend(ckpt)

@@ -148,7 +148,7 @@ class EngineActor:
                 self._staged.append((key, bytes(data)))  # validated; applied at flush
             else:
                 self._touched = cur.transfer
-                self.backend.apply(frame)
+                self._apply(data, frame)
         except FrameError as e:
             self._error = e
             return "rejected"
@@ -183,12 +183,20 @@ class EngineActor:
             if self._staged:
                 self._touched = transfer
             for _key, data in sorted(self._staged, key=lambda kd: kd[0]):
-                self.backend.apply(self._decode(open_frame(data, key=self.config.codec.key), self._cur.base))
+                self._apply(data, self._decode(open_frame(data, key=self.config.codec.key), self._cur.base))
             self._staged = []
             self.backend.flush()
             self._apply_s += time.perf_counter() - t0
             return {"engine": self.engine_id, "cluster": self.cluster, "applied": len(want),
                     "apply_s": self._apply_s, "bytes": self._bytes}
+
+    def _apply(self, data: bytes, frame) -> None:
+        """Write a validated frame: decoded into the backend, or as wire bytes to a backend that forwards
+        them to an engine of its own (adopted engines validate them again before writing)."""
+        if getattr(self.backend, "wants_wire_frames", False):
+            self.backend.apply_wire(bytes(data), frame)
+        else:
+            self.backend.apply(frame)
 
     def _decode(self, header, base: int):
         return decode_frame(header, shapes=self.specs, expect_base=base,
@@ -242,6 +250,9 @@ class EngineActor:
                 self._staged = []
             if final and self._touched == transfer:
                 self._touched = None
+                abandon = getattr(self.backend, "abandon", None)
+                if abandon is not None:  # a backend with an open update of its own closes it unapplied
+                    abandon()
                 self._dirty = (f"transfer {transfer} was abandoned after writing into this engine's "
                                f"weights in place")
                 self.version = None

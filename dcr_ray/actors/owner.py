@@ -41,13 +41,11 @@ import torch
 
 from dcr_ray.codec.baseline import BaselineStore
 from dcr_ray.codec.diff import TensorDelta, full_delta
-from dcr_ray.codec import FrameMeta, PayloadKey, encode_frames
+from dcr_ray.codec import BOOTSTRAP_BASE, FrameMeta, PayloadKey, encode_frames
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
 from dcr_ray.relay.transport import Sink
 
-#: Base version carried by bootstrap frames: accepted by an engine that is being bootstrapped only.
-BOOTSTRAP_BASE = -1
 
 
 def stable_hash(name: str) -> int:

@@ -4,11 +4,13 @@ The coordinator decides (:mod:`dcr_ray.actors.coordinator`); the topology only c
 It starts one engine actor per engine of each :class:`~dcr_ray.config.ClusterSpec` (pinned to the
 cluster's nodes by its resources, named ``dcr_engine:<cluster>/e<i>`` in namespace ``dcr_ray``), gives
 each engine its transport's reader, and lets the transport build what it needs (relay trees).
-Engines that dcr_ray did not start will join here too (adopted engines), as will restarts.
+Engines dcr_ray did not start join through ``ClusterSpec.adopt``: each gets a proxy engine actor
+(``dcr_engine:<cluster>/a<i>``) whose backend drives it through its own API.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import ray
@@ -22,6 +24,14 @@ from dcr_ray.relay.transport import Transport
 def engine_name(engine_id: str) -> str:
     """The Ray actor name of engine ``engine_id`` (``<cluster>/e<i>``)."""
     return f"dcr_engine:{engine_id}"
+
+
+def _keyed(factory, key: bytes | None):
+    """An adopted engine's factory with the refit's frame key (its workers check frames with it)."""
+    if hasattr(factory, "key"):
+        factory = copy.copy(factory)
+        factory.key = key
+    return factory
 
 
 class Topology:
@@ -39,11 +49,12 @@ class Topology:
         Engine = ray.remote(EngineActor)
         for c in self.clusters.values():
             reader = self.transport.reader(c.name)
-            for i in range(c.engines):
-                eid = f"{c.name}/e{i}"
+            made = [(f"{c.name}/e{i}", backend_factory) for i in range(c.started)]
+            made += [(f"{c.name}/a{i}", _keyed(f, config.codec.key)) for i, f in enumerate(c.adopt)]
+            for eid, factory in made:
                 self.engines[eid] = Engine.options(
                     **actor_options("engine", engine_name(eid), resources=c.resources)
-                ).remote(eid, c.name, backend_factory, config, reader)
+                ).remote(eid, c.name, factory, config, reader)
                 self.engine_cluster[eid] = c.name
         self.transport.build(list(self.clusters.values()), self.engines, self.engine_cluster)
 

@@ -93,6 +93,11 @@ def digest(data: bytes | memoryview, key: bytes | None) -> bytes:
     return hashlib.blake2b(data, digest_size=DIGEST_SIZE, key=key or b"").digest()
 
 
+#: Base version carried by bootstrap frames (dense frames of a whole committed version): accepted by a
+#: receiver that is being bootstrapped, whatever it held.
+BOOTSTRAP_BASE = -1
+
+
 class PayloadKey(NamedTuple):
     """The deduplication key of a payload: a receiver applies each key at most once."""
 

@@ -91,7 +91,7 @@ def _launch(s: Settings, transport: str, **kw):
     from dcr_ray.testing.links import EmulatedLinks
 
     clusters = [dcr_ray.ClusterSpec(name="rollout", engines=s.engines)]
-    config = validate(_config(s, transport), clusters, kw["owners"])
+    config = validate(_config(s, transport), clusters, kw["owners"], kw.get("engine"))
     return dcr_ray.launch(clusters=clusters, config=config, transport=EmulatedLinks(config, {"rollout": (None, 0.0)}),
                           **kw)
 

@@ -49,10 +49,21 @@ Modules:
 - :mod:`~dcr_ray.engines.vllm.storage`    live storage as bits: views, scatter, digests
 - :mod:`~dcr_ray.engines.vllm.checkpoint` reading the checkpoint directory
 - :mod:`~dcr_ray.engines.vllm.compat`     what exists only to make vLLM run here
+- :mod:`~dcr_ray.engines.vllm.transfer`   the ``dcr`` backend of vLLM's weight-transfer API (every worker)
+- :mod:`~dcr_ray.engines.vllm.receiver`   one worker's host mirror: frames in, fused groups reloaded
+- :mod:`~dcr_ray.engines.vllm.plugin`     the vLLM plugin that registers the ``dcr`` backend
+- :mod:`~dcr_ray.engines.vllm.adopted`    :class:`AdoptedVllmEngine`: refit engines dcr_ray did not start
+
+Engines dcr_ray did not start (``LLM`` / ``AsyncLLM`` actors of veRL, OpenRLHF or your own code) are
+refit through vLLM's own weight-transfer API: start them with
+``weight_transfer_config={"backend": "dcr"}`` and give ``ClusterSpec(adopt=[AdoptedVllmEngine(handle,
+checkpoint=...)])`` to :func:`dcr_ray.launch`.
 """
 
+from dcr_ray.engines.vllm.adopted import AdoptedVllmEngine
 from dcr_ray.engines.vllm.backend import VllmBackend
+from dcr_ray.engines.vllm.compat import VLLM_CPU_RUNTIME_ENV
 from dcr_ray.engines.vllm.factory import VllmEngine
 from dcr_ray.engines.vllm.worker import WORKER_EXTENSION
 
-__all__ = ["VllmBackend", "VllmEngine", "WORKER_EXTENSION"]
+__all__ = ["AdoptedVllmEngine", "VLLM_CPU_RUNTIME_ENV", "VllmBackend", "VllmEngine", "WORKER_EXTENSION"]

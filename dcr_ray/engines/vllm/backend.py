@@ -14,6 +14,7 @@ from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, apply_decoded, re
 from dcr_ray.codec.bits import bits_view, dtype_of, itemsize, wire_name
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray.engines.vllm.plan import merge_summaries, strict_check
+from dcr_ray.engines.vllm.serving import greedy
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
 from dcr_ray.engines.vllm.compat import shutdown_llm, start_llm, will_use_cuda
 from dcr_ray.engines.vllm.worker import WORKER_EXTENSION
@@ -262,22 +263,10 @@ class VllmBackend(EngineBackend):
         Returns one ``{"token_ids": [...], "logprobs": [...], "version": v}`` per prompt: the
         log-probability of each chosen token, and the policy version that produced it.
         """
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True,
-                            detokenize=False)
-        prompts = [TokensPrompt(prompt_token_ids=[int(x) for x in p]) for p in prompt_token_ids]
         with self._lock:
-            outs = self.llm.generate(prompts, sp, use_tqdm=False)
+            outs = greedy(self.llm, prompt_token_ids, max_tokens)
             version = self.version
-        result = []
-        for o in outs:
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            lps = [float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)]
-            result.append({"token_ids": ids, "logprobs": lps, "version": version})
-        return result
+        return [{**o, "version": version} for o in outs]
 
     # -- helpers -----------------------------------------------------------------------------------
     def _expand(self, names: Iterable[str]) -> list[str]:

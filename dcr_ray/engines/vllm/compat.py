@@ -81,6 +81,23 @@ def _vars_or_none(obj):
         return None
 
 
+def prepare_cpu_process() -> None:
+    """Make a fresh process ready to host a CPU vLLM engine (AMX init, llvmlite shim).
+
+    A Ray ``worker_process_setup_hook``: see :data:`VLLM_CPU_RUNTIME_ENV`.
+    """
+    init_amx()
+    make_llvmlite_safe_for_vllm()
+
+
+#: Ray ``runtime_env`` for an actor that runs vLLM on CPU in-process (e.g. ``ray.remote(vllm.LLM)``): the
+#: environment :func:`cpu_environment` sets, plus :func:`prepare_cpu_process` before the actor starts.
+VLLM_CPU_RUNTIME_ENV = {
+    "env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    "worker_process_setup_hook": "dcr_ray.engines.vllm.compat.prepare_cpu_process",
+}
+
+
 def start_llm(kwargs: dict[str, Any], *, cuda: bool, kv_cache_gib: int) -> tuple[Any, bool]:
     """A ``vllm.LLM(**kwargs)``, started with the settings this process needs.
 

@@ -185,6 +185,32 @@ def reprocess_aliases(model: torch.nn.Module, loaded_modules: set[str]) -> list[
     return done
 
 
+def reload_groups(model: torch.nn.Module, vllm_config: Any, items: list[tuple[str, torch.Tensor]],
+                  reload: Any = None) -> dict[str, Any]:
+    """Push whole fused groups of checkpoint tensors through vLLM's in-place reload, then run the
+    post-load steps a fresh load runs and the reload skips (fused experts, aliasing modules).
+
+    ``items`` must hold every checkpoint tensor of each module they touch (see :func:`fused_groups`).
+    ``reload(weights_iterator=...)`` is the worker's own ``reload_weights`` where one is at hand (it
+    also resets the runner's caches); by default vLLM's in-place reload of ``model``. Returns
+    ``{"tensors": n, "reprocessed": [module paths]}``.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    modules = reloaded_modules(model, (name for name, _ in items))
+    with set_current_vllm_config(vllm_config):
+        with quiet_partial_reload():
+            if reload is not None:
+                reload(weights_iterator=list(items))
+            else:
+                reload_weights(vllm_config, model, weights_iterator=list(items), weights_path=None,
+                               is_checkpoint_format=True)
+        experts = reprocess_moe_experts(model, modules)
+        again = reprocess_aliases(model, modules)
+    return {"tensors": len(items), "reprocessed": again + experts}
+
+
 @contextlib.contextmanager
 def quiet_partial_reload():
     """Silence vLLM's per-layer "Failed to load weights" warnings while reloading chosen modules only."""

@@ -16,13 +16,7 @@ import torch
 
 from dcr_ray.engines.vllm.capture import LoaderCapture
 from dcr_ray.engines.vllm.checkpoint import iter_checkpoint
-from dcr_ray.engines.vllm.groups import (
-    fused_groups,
-    quiet_partial_reload,
-    reloaded_modules,
-    reprocess_aliases,
-    reprocess_moe_experts,
-)
+from dcr_ray.engines.vllm.groups import fused_groups, reload_groups
 from dcr_ray.engines.vllm.storage import storage_digests
 from dcr_ray.errors import BackendError
 
@@ -46,16 +40,7 @@ class DcrWorkerExtension:
     def dcr_reload(self, items: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         """Push whole fused groups of canonical tensors through vLLM's ``reload_weights``, then run the
         post-load steps a fresh start runs and the reload skips (fused experts, aliasing modules)."""
-        model = self.get_model()
-        modules = reloaded_modules(model, (name for name, _ in items))
-        with quiet_partial_reload():
-            self.reload_weights(weights_iterator=list(items))
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(self.vllm_config):
-            experts = reprocess_moe_experts(model, modules)
-            again = reprocess_aliases(model, modules)
-        return {"tensors": len(items), "reprocessed": again + experts}
+        return reload_groups(self.get_model(), self.vllm_config, items, reload=self.reload_weights)
 
     def dcr_storage_digests(self) -> dict[str, str]:
         """See :func:`~dcr_ray.engines.vllm.storage.storage_digests` (this worker's model)."""

