@@ -19,7 +19,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind 127.0.0.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
-import torch  # noqa: E402
 
 import dcr_ray  # noqa: E402
 from dcr_ray.testing.models import ModelSpec, build_model  # noqa: E402

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -12,6 +13,9 @@ from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames, read_frame
 from dcr_ray.engines.base import checkpoint_state_dict
 from dcr_ray.engines.vllm.storage import int_view
 from dcr_ray.testing.models import ModelSpec, build_model
+
+if TYPE_CHECKING:
+    from dcr_ray.engines.vllm import VllmBackend
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [900, 17, 4]]
 MAX_TOKENS = 8

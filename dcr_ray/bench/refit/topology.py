@@ -99,8 +99,6 @@ def _launch(s: Settings, transport: str, **kw):
 def _finish_launch(kind, transport, refit, owners, canonical, numel, model, s, share) -> Topology:
     import ray
 
-    from dcr_ray.options import NAMESPACE  # noqa: F401  (actors live there)
-
     engines = refit.engines()
     heads = [r for rid, r in ray.get(refit.actor.handles.remote())["relays"].items() if rid.endswith("/head")]
     owner_pids = ray.get([h.__ray_call__.remote(actor_pid) for h in owners.values()])
