@@ -158,9 +158,17 @@ class EngineConfig:
     """``"in_place"`` (synchronous RL, the default): payloads are applied as they arrive and generation
     pauses until the new version is active. ``"staged"`` (async RL): engines validate and keep arriving
     payloads (compressed, in host RAM) while they serve the current version, and apply them all at flush."""
+    staging_budget_bytes: int = 4 << 30
+    """Most payload bytes one engine holds staged (``apply="staged"``) for one attempt; a refit that
+    needs more fails at once with ``StagingBudgetError`` and changes nothing. In-place engines keep no
+    payload after applying it."""
 
     def __post_init__(self):
         _choice("EngineConfig", "apply", self.apply, get_args(ApplyMode))
+        if isinstance(self.staging_budget_bytes, bool) or not isinstance(self.staging_budget_bytes, int) \
+                or self.staging_budget_bytes < 1:
+            raise ConfigError(f"EngineConfig.staging_budget_bytes must be a positive integer, got "
+                              f"{self.staging_budget_bytes!r}")
 
 
 @dataclass(kw_only=True, slots=True)

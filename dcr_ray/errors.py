@@ -86,6 +86,11 @@ class RefitTimeoutError(RefitError, TimeoutError):
     """A stage of a refit did not finish within its configured timeout."""
 
 
+class StagingBudgetError(RefitError, ConfigError):
+    """A staging engine would hold more payload bytes than ``EngineConfig.staging_budget_bytes``;
+    retrying cannot help, so the refit fails at once (nothing was written)."""
+
+
 class CommitConflictError(RefitError):
     """The commit record's compare-and-set failed: another writer moved the version."""
 

@@ -265,3 +265,20 @@ def test_bad_set_ups_are_refused_before_any_actor_is_spawned(local_ray):
         with pytest.raises(dcr_ray.errors.ConfigError, match=msg):
             make()
     ray.kill(plain)
+
+
+def test_a_staging_engine_over_its_byte_budget_fails_the_refit_at_once_and_keeps_serving_its_version(local_ray):
+    config = dcr_ray.RefitConfig(engines=dcr_ray.EngineConfig(apply="staged", staging_budget_bytes=2048))
+    refit, trainers = _launch(config, world=1, engines=(1, 1))
+    try:
+        eng = refit.engines()["c0/e0"]
+        served = ray.get(eng.generate.remote([[1, 2, 3]], 4))
+        ray.get(trainers[0].step.remote(seed=9))
+        with pytest.raises(dcr_ray.RefitError, match=r"StagingBudgetError.*staging_budget_bytes=2048") as err:
+            refit.run()
+        assert "after 1 attempt(s)" in str(err.value)  # not retried: more attempts cannot fit either
+        assert refit.status()["version"] == 0
+        again = ray.get(eng.generate.remote([[1, 2, 3]], 4))
+        assert again == served  # still version 0, bit for bit the same outputs
+    finally:
+        refit.shutdown()

@@ -31,6 +31,8 @@ def test_configuration_errors_say_which_field_and_how_to_fix_it():
         RefitConfig(transport="relay")
     with pytest.raises(ConfigError, match="EngineConfig.apply must be one of"):
         EngineConfig(apply="later")
+    with pytest.raises(ConfigError, match="staging_budget_bytes must be a positive integer"):
+        EngineConfig(staging_budget_bytes=0)
     with pytest.raises(ConfigError, match="OwnerConfig.promote must be one of"):
         OwnerConfig(promote=True)
     with pytest.raises(ConfigError, match="fanout must be >= 2"):

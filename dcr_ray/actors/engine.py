@@ -33,7 +33,14 @@ from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.codec import kernels
 from dcr_ray.codec import DIGEST_SIZE, PayloadKey, decode_frame, open_frame
 from dcr_ray.config import RefitConfig
-from dcr_ray.errors import DcrError, EngineStateError, FrameError, RefitError, RefitTimeoutError
+from dcr_ray.errors import (
+    DcrError,
+    EngineStateError,
+    FrameError,
+    RefitError,
+    RefitTimeoutError,
+    StagingBudgetError,
+)
 
 
 class _Attempt(NamedTuple):
@@ -141,10 +148,19 @@ class EngineActor:
                 self._error = FrameError(f"payload {key} arrived twice with different bytes")
                 return "rejected"
             return "duplicate"
+        staging = self.config.engines.apply == "staged" and cur.base != BOOTSTRAP_BASE
+        budget = self.config.engines.staging_budget_bytes
+        held = sum(len(d) for _, d in self._staged)
+        if staging and held + len(data) > budget:
+            self._error = StagingBudgetError(
+                f"engine {self.engine_id}: staging payload {key} ({len(data)} bytes) would hold {held + len(data)} "
+                f"bytes, over EngineConfig.staging_budget_bytes={budget}: raise the budget or use "
+                f"EngineConfig(apply='in_place')")
+            return "rejected"
         t0 = time.perf_counter()
         try:
             frame = self._decode(header, cur.base)
-            if self.config.engines.apply == "staged" and cur.base != BOOTSTRAP_BASE:
+            if staging:
                 self._staged.append((key, bytes(data)))  # validated; applied at flush
             else:
                 self._touched = cur.transfer
