@@ -18,13 +18,14 @@ from typing import Literal, Mapping, get_args
 from dcr_ray.errors import ConfigError
 
 __all__ = ["ApplyMode", "ClusterSpec", "CodecConfig", "CommitConfig", "EngineConfig", "Encodings", "OwnerConfig",
-           "PromoteMode", "RefitConfig", "TransportConfig", "TransportKind", "validate"]
+           "PlacementStrategy", "PromoteMode", "RefitConfig", "TransportConfig", "TransportKind", "validate"]
 
 TransportKind = Literal["relay", "object_store"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportKind)
 Encodings = Literal["mixed", "overwrite"]
 ApplyMode = Literal["in_place", "staged"]
 PromoteMode = Literal["background", "inline"]
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,6 +47,17 @@ class ClusterSpec:
     Empty: no pinning (a single-machine run)."""
     fanout: int = 4
     """How many children (engines or sub-relays) one relay forwards to inside the cluster."""
+    gpus_per_engine: float = 0
+    """GPUs Ray reserves for each engine dcr_ray starts (a vLLM engine with ``tensor_parallel_size=N``
+    on GPUs: ``N``, with ``placement`` set so its workers land in the engine's bundle)."""
+    cpus_per_engine: float = 0
+    """CPUs Ray reserves for each engine dcr_ray starts (0: engines share the node's CPUs)."""
+    placement: PlacementStrategy | None = None
+    """``None``: Ray schedules each engine on its own. Otherwise one Ray placement group per cluster
+    with a bundle per started engine (its GPUs, CPUs and the cluster's ``resources``), placed with
+    this strategy (``"PACK"``, ``"SPREAD"``, ``"STRICT_PACK"``, ``"STRICT_SPREAD"``); each engine runs
+    in its bundle and so do the workers it starts. ``launch()`` fails with ``ConfigError`` when the
+    group cannot be placed within ``CommitConfig.timeout_s``."""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or any(c in self.name for c in "/\\ "):
@@ -63,6 +75,15 @@ class ClusterSpec:
             raise ConfigError(f"ClusterSpec({self.name}) has no engine: set engines >= 1 or adopt=[...]")
         if self.fanout < 2:
             raise ConfigError(f"ClusterSpec({self.name}).fanout must be >= 2, got {self.fanout}")
+        for f in ("gpus_per_engine", "cpus_per_engine"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(f"ClusterSpec({self.name}).{f} must be a finite number >= 0, got {v!r}")
+        if self.placement is not None:
+            _choice(f"ClusterSpec({self.name})", "placement", self.placement, get_args(PlacementStrategy))
+            if not (self.gpus_per_engine or self.cpus_per_engine or self.resources):
+                raise ConfigError(f"ClusterSpec({self.name}).placement needs something to reserve per engine: "
+                                  f"set gpus_per_engine, cpus_per_engine or resources")
 
     @property
     def started(self) -> int:

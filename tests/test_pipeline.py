@@ -282,3 +282,30 @@ def test_a_staging_engine_over_its_byte_budget_fails_the_refit_at_once_and_keeps
         assert again == served  # still version 0, bit for bit the same outputs
     finally:
         refit.shutdown()
+
+
+def test_engines_of_a_cluster_with_placement_run_in_one_placement_group_and_refit_exactly(local_ray):
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainers = [Trainer.remote(SPEC, lr=1e-4)]
+    cluster = dcr_ray.ClusterSpec(name="pg", engines=2, cpus_per_engine=0.1, placement="SPREAD")
+    refit = dcr_ray.launch(owners=trainers, clusters=[cluster], engine=dcr_ray.HFEngine(SPEC.with_seed(3)))
+    try:
+        groups = {ray.get(e.info.remote())["placement_group"] for e in refit.engines().values()}
+        assert len(groups) == 1 and None not in groups
+        ray.get(trainers[0].step.remote(seed=1))
+        assert refit.run().version == 1
+        _assert_engines_hold(refit, trainers)
+    finally:
+        refit.shutdown()
+
+
+def test_a_placement_ray_cannot_satisfy_fails_launch_with_a_clear_error_instead_of_hanging(local_ray):
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainers = [Trainer.remote(SPEC, lr=1e-4)]
+    cluster = dcr_ray.ClusterSpec(name="big", engines=2, cpus_per_engine=64, placement="STRICT_PACK")
+    with pytest.raises(dcr_ray.errors.ConfigError, match=r"could not place 2 bundles of \{'CPU': 64\}"):
+        dcr_ray.launch(owners=trainers, clusters=[cluster], engine=dcr_ray.HFEngine(SPEC),
+                       config=dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(timeout_s=3)))
+    assert _alive("dcr_coordinator", "dcr_engine:big/e0") == set()
+    for t in trainers:
+        ray.kill(t)

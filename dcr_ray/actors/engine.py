@@ -279,7 +279,8 @@ class EngineActor:
     def info(self) -> dict:
         with self._cv:
             return {"engine": self.engine_id, "cluster": self.cluster, "version": self.version,
-                    "node": ray.get_runtime_context().get_node_id(), **self._stats}
+                    "node": ray.get_runtime_context().get_node_id(),
+                    "placement_group": ray.get_runtime_context().get_placement_group_id(), **self._stats}
 
     def get_version(self) -> int | None:
         return self.version

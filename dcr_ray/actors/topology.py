@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from dcr_ray.actors import placement
 from dcr_ray.actors.engine import EngineActor
 from dcr_ray.config import ClusterSpec, RefitConfig
 from dcr_ray.options import actor_options
@@ -49,11 +50,12 @@ class Topology:
         Engine = ray.remote(EngineActor)
         for c in self.clusters.values():
             reader = self.transport.reader(c.name)
-            made = [(f"{c.name}/e{i}", backend_factory) for i in range(c.started)]
-            made += [(f"{c.name}/a{i}", _keyed(f, config.codec.key)) for i, f in enumerate(c.adopt)]
-            for eid, factory in made:
+            pg = placement.reserve(c, config.commit.timeout_s)
+            made = [(f"{c.name}/e{i}", backend_factory, i) for i in range(c.started)]
+            made += [(f"{c.name}/a{i}", _keyed(f, config.codec.key), None) for i, f in enumerate(c.adopt)]
+            for eid, factory, bundle in made:
                 self.engines[eid] = Engine.options(
-                    **actor_options("engine", engine_name(eid), resources=c.resources)
+                    **actor_options("engine", engine_name(eid), **placement.engine_options(c, pg, bundle))
                 ).remote(eid, c.name, factory, config, reader)
                 self.engine_cluster[eid] = c.name
         self.transport.build(list(self.clusters.values()), self.engines, self.engine_cluster)
