@@ -4,7 +4,8 @@ Each test starts ``vllm.LLM`` itself, as a plain Ray actor (``ray.remote(LLM)``)
 ``weight_transfer_config={"backend": "dcr"}``: the ``dcr`` backend is found through dcr_ray's vLLM
 plugin entry point. dcr_ray adopts it, refits it over real AdamW steps through its relay tree and joint
 commit, and the engine then serves exactly (token ids and logprobs, ``==``) what a freshly loaded vLLM
-engine serves with the same weights, tagged with the committed version.
+engine serves with the same weights, tagged with the committed version. Tensor parallelism runs here
+too: two CPU workers (TP=2), each receiving the frames and reloading its shard through the loader.
 """
 
 from __future__ import annotations
@@ -35,24 +36,36 @@ def local_ray():
     ray.shutdown()
 
 
-def _start_user_engine(checkpoint: str):
-    """What a user's own code does: an ``LLM`` in a Ray actor, with the ``dcr`` weight-transfer backend."""
+def _start_user_engine(checkpoint: str, tp: int = 1):
+    """What a user's own code does: an ``LLM`` in a Ray actor, with the ``dcr`` weight-transfer backend.
+
+    ``tp=2``: two tensor-parallel CPU workers in their own processes (vLLM's multiprocessing executor),
+    each bound to one core (this machine has one NUMA node, so vLLM needs the binding given).
+    """
     from vllm import LLM
 
-    UserLLM = ray.remote(num_cpus=0, runtime_env=VLLM_CPU_RUNTIME_ENV)(LLM)
-    return UserLLM.remote(model=checkpoint, enforce_eager=True, distributed_executor_backend="uni",
-                          skip_tokenizer_init=True, seed=0, weight_transfer_config={"backend": "dcr"})
+    env = VLLM_CPU_RUNTIME_ENV
+    kw = dict(distributed_executor_backend="uni")
+    if tp > 1:
+        env = {**env, "env_vars": {**env["env_vars"], "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                                   "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))}}
+        kw = dict(distributed_executor_backend="mp", tensor_parallel_size=tp)
+    UserLLM = ray.remote(num_cpus=0, runtime_env=env)(LLM)
+    return UserLLM.remote(model=checkpoint, enforce_eager=True, skip_tokenizer_init=True, seed=0,
+                          weight_transfer_config={"backend": "dcr"}, **kw)
 
 
 def _serve(handle):
     return ray.get(handle.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS))
 
 
-@pytest.mark.parametrize("arch,tied", [("qwen2", True), ("qwen3", False), ("qwen3_moe", False)])
-def test_an_adopted_engine_refit_over_adamw_steps_serves_what_a_fresh_engine_serves(local_ray, tmp_path, arch, tied):
+@pytest.mark.parametrize("arch,tied,tp", [("qwen2", True, 1), ("qwen3", False, 1), ("qwen3_moe", False, 1),
+                                           ("qwen2", False, 2)])
+def test_an_adopted_engine_refit_over_adamw_steps_serves_what_a_fresh_engine_serves(local_ray, tmp_path, arch, tied,
+                                                                                    tp):
     spec = ModelSpec(arch=arch, tie_word_embeddings=tied, seed=11)
     ckpt = save_checkpoint(build_model(spec), str(tmp_path / "v0"))
-    user = _start_user_engine(ckpt)
+    user = _start_user_engine(ckpt, tp)
     trainer = ray.remote(num_cpus=0)(TinyTrainer).remote(spec, lr=1e-3)
     refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(
         name="users", adopt=[AdoptedVllmEngine(user, checkpoint=ckpt)])])
@@ -68,7 +81,7 @@ def test_an_adopted_engine_refit_over_adamw_steps_serves_what_a_fresh_engine_ser
     finally:
         refit.shutdown()
         ray.kill(user)
-    fresh = _start_user_engine(write_checkpoint(ckpt, str(tmp_path / "v2"), state))
+    fresh = _start_user_engine(write_checkpoint(ckpt, str(tmp_path / "v2"), state), tp)
     try:
         want = _serve(fresh)
     finally:
