@@ -36,7 +36,7 @@ class WeightSyncBackend(EngineBackend):
     wants_wire_frames = True
 
     def __init__(self, handles: Sequence[Any], checkpoint: str, *, version: int = 0, key: bytes | None = None,
-                 timeout_s: float = 300.0):
+                 capture: bool | None = None, timeout_s: float = 300.0):
         import ray
 
         self._ray = ray
@@ -46,7 +46,7 @@ class WeightSyncBackend(EngineBackend):
         self.version = version
         self._open: tuple[int, int] | None = None
         self._call("init_weight_transfer_engine", {"init_info": {
-            "checkpoint": checkpoint, "version": version, "key": key.hex() if key else None}})
+            "checkpoint": checkpoint, "version": version, "key": key.hex() if key else None, "capture": capture}})
 
     def _call(self, method: str, *args) -> list:
         try:
@@ -115,10 +115,11 @@ class AdoptedVllmEngine:
     ``handles``: the Ray actor handle of an ``LLM`` / ``AsyncLLM`` actor (or of any actor exposing
     vLLM's weight-transfer methods and ``reset_prefix_cache``), or a list of handles that are data
     parallel replicas of one engine. ``checkpoint``: the directory it was started from, holding
-    ``version``.
+    ``version``. ``capture``: see :class:`~dcr_ray.engines.vllm.transfer.DcrInitInfo` (default: on CUDA).
     """
 
-    def __init__(self, handles: Any, *, checkpoint: str, version: int = 0, key: bytes | None = None):
+    def __init__(self, handles: Any, *, checkpoint: str, version: int = 0, key: bytes | None = None,
+                 capture: bool | None = None):
         self.handles = list(handles) if isinstance(handles, (list, tuple)) else [handles]
         if not self.handles or not all(hasattr(h, "update_weights") for h in self.handles):
             raise ConfigError("AdoptedVllmEngine needs Ray actor handles exposing vLLM's weight-transfer methods "
@@ -127,6 +128,8 @@ class AdoptedVllmEngine:
         self.checkpoint = checkpoint
         self.version = version
         self.key = key
+        self.capture = capture
 
     def __call__(self) -> WeightSyncBackend:
-        return WeightSyncBackend(self.handles, self.checkpoint, version=self.version, key=self.key)
+        return WeightSyncBackend(self.handles, self.checkpoint, version=self.version, key=self.key,
+                                 capture=self.capture)

@@ -13,10 +13,10 @@ import torch
 from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, apply_decoded, read_frame
 from dcr_ray.codec.bits import bits_view, dtype_of, itemsize, wire_name
 from dcr_ray.engines.base import EngineBackend
-from dcr_ray.engines.vllm.plan import merge_summaries, strict_check
-from dcr_ray.engines.vllm.serving import greedy
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
 from dcr_ray.engines.vllm.compat import shutdown_llm, start_llm, will_use_cuda
+from dcr_ray.engines.vllm.plan import merge_summaries, strict_check
+from dcr_ray.engines.vllm.serving import greedy
 from dcr_ray.engines.vllm.worker import WORKER_EXTENSION
 from dcr_ray.errors import BackendError, ConfigError, IndexOutOfRangeError, TargetMismatchError
 

@@ -14,6 +14,11 @@ that serves, whoever started it. Protocol of one update::
 
 The mirror is what the worker's loader is fed, never what is checked: the start-up self-check
 (:meth:`MirrorReceiver.check_reload_is_a_fresh_load`) compares the served parameters themselves.
+
+With ``capture`` (bit-addressable storage: CUDA) the model's loader is probed once per tensor at
+start-up (:class:`~dcr_ray.engines.vllm.capture.LoaderCapture`); tensors whose loader path is a plain
+view copy get no mirror at all: their changes are kept, decoded, until ``finish`` writes them sparsely
+into live storage through the recorded copies. Only the rest (whole fused groups) keep a host mirror.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from typing import Any
 
 import torch
 
-from dcr_ray.codec import BOOTSTRAP_BASE, apply_decoded, decode_frame, open_frame
+from dcr_ray.codec import BOOTSTRAP_BASE, DecodedFrame, DecodedItem, apply_decoded, decode_frame, open_frame
+from dcr_ray.engines.vllm.capture import LoaderCapture
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
 from dcr_ray.engines.vllm.groups import fused_groups, reload_groups
 from dcr_ray.engines.vllm.storage import storage_digests
@@ -36,7 +42,7 @@ class MirrorReceiver:
     """The canonical tensors of ``checkpoint`` in host memory, applied to and reloaded into ``model``."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, checkpoint: str, *, key: bytes | None = None,
-                 version: int | None = 0):
+                 version: int | None = 0, capture: bool = False):
         self.model = model
         self.vllm_config = vllm_config
         self.key = key
@@ -49,15 +55,29 @@ class MirrorReceiver:
                                f"model (e.g. {info['unresolved'][:3]}): is {checkpoint!r} the engine's checkpoint?")
         self.groups: list[list[str]] = info["groups"]
         self.group_of = {n: i for i, g in enumerate(self.groups) for n in g}
-        self.mirror = {n: t.contiguous() for n, t in iter_checkpoint(files)}
+        self.capture: LoaderCapture | None = None
+        mirrored = set(self.specs)
+        if capture:  # must run while live storage holds the checkpoint's bits (right after start-up)
+            from vllm.config import set_current_vllm_config
+
+            self.capture = LoaderCapture(model, context=lambda: set_current_vllm_config(vllm_config))
+            for n, t in iter_checkpoint(files):
+                self.capture.probe(n, t)
+            self.capture.finish()
+            mirrored = {n for n, (kind, _) in self.capture.summary().items() if kind != "affine"}
+            mirrored = {m for n in mirrored if n in self.group_of for m in self.groups[self.group_of[n]]}
+        self.mirror = {n: t.contiguous() for n, t in iter_checkpoint(files, mirrored)}
+        self.captured: list[DecodedItem] = []
         self.touched: set[str] = set()
         self.base: int | None = None
         self.target: int | None = None
 
     def check_reload_is_a_fresh_load(self) -> None:
         """Reload the checkpoint's own bits through :meth:`finish`'s path; refuse if any served bit moves."""
+        if not self.mirror:
+            return  # every tensor is written through captured copies: no reload path to check
         before = storage_digests(self.model)
-        reload_groups(self.model, self.vllm_config, self._items(self.specs))
+        reload_groups(self.model, self.vllm_config, self._items(self.mirror))
         after = storage_digests(self.model)
         changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
         if changed:
@@ -81,18 +101,25 @@ class MirrorReceiver:
                                 max_raw_bytes=MAX_FRAME_RAW_BYTES) for f in frames]
         n = 0
         for frame in decoded:
-            n += apply_decoded(frame, self.mirror)
-            self.touched.update(it.name for it in frame.items)
+            mirrored = [it for it in frame.items if it.name in self.mirror]
+            n += apply_decoded(DecodedFrame(meta=frame.meta, items=mirrored), self.mirror)
+            self.touched.update(it.name for it in mirrored)
+            self.captured.extend(it for it in frame.items if it.name not in self.mirror)
         return n
 
     def finish(self) -> dict[str, int]:
         """Push the touched groups through the loader; the worker now serves ``target``."""
         if self.target is None:
             raise EngineStateError("finish_weight_update without a matching start")
-        stats = {"reloaded_tensors": 0, "reprocessed_modules": 0}
+        stats = {"reloaded_tensors": 0, "reprocessed_modules": 0, "captured_elements": 0}
+        if self.captured:
+            stats["captured_elements"] = self.capture.apply(self.captured)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.captured = []
         if self.touched:
             res = reload_groups(self.model, self.vllm_config, self._items(self.touched))
-            stats = {"reloaded_tensors": res["tensors"], "reprocessed_modules": len(res["reprocessed"])}
+            stats.update(reloaded_tensors=res["tensors"], reprocessed_modules=len(res["reprocessed"]))
         self.touched.clear()
         self.version, self.base, self.target = self.target, None, None
         return stats
@@ -103,6 +130,7 @@ class MirrorReceiver:
         if self.touched:
             self.version = None
         self.touched.clear()
+        self.captured = []  # never written: live storage still holds the version
         self.base = self.target = None
 
     def _items(self, names) -> list[tuple[str, torch.Tensor]]:

@@ -34,7 +34,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from dcr_ray.engines.vllm.receiver import MirrorReceiver
-from dcr_ray.errors import EngineStateError
+from dcr_ray.errors import ConfigError, EngineStateError
 
 BACKEND_NAME = "dcr"
 
@@ -49,6 +49,11 @@ class DcrInitInfo(WeightTransferInitInfo):
     """Hex of the frame key (``CodecConfig.key``), or None for unkeyed frames."""
     verify_reload: bool = True
     """Reload the checkpoint's own bits once and refuse to start if any served bit changes."""
+    capture: bool | None = None
+    """Write changes of tensors whose loader path is a plain view copy straight into live storage (no
+    host mirror for them). ``None``: when the model lives on CUDA. Refused on CPU: CPU vLLM derives
+    packed copies from loaded weights (e.g. a tied ``lm_head`` from ``embed_tokens``) that a sparse
+    write into the source tensor would leave stale."""
 
 
 @dataclass
@@ -78,8 +83,12 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
 
     def init_transfer_engine(self, init_info: DcrInitInfo) -> None:
         key = bytes.fromhex(init_info.key) if init_info.key else None
+        capture = init_info.capture if init_info.capture is not None else self.device.type == "cuda"
+        if capture and self.device.type != "cuda":
+            raise ConfigError("capture=True needs vLLM on CUDA: CPU vLLM repacks loaded weights into derived "
+                              "copies that sparse writes would leave stale; use capture=False (the mirror path)")
         receiver = MirrorReceiver(self.model, self.vllm_config, init_info.checkpoint, key=key,
-                                  version=init_info.version)
+                                  version=init_info.version, capture=capture)
         if init_info.verify_reload:
             receiver.check_reload_is_a_fresh_load()
         self.receiver = receiver
