@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for cuda_ext (run from anywhere on a machine with a CUDA GPU and CuPy; < 5 minutes):
 #   1. the `gpu`-marked tests: GPU kernels vs the numpy path, bit for bit, all element widths;
+#      and the vLLM dcr weight-transfer backend on CUDA (loader capture), outputs == a fresh engine;
 #   2. a codec micro-benchmark (64 Mi BF16-sized elements, 1% changed), which re-checks equality.
 # Without CuPy or a GPU the tests skip and the benchmark prints the numpy figures only.
 set -euo pipefail
@@ -12,5 +13,6 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 "$PY" -c "import cupy, sys; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())" \
   || echo "CuPy is not importable: pip install 'dcr_ray[cuda]' (cupy-cuda12x)"
 timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_cuda_ext.py
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_vllm_adopted.py
 timeout 90 "$PY" -m cuda_ext.bench --elems $((1 << 26)) --density 0.01
 timeout 30 "$PY" -m cuda_ext.bench --elems $((1 << 24)) --density 0.01 --width 1

@@ -127,3 +127,44 @@ def test_bad_frames_leave_an_adopted_engine_serving_what_it_served(local_ray, tm
 
 def _fields(meta: FrameMeta) -> dict:
     return {k: getattr(meta, k) for k in ("transfer", "attempt", "producer", "payload", "base", "target")}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs vLLM on a CUDA GPU (capture path)")
+def test_on_cuda_the_dcr_backend_writes_captured_tensors_in_place_and_serves_what_a_fresh_engine_serves(tmp_path):
+    """The GPU path: the loader is probed once; view-copy tensors get sparse writes into live storage at
+    finish_weight_update, the rest go through the mirror. Token ids and logprobs == a fresh engine."""
+    from vllm import LLM
+
+    spec = ModelSpec(arch="qwen2", seed=6)
+    trainer = TinyTrainer(spec, lr=1e-3)
+    ckpt = save_checkpoint(build_model(spec), str(tmp_path / "v0"))
+    state0 = trainer.rollout_state()
+    llm = LLM(model=ckpt, enforce_eager=True, skip_tokenizer_init=True, seed=0, gpu_memory_utilization=0.3,
+              weight_transfer_config={"backend": "dcr"})
+    llm.init_weight_transfer_engine({"init_info": {"checkpoint": ckpt, "version": 0}})
+    store = BaselineStore(in_memory=True)
+    for n, t in state0.items():
+        store.add(n, t)
+    for v in (1, 2):
+        trainer.step(seed=v)
+        state = trainer.rollout_state()
+        deltas = [d for d in (store.diff(n, t) for n, t in state.items()) if d.chunks]
+        meta = FrameMeta(transfer=f"t{v}", attempt=0, producer="p", payload=0, base=v - 1, target=v)
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"base": v - 1, "target": v,
+                                            "frames": list(encode_frames(deltas, meta, bucket_bytes=1 << 16))}})
+        llm.finish_weight_update(weight_version=str(v))
+        llm.reset_prefix_cache()
+        store.begin(v)
+        for d in deltas:
+            store.add_pending(d)
+        store.promote(v)
+    got = greedy(llm, PROMPTS, MAX_TOKENS)
+    assert llm.get_weight_version() == "2"
+    del llm
+    fresh = LLM(model=write_checkpoint(ckpt, str(tmp_path / "v2"), state), enforce_eager=True,
+                skip_tokenizer_init=True, seed=0, gpu_memory_utilization=0.3)
+    want = greedy(fresh, PROMPTS, MAX_TOKENS)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+    assert [o["logprobs"] for o in got] == [o["logprobs"] for o in want]
