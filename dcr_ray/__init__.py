@@ -7,7 +7,8 @@ Entry points:
   :class:`EngineConfig`, :class:`OwnerConfig`), :class:`ClusterSpec` - configuration
 - :class:`OwnerMixin`, :func:`owned_names`, :func:`checkpoint_state_dict` - make an existing trainer
   actor an owner
-- :class:`HFEngine` - the default engine (a ``transformers`` model in each engine actor)
+- :class:`HFEngine` - the embedded engine (a ``transformers`` model in each engine actor); vLLM engines,
+  started or adopted, in :mod:`dcr_ray.engines.vllm`
 - :mod:`dcr_ray.codec` - the codec (diff, frames, apply, baselines)
 - :class:`DcrError` and subclasses in :mod:`dcr_ray.errors`
 
