@@ -40,8 +40,10 @@ from typing import Iterable, Mapping
 import torch
 
 from dcr_ray.codec.baseline import BaselineStore
+from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec.diff import TensorDelta, full_delta
 from dcr_ray.codec import BOOTSTRAP_BASE, FrameMeta, PayloadKey, encode_frames
+from dcr_ray.sharding import Shard, ShardSpec, canonical_specs, project_all, resolve_shards
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
 from dcr_ray.relay.transport import Sink
@@ -61,7 +63,12 @@ def owned_names(names: Iterable[str], rank: int, world: int) -> list[str]:
 
 
 class DeltaOwner:
-    """The owner logic, independent of Ray: baseline, diff, pending set, frame streaming."""
+    """The owner logic, independent of Ray: baseline, diff, pending set, frame streaming.
+
+    The baseline, the diff and the pending set are in *local* coordinates (one entry per local tensor,
+    see :mod:`dcr_ray.sharding.local`); frames are built from their projection into canonical
+    coordinates, so a retry or a promote never needs the canonical tensors.
+    """
 
     def __init__(self, owner_id: str, config: RefitConfig, *, baseline_dir: str | None = None,
                  in_memory: bool = False):
@@ -75,14 +82,30 @@ class DeltaOwner:
         self._promoting_version: int | None = None
         self._promote_error: BaseException | None = None
         self._promote_lock = threading.RLock()
+        self.specs: dict[str, ShardSpec] = {}
 
     # -- setup ------------------------------------------------------------------------------------
-    def attach(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """Take the current bits as the committed baseline (version 0); returns the tensor specs."""
+    def attach(self, tensors: Mapping[str, object]) -> dict[str, tuple]:
+        """Take the current bits as the committed baseline (version 0); returns what this owner covers:
+        canonical name -> (wire dtype, shape) for whole tensors, (wire dtype, shape, boxes) for parts."""
+        shards = resolve_shards(tensors)
         if not self.store.names():
-            for name, t in tensors.items():
-                self.store.add(name, t)
-        return {n: self.store.meta(n) for n in self.store.names()}
+            for name, sh in shards.items():
+                self.store.add(name, sh.tensor)
+                self.specs[name] = sh.spec
+        else:
+            self._check_layout(shards)
+        return canonical_specs({n: Shard(shards[n].tensor, self.specs[n]) for n in self.store.names()}, wire_name)
+
+    def _check_layout(self, shards: Mapping[str, Shard]) -> None:
+        """The local tensors and their specs are those of attach (a layout change needs a new owner)."""
+        for name in self.store.names():
+            sh = shards.get(name)
+            if sh is None:
+                raise BaselineError(f"owner {self.owner_id}: tensor {name!r} disappeared from dcr_tensors()")
+            if sh.spec != self.specs[name]:
+                raise BaselineError(f"owner {self.owner_id}: the shard layout of {name!r} changed since attach "
+                                    f"(resharding needs a new owner)")
 
     # -- one transfer -------------------------------------------------------------------------------
     def stream(self, tensors: Mapping[str, torch.Tensor], *, transfer: str, attempt: int, base: int,
@@ -116,11 +139,11 @@ class DeltaOwner:
     def _numel(self, name: str) -> int:
         return len(self.store.bits(name))
 
-    def _diff_all(self, tensors: Mapping[str, torch.Tensor]) -> Iterable[TensorDelta]:
+    def _diff_all(self, tensors: Mapping[str, object]) -> Iterable[TensorDelta]:
+        shards = resolve_shards(tensors)
+        self._check_layout(shards)
         for name in self.store.names():
-            if name not in tensors:
-                raise BaselineError(f"owner {self.owner_id}: tensor {name!r} disappeared from dcr_tensors()")
-            td = self.store.diff(name, tensors[name])
+            td = self.store.diff(name, shards[name].tensor)
             if td.chunks:
                 self.store.add_pending(td)
                 yield td
@@ -131,8 +154,13 @@ class DeltaOwner:
         payloads: list[PayloadKey] = []
         wire = 0
         send_s = 0.0
-        for frame in encode_frames(deltas, meta, mode=mode, bucket_bytes=self.config.codec.bucket_bytes,
-                                   zstd_level=self.config.codec.zstd_level, key=self.config.codec.key):
+        # XOR of dense local chunks needs the committed bits; bootstrap sends absolute bits only
+        old = self.store.bits if base != BOOTSTRAP_BASE else None
+        canonical = project_all(deltas, self.specs, chunk_elems=self.config.codec.chunk_elems, old_bits=old)
+        overwrite_only = {n: False for s in self.specs.values() if s.overwrite_only for n in s.names}
+        for frame in encode_frames(canonical, meta, mode=mode, bucket_bytes=self.config.codec.bucket_bytes,
+                                   zstd_level=self.config.codec.zstd_level, key=self.config.codec.key,
+                                   xor_ok=overwrite_only):
             key = PayloadKey(transfer, attempt, self.owner_id, len(payloads))
             ts = time.perf_counter()
             sink.send(frame, key)
@@ -233,8 +261,10 @@ class OwnerMixin:
 
     _dcr: DeltaOwner | None = None
 
-    def dcr_tensors(self) -> Mapping[str, torch.Tensor]:
-        """Canonical name -> tensor (CPU, the dtype the engines hold) of this owner's share."""
+    def dcr_tensors(self) -> Mapping[str, object]:
+        """This owner's share, CPU, in the dtype the engines hold: canonical name -> tensor, or a
+        DTensor (FSDP2 / tensor-parallel shard, mapped by its placements), or local name ->
+        :class:`dcr_ray.sharding.Shard` (any layout with an explicit spec). See :mod:`dcr_ray.sharding`."""
         raise NotImplementedError("implement dcr_tensors() to return this owner's canonical tensors")
 
     def dcr_attach(self, owner_id: str, config: RefitConfig, baseline_dir: str | None = None,

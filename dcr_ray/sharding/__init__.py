@@ -1,0 +1,22 @@
+"""Training shards as owners: local tensors mapped onto canonical (checkpoint) coordinates, no gather.
+
+* :mod:`.spec`      :class:`ShardSpec`: a grid of cells, each an affine map onto a canonical tensor
+* :mod:`.layouts`   specs of the layouts trainers use (DTensor, row slices with padding, fused QKV,
+  fused gate/up, stacked experts)
+* :mod:`.local`     :class:`Shard` and how ``dcr_tensors()`` values resolve to shards
+* :mod:`.project`   a local changed set projected to canonical changed sets, vectorized
+* :mod:`.coverage`  per-element ownership across owners (boxes tile every tensor exactly once)
+"""
+
+from dcr_ray.sharding.coverage import check_tiling
+from dcr_ray.sharding.layouts import (from_dtensor, fused_gate_up, fused_qkv, replicated_share, row_slice,
+                                      stacked_experts)
+from dcr_ray.sharding.local import Shard, canonical_specs, resolve_shards
+from dcr_ray.sharding.project import project, project_all
+from dcr_ray.sharding.spec import Box, ShardSpec, ShardSpecError, Target, box_target
+
+__all__ = [
+    "Box", "Shard", "ShardSpec", "ShardSpecError", "Target", "box_target", "canonical_specs", "check_tiling",
+    "from_dtensor", "fused_gate_up", "fused_qkv", "project", "project_all", "replicated_share",
+    "resolve_shards", "row_slice", "stacked_experts",
+]

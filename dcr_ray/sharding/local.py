@@ -1,0 +1,80 @@
+"""What an owner hands over: local tensors, each with the spec that maps it to canonical tensors.
+
+``dcr_tensors()`` returns a mapping whose values may be
+
+* a plain tensor: the whole canonical tensor of that name (data-parallel replicas, the embedded toys);
+* a ``torch.distributed`` DTensor (FSDP2 ``fully_shard``, ``parallelize_module``): its local tensor,
+  mapped by its placements (:func:`~dcr_ray.sharding.layouts.from_dtensor`), nothing gathered;
+* a :class:`Shard`: any local tensor with an explicit :class:`~dcr_ray.sharding.spec.ShardSpec`
+  (fused QKV, gate/up, stacked experts, padded vocab, residual conversions), keyed by a local name.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple
+
+import torch
+
+from dcr_ray.sharding.layouts import from_dtensor
+from dcr_ray.sharding.spec import ShardSpec, ShardSpecError
+
+
+class Shard(NamedTuple):
+    """A local tensor and how it maps onto canonical tensors."""
+
+    tensor: torch.Tensor
+    spec: ShardSpec
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def resolve_shards(tensors: Mapping[str, object]) -> dict[str, Shard]:
+    """Local name -> :class:`Shard` for every value ``dcr_tensors()`` returned (see the module docstring).
+
+    DTensor replicas that own no part of a replicated tensor are left out.
+    """
+    out: dict[str, Shard] = {}
+    for name, t in tensors.items():
+        if isinstance(t, Shard):
+            if tuple(t.tensor.shape) != t.spec.local_shape:
+                raise ShardSpecError(f"{name}: tensor shape {tuple(t.tensor.shape)} differs from its spec's "
+                                     f"local shape {t.spec.local_shape}")
+            out[name] = t
+        elif _is_dtensor(t):
+            share = from_dtensor(name, t)
+            if share is not None:
+                out[name] = Shard(share[0], share[1])
+        elif isinstance(t, torch.Tensor):
+            out[name] = Shard(t, ShardSpec.direct(name, tuple(t.shape)))
+        else:
+            raise ShardSpecError(f"dcr_tensors()[{name!r}] is a {type(t).__name__}: give a torch.Tensor, a "
+                                 f"DTensor or a dcr_ray.sharding.Shard(tensor, spec)")
+    return out
+
+
+def canonical_specs(shards: Mapping[str, Shard], dtype_of) -> dict[str, tuple]:
+    """What an owner declares at attach: canonical name -> (wire dtype, shape) when it owns the whole
+    tensor through one direct local tensor, else (wire dtype, shape, [(start, stop), ...])."""
+    out: dict[str, tuple] = {}
+    for local, sh in shards.items():
+        dt = dtype_of(sh.tensor.dtype)
+        shapes = {t.name: t.shape for t in sh.spec.cells if t is not None}
+        for box in sh.spec.boxes():
+            prev = out.get(box.name)
+            boxes = [] if prev is None else list(prev[2])
+            if prev is not None and prev[0] != dt:
+                raise ShardSpecError(f"{box.name}: local tensors of one owner give it two dtypes ({prev[0]}, {dt})")
+            out[box.name] = (dt, shapes[box.name], boxes + [(box.start, box.stop)])
+    for n, (dt, shape, boxes) in list(out.items()):
+        if len(boxes) == 1 and boxes[0] == ((0,) * len(shape), tuple(shape)):
+            out[n] = (dt, tuple(shape))
+    return out
+
+
+__all__ = ["Shard", "canonical_specs", "resolve_shards"]
