@@ -25,6 +25,7 @@ from dcr_ray.codec.format import (
     FORMAT_VERSION,
     LOC_SECTION,
     MAGIC,
+    MAX_HEADER_BYTES,
     Encoding,
     FrameMeta,
     digest,
@@ -41,6 +42,15 @@ DEFAULT_ZSTD_LEVEL = 1
 ZSTD_HASH_LOG: int | None = 6
 #: Frames with at least this many raw section bytes compress their sections in parallel.
 PARALLEL_MIN_RAW_BYTES = 256 << 10
+#: A frame is also closed once its header may reach this size, so no number of small tensors builds a
+#: header receivers refuse (they accept up to ``MAX_HEADER_BYTES``, four times more).
+HEADER_BUDGET_BYTES = MAX_HEADER_BYTES // 4
+
+
+def item_header_bound(td: TensorDelta) -> int:
+    """An upper bound on the msgpack bytes of one item of ``td`` in a frame header: eleven short keys,
+    at most nine bytes per integer, the name and the shape."""
+    return 160 + len(td.name.encode()) + 9 * len(td.shape)
 
 _local = threading.local()
 
@@ -80,6 +90,7 @@ class FrameBuilder:
         self.items: list[dict] = []
         self._sections: dict[str, list[bytes | np.ndarray]] = {LOC_SECTION: [], ESC_SECTION: []}
         self.raw_bytes = 0
+        self.header_bytes = 256  # bound on the header's fixed fields, grown per item
         self.changed = 0
 
     def __len__(self) -> int:
@@ -107,6 +118,7 @@ class FrameBuilder:
             self._sections.setdefault(value_section(enc, w, j), []).append(plane)
         self.raw_bytes += values.nbytes
         self.changed += chunk.count
+        self.header_bytes += item_header_bound(td)
         self.items.append(item)
 
     def finish(self) -> bytes:
@@ -150,11 +162,13 @@ def encode_frames(
     zstd_level: int = DEFAULT_ZSTD_LEVEL,
     key: bytes | None = None,
     xor_ok: Mapping[str, bool] | None = None,
+    header_bytes: int = HEADER_BUDGET_BYTES,
 ) -> Iterable[bytes]:
     """Yield frames (payload ids from ``meta.payload`` on) holding every chunk of ``deltas``.
 
-    A frame is closed once its raw (pre-compression) size reaches ``bucket_bytes``; a chunk is never
-    split across frames, so choose ``chunk_elems * itemsize <= bucket_bytes``.
+    A frame is closed once its raw (pre-compression) size reaches ``bucket_bytes`` or its header may
+    reach ``header_bytes`` (many small tensors); a chunk is never split across frames, so choose
+    ``chunk_elems * itemsize <= bucket_bytes``.
     """
     pid = meta.payload
     fb = None
@@ -164,7 +178,7 @@ def encode_frames(
                 fb = FrameBuilder(dataclasses.replace(meta, payload=pid), mode=mode, zstd_level=zstd_level,
                                   key=key)
             fb.add(td, ch, xor_ok=True if xor_ok is None else xor_ok.get(td.name, True))
-            if fb.raw_bytes >= bucket_bytes:
+            if fb.raw_bytes >= bucket_bytes or fb.header_bytes >= header_bytes:
                 yield fb.finish()
                 pid += 1
                 fb = None
