@@ -97,3 +97,32 @@ def test_promoting_a_version_that_is_not_pending_is_refused_at_once_and_breaks_n
         owner.promote(7)
     owner.promote(1)
     assert owner.version == 1
+
+
+def test_a_tensor_that_appears_after_attach_fails_the_stream_instead_of_being_ignored():
+    owner = _owner(False)
+    ts = _tensors(0)
+    owner.attach(ts)
+    grown = dict(_bump(ts, 1), c=torch.zeros(8, dtype=torch.bfloat16))
+    with pytest.raises(BaselineError, match="gained.*'c'"):
+        owner.stream(grown, transfer="t1", attempt=0, base=0, target=1, sink=ListSink())
+
+
+def test_a_column_sharded_owner_sends_frames_that_rebuild_its_part_of_the_canonical_tensor():
+    from dcr_ray.sharding import Shard, ShardSpec
+
+    full = torch.randn(16, 32).to(torch.bfloat16)
+    owners = [_owner(False) for _ in range(2)]
+    specs = [ShardSpec.box("w", (16, 32), (0, 16 * r), (16, 16)) for r in range(2)]
+    declared = [o.attach({"w": Shard(full[:, 16 * r:16 * (r + 1)].contiguous(), s)})
+                for r, (o, s) in enumerate(zip(owners, specs))]
+    assert declared[1] == {"w": ("bfloat16", (16, 32), [((0, 16), (16, 32))])}
+    new = _bump({"w": full}, 3)["w"]
+    engine = {"w": full.clone()}
+    for r, (o, s) in enumerate(zip(owners, specs)):
+        sink = ListSink()
+        o.stream({"w": Shard(new[:, 16 * r:16 * (r + 1)].contiguous(), s)}, transfer="t1", attempt=0, base=0,
+                 target=1, sink=sink)
+        for f in sink.frames:
+            apply_frame(f, engine, expect_base=0)
+    assert torch.equal(engine["w"].view(torch.int16), new.view(torch.int16))

@@ -99,6 +99,10 @@ class DeltaOwner:
 
     def _check_layout(self, shards: Mapping[str, Shard]) -> None:
         """The local tensors and their specs are those of attach (a layout change needs a new owner)."""
+        extra = sorted(set(shards) - set(self.store.names()))
+        if extra:
+            raise BaselineError(f"owner {self.owner_id}: dcr_tensors() gained {extra[:5]} after attach; engines "
+                                f"were checked against the tensors of attach (relaunch to add tensors)")
         for name in self.store.names():
             sh = shards.get(name)
             if sh is None:
