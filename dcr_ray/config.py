@@ -24,6 +24,7 @@ TransportKind = Literal["relay", "object_store"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportKind)
 Encodings = Literal["mixed", "overwrite"]
 ApplyMode = Literal["in_place", "staged"]
+RollbackMode = Literal["in_place", "dense"]
 PromoteMode = Literal["background", "inline"]
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
@@ -183,9 +184,15 @@ class EngineConfig:
     """Most payload bytes one engine holds staged (``apply="staged"``) for one attempt; a refit that
     needs more fails at once with ``StagingBudgetError`` and changes nothing. In-place engines keep no
     payload after applying it."""
+    rollback: RollbackMode = "in_place"
+    """An engine that applied part of an abandoned transfer: ``"in_place"`` returns it to the committed
+    version from its own undo record (the bits each write replaced; memory proportional to the changes,
+    dropped at commit), so it keeps serving without owners; ``"dense"`` (and backends that cannot read
+    their bits, such as adopted engines) marks it dirty and the coordinator re-bootstraps it densely."""
 
     def __post_init__(self):
         _choice("EngineConfig", "apply", self.apply, get_args(ApplyMode))
+        _choice("EngineConfig", "rollback", self.rollback, get_args(RollbackMode))
         if isinstance(self.staging_budget_bytes, bool) or not isinstance(self.staging_budget_bytes, int) \
                 or self.staging_budget_bytes < 1:
             raise ConfigError(f"EngineConfig.staging_budget_bytes must be a positive integer, got "

@@ -24,12 +24,13 @@ def local_ray():
     ray.shutdown()
 
 
-def _start(engine, clusters, trainer_cls=TinyTrainer, max_attempts: int = 3):
+def _start(engine, clusters, trainer_cls=TinyTrainer, max_attempts: int = 3, rollback: str = "in_place"):
     Trainer = ray.remote(num_cpus=0)(trainer_cls)
     trainer = Trainer.remote(SPEC, lr=1e-3)
     refit = dcr_ray.launch(owners=[trainer], clusters=clusters, engine=engine,
                            config=dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(bucket_bytes=1 << 18, chunk_elems=1 << 15),
-                                                      commit=dcr_ray.CommitConfig(max_attempts=max_attempts)))
+                                                      commit=dcr_ray.CommitConfig(max_attempts=max_attempts),
+                                                      engines=dcr_ray.EngineConfig(rollback=rollback)))
     return refit, trainer
 
 
@@ -89,11 +90,13 @@ def test_a_refit_that_keeps_failing_raises_and_the_committed_version_stays(local
         refit.shutdown()
 
 
-def test_an_abandoned_refit_that_wrote_in_place_restores_the_engines_to_the_committed_bits(local_ray):
+@pytest.mark.parametrize("rollback", ["in_place", "dense"])
+def test_an_abandoned_refit_that_wrote_in_place_restores_the_engines_to_the_committed_bits(local_ray, rollback):
     # the engine applies one frame in place, then fails; with one attempt allowed the refit is
-    # abandoned: the engine must not keep serving (or take deltas on) half-applied weights
+    # abandoned: the engine must not keep serving (or take deltas on) half-applied weights. It rolls
+    # back from its own undo record (in_place) or is re-bootstrapped densely by the coordinator.
     engine = FlakyEngine(dcr_ray.HFEngine(SPEC), fail_after=1)
-    refit, trainer = _start(engine, [dcr_ray.ClusterSpec(name="a", engines=1)], max_attempts=1)
+    refit, trainer = _start(engine, [dcr_ray.ClusterSpec(name="a", engines=1)], max_attempts=1, rollback=rollback)
     try:
         eng = refit.engines()["a/e0"]
         committed = ray.get(trainer.rollout_state.remote())
@@ -102,9 +105,10 @@ def test_an_abandoned_refit_that_wrote_in_place_restores_the_engines_to_the_comm
             refit.run()
         assert refit.status()["version"] == 0 and refit.status()["required"] == ["a/e0"]
         got = ray.get(eng.tensors.remote())
-        for n in committed:  # re-bootstrapped densely to version 0
+        for n in committed:  # back at version 0, bit for bit
             assert torch.equal(got[n].view(torch.int16), committed[n].view(torch.int16)), n
         assert ray.get(eng.get_version.remote()) == 0
+        assert ray.get(eng.info.remote())["rollbacks"] == (1 if rollback == "in_place" else 0)
         # and the next refit (the fault fired once) lands exactly on the trainer's bits
         ray.get(trainer.step.remote(seed=1))
         assert refit.run().version == 1
@@ -134,25 +138,55 @@ def test_a_failure_after_the_commit_record_rolls_forward_and_is_reported_not_ret
         refit.shutdown()
 
 
+def _half_written(refit, trainer, committed):
+    """Drive the engine protocol by hand: prepare transfer T and apply one frame of it in place."""
+    from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
+
+    eng = refit.engines()["a/e0"]
+    ray.get(trainer.step.remote(seed=0))
+    new = ray.get(trainer.rollout_state.remote())
+    store = BaselineStore(in_memory=True)
+    for n, t in committed.items():
+        store.add(n, t)
+    deltas = [store.diff(n, t) for n, t in new.items()]
+    meta = FrameMeta(transfer="T", attempt=0, producer="hand", payload=0, base=0, target=1)
+    frames = list(encode_frames([d for d in deltas if d.chunks], meta, bucket_bytes=1 << 12))
+    ray.get(eng.prepare.remote("T", 0, 0, 1))
+    for f in frames[: max(1, len(frames) // 2)]:
+        assert ray.get(eng.deliver.remote(f)) == "applied"
+    # a second attempt OVERWRITEs part of what the first wrote as XOR
+    meta = FrameMeta(transfer="T", attempt=1, producer="hand", payload=0, base=0, target=1)
+    ray.get(eng.prepare.remote("T", 1, 0, 1))
+    first = next(iter(encode_frames([d for d in deltas if d.chunks], meta, mode="overwrite", bucket_bytes=1 << 12)))
+    assert ray.get(eng.deliver.remote(first)) == "applied"
+    return eng
+
+
+def test_an_abandoned_transfer_rolls_back_in_place_to_exactly_the_committed_bits(local_ray):
+    refit, trainer = _start(dcr_ray.HFEngine(SPEC), [dcr_ray.ClusterSpec(name="a", engines=1)])
+    try:
+        committed = ray.get(trainer.rollout_state.remote())
+        eng = _half_written(refit, trainer, committed)
+        assert ray.get(eng.abort.remote("T", True)) == {"engine": "a/e0", "dirty": False, "rolled_back": True}
+        got = ray.get(eng.tensors.remote())
+        for n in committed:
+            assert torch.equal(got[n].view(torch.int16), committed[n].view(torch.int16)), n
+        assert ray.get(eng.generate.remote([[1, 2, 3]], 2))["version"] == 0
+        ray.get(trainer.dcr_discard.remote())
+        assert refit.run().version == 1  # takes deltas on v0 again, no rejoin
+        _check(refit, trainer)
+    finally:
+        refit.shutdown()
+
+
 def test_an_engine_left_with_half_written_weights_refuses_work_until_it_rejoins(local_ray):
     # drive the engine protocol by hand: one frame of a transfer applied in place, then the transfer
     # is abandoned; the engine must say it holds no version instead of serving or taking deltas
-    from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
-
-    refit, trainer = _start(dcr_ray.HFEngine(SPEC), [dcr_ray.ClusterSpec(name="a", engines=1)])
+    # with rollback="dense" (as for backends that cannot read their bits back) the engine holds no version
+    refit, trainer = _start(dcr_ray.HFEngine(SPEC), [dcr_ray.ClusterSpec(name="a", engines=1)], rollback="dense")
     try:
-        eng = refit.engines()["a/e0"]
         committed = ray.get(trainer.rollout_state.remote())
-        ray.get(trainer.step.remote(seed=0))
-        new = ray.get(trainer.rollout_state.remote())
-        store = BaselineStore(in_memory=True)
-        for n, t in committed.items():
-            store.add(n, t)
-        deltas = [store.diff(n, t) for n, t in new.items()]
-        meta = FrameMeta(transfer="T", attempt=0, producer="hand", payload=0, base=0, target=1)
-        frame = next(iter(encode_frames([d for d in deltas if d.chunks], meta)))
-        ray.get(eng.prepare.remote("T", 0, 0, 1))
-        assert ray.get(eng.deliver.remote(frame)) == "applied"
+        eng = _half_written(refit, trainer, committed)
         assert ray.get(eng.abort.remote("T", True)) == {"engine": "a/e0", "dirty": True}
         with pytest.raises(dcr_ray.DcrError, match="holds no version"):
             ray.get(eng.generate.remote([[1, 2, 3]], 2))

@@ -22,6 +22,7 @@ old version, and are applied together at ``flush`` (the only pause).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import NamedTuple
@@ -30,6 +31,7 @@ import ray
 
 from dcr_ray import metrics
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.actors.undo import UndoLog
 from dcr_ray.codec import kernels
 from dcr_ray.codec import DIGEST_SIZE, PayloadKey, decode_frame, open_frame
 from dcr_ray.config import RefitConfig
@@ -41,6 +43,8 @@ from dcr_ray.errors import (
     RefitTimeoutError,
     StagingBudgetError,
 )
+
+log = logging.getLogger(__name__)
 
 
 class _Attempt(NamedTuple):
@@ -72,13 +76,15 @@ class EngineActor:
         self._cv = threading.Condition()
         self._apply_s = 0.0
         self._bytes = 0
-        self._stats = {"applied": 0, "duplicate": 0, "stale": 0, "rejected": 0}
+        self._stats = {"applied": 0, "duplicate": 0, "stale": 0, "rejected": 0, "rollbacks": 0}
         self.reader = reader
         self._staged: list[tuple[PayloadKey, bytes]] = []
         #: transfer whose frames were written into the backend in place (its attempts may repair them)
         self._touched: str | None = None
         #: why this engine's weights match no version (an abandoned transfer wrote into them)
         self._dirty: str | None = None
+        #: inverse of the in-place writes of the transfer in flight (in-place rollback)
+        self._undo = UndoLog()
         kernels.warm_up()  # load the apply kernels while the dense bootstrap runs
 
     # -- protocol -----------------------------------------------------------------------------------
@@ -211,8 +217,13 @@ class EngineActor:
         them to an engine of its own (adopted engines validate them again before writing)."""
         if getattr(self.backend, "wants_wire_frames", False):
             self.backend.apply_wire(bytes(data), frame)
-        else:
-            self.backend.apply(frame)
+            return
+        cur = self._cur
+        if self.config.engines.rollback == "in_place" and cur is not None and cur.base != BOOTSTRAP_BASE:
+            ts = self.backend.undo_tensors()
+            if ts is not None:
+                self._undo.record(cur.transfer, frame, ts)
+        self.backend.apply(frame)
 
     def _decode(self, header, base: int):
         return decode_frame(header, shapes=self.specs, expect_base=base,
@@ -247,6 +258,7 @@ class EngineActor:
                 self._cur = None
                 self._touched = self._dirty = None
                 self._applied.clear()
+                self._undo.clear()
                 if hasattr(self.backend, "activate"):
                     self.backend.activate(version)  # backends that tag their outputs with a version
                 self._cv.notify_all()
@@ -256,14 +268,26 @@ class EngineActor:
         """Leave the open attempt of ``transfer``; its next attempt re-prepares.
 
         Between attempts the bits an attempt wrote in place stay: the next attempt OVERWRITEs the
-        whole changed set, which repairs them. With ``final=True`` the transfer is abandoned, so bits
-        it wrote in place belong to no version: the engine then holds no version (``dirty``), refuses
-        deltas and generation, and must be bootstrapped densely (the coordinator does it).
+        whole changed set, which repairs them. With ``final=True`` the transfer is abandoned: an engine
+        with an undo record of every write it made (:mod:`~dcr_ray.actors.undo`) rolls back in place and
+        keeps its committed version; otherwise the bits it wrote belong to no version, so it holds none
+        (``dirty``), refuses deltas and generation, and must be bootstrapped densely (the coordinator
+        does it).
         """
         with self._cv:
             if self._cur is not None and self._cur.transfer == transfer:
                 self._cur = None
                 self._staged = []
+            if final and self._touched == transfer and self._undo.transfer == transfer:
+                try:
+                    self._undo.rollback(self.backend)
+                    self._touched = None
+                    self._stats["rollbacks"] += 1
+                    self._cv.notify_all()
+                    return {"engine": self.engine_id, "dirty": False, "rolled_back": True}
+                except Exception as e:  # fall through to dirty: the coordinator re-bootstraps densely
+                    self._undo.clear()
+                    log.warning("engine %s: in-place rollback failed (%r)", self.engine_id, e)
             if final and self._touched == transfer:
                 self._touched = None
                 abandon = getattr(self.backend, "abandon", None)

@@ -86,6 +86,12 @@ class EngineBackend(ABC):
     def flush(self) -> None:
         """Make every write since the last flush visible to the serving runtime (default: nothing)."""
 
+    def undo_tensors(self) -> Mapping[str, torch.Tensor] | None:
+        """The tensors :meth:`apply` writes, readable at any position, for the engine's undo record
+        (in-place rollback of an abandoned transfer); None when reading them is not cheap or not
+        possible (then an abandoned transfer leaves the engine dirty, to be re-bootstrapped densely)."""
+        return None
+
     @abstractmethod
     def load_dense(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the named tensors' bits completely (bootstrap)."""

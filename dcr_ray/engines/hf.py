@@ -30,6 +30,9 @@ class TransformersBackend(EngineBackend):
     def apply(self, frame: DecodedFrame) -> None:
         apply_decoded(frame, self._tensors)
 
+    def undo_tensors(self) -> Mapping[str, torch.Tensor]:
+        return self._tensors  # the live parameters
+
     def load_dense(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, t in tensors:
             dst = self._tensors[name]

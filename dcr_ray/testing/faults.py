@@ -43,6 +43,9 @@ class _FlakyBackend(EngineBackend):
     def flush(self) -> None:
         self.inner.flush()
 
+    def undo_tensors(self):
+        return self.inner.undo_tensors()
+
     def load_dense(self, tensors) -> None:
         self.inner.load_dense(tensors)
 

@@ -159,6 +159,11 @@ class VllmBackend(EngineBackend):
                 out.update(self.llm.collective_rpc("dcr_capture_readback", args=(captured,))[0])
             return {n: out[n] for n in self._specs}
 
+    def undo_tensors(self) -> Mapping[str, torch.Tensor] | None:
+        """The host mirror (``mirror`` mode): frames write it and :meth:`flush` reloads what they touched,
+        so undoing in the mirror and flushing again restores the served weights. None in ``capture`` mode."""
+        return self._mirror if self.mode == "mirror" else None
+
     def apply(self, frame: DecodedFrame) -> None:
         """Apply a validated frame: into the host mirror, or staged for live storage (``capture``).
 

@@ -1,0 +1,65 @@
+"""In-place rollback: the inverse of every write a transfer made into an engine, in O(changes) memory.
+
+Before an engine applies a validated frame of a transfer, :meth:`UndoLog.record` keeps its inverse:
+an XOR item is its own inverse (the same masks again); an OVERWRITE or DENSE item keeps the bits it is
+about to replace. If the transfer is abandoned, :meth:`UndoLog.rollback` applies the inverses newest
+first through the backend's own ``apply`` and ``flush`` (so a runtime that reloads touched tensors
+reloads them again), which returns every touched element to the committed version exactly; later
+attempts of the same transfer stack their own inverses on top, so any mix of partial attempts unwinds.
+Committing (or starting the next transfer) drops the log. Dense re-bootstrap stays the last resort,
+for backends that cannot read their bits cheaply (``EngineBackend.undo_tensors()`` is None).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, bits_view
+
+
+class UndoLog:
+    """Inverse frames of one transfer's in-place writes, newest last."""
+
+    def __init__(self):
+        self.transfer: str | None = None
+        self._inverse: list[DecodedFrame] = []
+        self.nbytes = 0
+
+    def record(self, transfer: str, frame: DecodedFrame, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Keep the inverse of ``frame`` (call just before applying it to ``tensors``)."""
+        if self.transfer != transfer:
+            self.clear()
+            self.transfer = transfer
+        items = []
+        for it in frame.items:
+            if it.encoding == Encoding.XOR:
+                items.append(it)  # x ^ m ^ m == x
+                self.nbytes += it.values.nbytes + it.positions.nbytes
+                continue
+            view = bits_view(tensors[it.name])
+            if it.encoding == Encoding.DENSE:
+                old = np.array(view[it.lo:it.hi], copy=True)
+                items.append(DecodedItem(it.name, Encoding.DENSE, it.lo, it.hi, None, old))
+            else:
+                old = np.take(view, it.positions)
+                items.append(DecodedItem(it.name, Encoding.OVERWRITE, it.lo, it.hi, it.positions, old))
+                self.nbytes += it.positions.nbytes
+            self.nbytes += old.nbytes
+        self._inverse.append(DecodedFrame(frame.meta, items))
+
+    def rollback(self, backend) -> int:
+        """Undo every recorded write through ``backend`` (newest first), flush it; returns frames undone."""
+        n = len(self._inverse)
+        for inv in reversed(self._inverse):
+            backend.apply(inv)
+        backend.flush()
+        self.clear()
+        return n
+
+    def clear(self) -> None:
+        self.transfer = None
+        self._inverse = []
+        self.nbytes = 0
