@@ -166,8 +166,8 @@ class CommitConfig:
     """Timeout of every wait in a refit (prepare, stream, flush, commit); exceeded -> RefitTimeoutError."""
 
     def __post_init__(self):
-        if self.max_attempts < 1:
-            raise ConfigError("CommitConfig.max_attempts must be >= 1")
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ConfigError(f"CommitConfig.max_attempts must be an integer >= 1, got {self.max_attempts!r}")
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"CommitConfig.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
 
