@@ -197,3 +197,36 @@ def test_load_dense_bootstraps_an_engine_to_given_weights(qwen_engine, tmp_path)
     assert engine.generate(PROMPTS, MAX_TOKENS) == before
     with pytest.raises(TargetMismatchError, match="no tensor named"):
         engine.load_dense([("model.layers.9.self_attn.o_proj.weight", other)])
+
+
+def test_an_abandoned_transfer_rolls_back_in_place_and_vllm_serves_the_committed_outputs_again(qwen_engine):
+    # the engine's undo record (dcr_ray.actors.undo) through the vLLM backend: XOR and OVERWRITE
+    # writes, flushed into the served weights, then undone and flushed again
+    from dcr_ray.actors.undo import UndoLog
+
+    engine = qwen_engine
+    before = engine.generate(PROMPTS, MAX_TOKENS)
+    mirror = {n: t.clone() for n, t in engine.tensors().items()}
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+    store = BaselineStore(in_memory=True)
+    undo = UndoLog()
+    for attempt, mode in enumerate(["mixed", "overwrite"]):
+        deltas = []
+        for n in names:
+            changed = mirror[n].clone()
+            int_view(changed).view(-1)[attempt::3] ^= 0x40
+            if n not in store:
+                store.add(n, mirror[n])
+            deltas.append(store.diff(n, changed))
+        meta = FrameMeta(transfer="t", attempt=attempt, producer="p", payload=0, base=engine.version,
+                         target=engine.version + 1)
+        for data in encode_frames(deltas, meta, mode=mode, bucket_bytes=16 << 10):
+            frame = read_frame(data, shapes=engine.tensor_specs(), expect_base=engine.version)
+            undo.record("t", frame, engine.undo_tensors())
+            engine.apply(frame)
+        engine.flush()
+    assert engine.generate(PROMPTS, MAX_TOKENS) != before  # the writes reached the served weights
+    undo.rollback(engine)
+    for n, t in engine.tensors().items():
+        assert bits_identical(t, mirror[n]), n
+    assert engine.generate(PROMPTS, MAX_TOKENS) == before

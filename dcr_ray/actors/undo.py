@@ -12,6 +12,7 @@ for backends that cannot read their bits cheaply (``EngineBackend.undo_tensors()
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import numpy as np
@@ -48,7 +49,10 @@ class UndoLog:
                 items.append(DecodedItem(it.name, Encoding.OVERWRITE, it.lo, it.hi, it.positions, old))
                 self.nbytes += it.positions.nbytes
             self.nbytes += old.nbytes
-        self._inverse.append(DecodedFrame(frame.meta, items))
+        # the inverse goes from the frame's target back to its base (backends that tag outputs with the
+        # version of the frames they applied then report the base again)
+        back = dataclasses.replace(frame.meta, base=frame.meta.target, target=frame.meta.base)
+        self._inverse.append(DecodedFrame(back, items))
 
     def rollback(self, backend) -> int:
         """Undo every recorded write through ``backend`` (newest first), flush it; returns frames undone."""
