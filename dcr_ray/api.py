@@ -21,7 +21,7 @@ engines).
 
 from __future__ import annotations
 
-import sys
+import logging
 from typing import Callable, Mapping
 
 import ray
@@ -35,6 +35,8 @@ from dcr_ray.errors import ConfigError
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, actor_options
 from dcr_ray.relay.transport import Transport
 from dcr_ray.report import RefitReport
+
+log = logging.getLogger(__name__)
 
 
 class HFEngine:
@@ -176,8 +178,8 @@ def launch(
                                                 resources=coordinator_resources)).remote(
         config, clusters, engine, dict(owners), transport)
     n_eng = sum(c.started + len(c.adopt) for c in clusters)
-    print(f"[dcr_ray] starting {n_eng} engines in {len(clusters)} clusters, {len(owners)} owners, "
-          f"transport={config.transport.kind}; dense bootstrap...", file=sys.stderr, flush=True)
+    log.info("starting %d engines in %d clusters, %d owners, transport=%s; dense bootstrap...", n_eng,
+             len(clusters), len(owners), config.transport.kind)
     refit = Refit(actor, owns_owners=own_owners)
     try:
         ray.get(actor.start.remote())
