@@ -115,6 +115,14 @@ class Refit:
         """Dense-bootstrap ``engine_id`` to the committed version and add it to the required set."""
         return ray.get(self._actor.rejoin.remote(engine_id))
 
+    def replace_owner(self, owner_id: str, handle) -> dict:
+        """Attach ``handle`` in place of owner ``owner_id`` (e.g. one that died), without relaunching.
+
+        It must cover what ``owner_id`` covered and hold the committed version's bits (checked by digest
+        against an engine); otherwise ``ConfigError`` and nothing changes.
+        """
+        return ray.get(self._actor.replace_owner.remote(owner_id, handle))
+
     def shutdown(self) -> None:
         """Kill the coordinator, engines and relays (owners given by the caller are left alone).
 

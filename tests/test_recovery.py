@@ -199,3 +199,39 @@ def test_an_engine_left_with_half_written_weights_refuses_work_until_it_rejoins(
         assert ray.get(eng.generate.remote([[1, 2, 3]], 2))["version"] == 0
     finally:
         refit.shutdown()
+
+
+def test_a_dead_owner_fails_the_refit_cleanly_and_a_replacement_with_the_committed_bits_takes_its_place(local_ray):
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainers = [Trainer.remote(SPEC, lr=1e-3, rank=r, world=2) for r in range(2)]
+    refit = dcr_ray.launch(owners=trainers, clusters=[dcr_ray.ClusterSpec(name="a", engines=2)],
+                           engine=dcr_ray.HFEngine(SPEC),
+                           config=dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(bucket_bytes=1 << 18, chunk_elems=1 << 15)))
+    try:
+        ray.get([t.step.remote(seed=0) for t in trainers])
+        assert refit.run().version == 1
+        committed = ray.get(trainers[0].rollout_state.remote())
+        ray.kill(trainers[1])
+        ray.get(trainers[0].step.remote(seed=1))
+        with pytest.raises(dcr_ray.RefitError, match="owner actor.*died.*committed version stays 1|committed version stays 1"):
+            refit.run()
+        # the engines were rolled back in place (no owner is needed for that) and still serve v1
+        for eid, eng in refit.engines().items():
+            got = ray.get(eng.tensors.remote())
+            assert ray.get(eng.get_version.remote()) == 1
+            for n in committed:
+                assert torch.equal(got[n].view(torch.int16), committed[n].view(torch.int16)), (eid, n)
+        # a replacement that does not hold v1 is refused and changes nothing
+        stale = Trainer.remote(SPEC, lr=1e-3, rank=1, world=2)
+        with pytest.raises(dcr_ray.errors.ConfigError, match="does not hold committed version 1"):
+            refit.replace_owner("owner1", stale)
+        # one restored to v1 (here: the same step replayed) takes owner1's place; refits go on
+        good = Trainer.remote(SPEC, lr=1e-3, rank=1, world=2)
+        ray.get(good.step.remote(seed=0))
+        refit.replace_owner("owner1", good)
+        ray.get(good.step.remote(seed=1))
+        assert refit.run().version == 2
+        _check(refit, good)
+        _check(refit, trainers[0])
+    finally:
+        refit.shutdown()

@@ -83,6 +83,7 @@ class CoordinatorActor:
             t = cfg.commit.timeout_s
             specs = get_all({o: h.dcr_attach.remote(o, cfg) for o, h in self.owners.items()}, t, "attach")
             check_coverage(specs, self.topology.engine_specs(t))
+            self._owner_specs = specs
             rec = self.commits.read()
             if rec is None:
                 self.commits.compare_and_set(None, CommitRecord(version=0, transfer="attach", baseline="",
@@ -273,6 +274,40 @@ class CoordinatorActor:
             if engine_id not in self.engines:
                 raise ConfigError(f"unknown engine {engine_id!r}; known: {sorted(self.engines)}")
             self._bootstrap([engine_id])
+            return self.status()
+
+    def replace_owner(self, owner_id: str, handle) -> dict:
+        """Put ``handle`` in place of owner ``owner_id`` (one that died) at the committed version.
+
+        The replacement must cover exactly what ``owner_id`` covered and hold the committed bits: its
+        digests of every canonical box it covers must equal a required engine's. Otherwise nothing
+        changes and ``ConfigError`` says what differs.
+        """
+        with self._lock:
+            if owner_id not in self.owners:
+                raise ConfigError(f"unknown owner {owner_id!r}; known: {sorted(self.owners)}")
+            t = self.config.commit.timeout_s
+            specs = ray.get(handle.dcr_attach.remote(owner_id, self.config, version=self.version), timeout=t)
+            if specs != self._owner_specs[owner_id]:
+                raise ConfigError(f"the replacement for {owner_id} covers other tensors or boxes than it did: "
+                                  f"{sorted(set(specs) ^ set(self._owner_specs[owner_id]))[:5] or 'same names, other boxes'}")
+            mine = ray.get(handle.dcr_digests.remote(), timeout=t)
+            theirs, why = None, "no required engine"
+            for e in sorted(self.required):
+                try:
+                    theirs = ray.get(self.engines[e].box_digests.remote(list(mine)), timeout=t)
+                    break
+                except Exception as err:  # adopted engines cannot read back; try the next one
+                    why = f"{e}: {err}"
+            if theirs is None:
+                raise ConfigError(f"no engine could digest the committed version to check the replacement ({why})")
+            bad = sorted(k[0] for k in mine if mine[k] != theirs["digests"][k])
+            if bad:
+                raise ConfigError(f"the replacement for {owner_id} does not hold committed version {self.version}: "
+                                  f"{len(bad)} boxes differ, e.g. {bad[:3]} (restore it from the committed "
+                                  f"checkpoint first)")
+            self.topology.owners[owner_id] = handle
+            log.info("dcr_ray: owner %s replaced at version %d", owner_id, self.version)
             return self.status()
 
     def status(self) -> dict:

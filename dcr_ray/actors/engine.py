@@ -314,6 +314,16 @@ class EngineActor:
         ts = self.backend.tensors()
         return {n: ts[n].clone() for n in (names or ts)}
 
+    def box_digests(self, boxes: list) -> dict:
+        """Digests of canonical boxes ``(name, start, stop)`` of this engine's committed bits (a
+        replacement owner is checked against them); refused while a transfer is open or the engine is dirty."""
+        from dcr_ray.sharding.digest import box_digests
+
+        with self._cv:
+            if self._cur is not None or self._touched is not None or self._dirty is not None or self.version is None:
+                raise EngineStateError(f"engine {self.engine_id} holds no settled version to digest")
+            return {"version": self.version, "digests": box_digests(self.backend.tensors(), boxes)}
+
     def call_backend(self, method: str, *args, **kwargs):
         """Call a backend method (e.g. ``greedy`` or ``generate``) in the engine process."""
         return getattr(self.backend, method)(*args, **kwargs)

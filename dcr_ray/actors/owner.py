@@ -44,6 +44,7 @@ from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec.diff import TensorDelta, full_delta
 from dcr_ray.codec import BOOTSTRAP_BASE, FrameMeta, PayloadKey, encode_frames
 from dcr_ray.sharding import Shard, ShardSpec, canonical_specs, project_all, resolve_shards
+from dcr_ray.sharding.digest import shard_digests
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
 from dcr_ray.relay.transport import Sink
@@ -85,17 +86,24 @@ class DeltaOwner:
         self.specs: dict[str, ShardSpec] = {}
 
     # -- setup ------------------------------------------------------------------------------------
-    def attach(self, tensors: Mapping[str, object]) -> dict[str, tuple]:
-        """Take the current bits as the committed baseline (version 0); returns what this owner covers:
-        canonical name -> (wire dtype, shape) for whole tensors, (wire dtype, shape, boxes) for parts."""
+    def attach(self, tensors: Mapping[str, object], version: int = 0) -> dict[str, tuple]:
+        """Take the current bits as the committed baseline of ``version`` (0 at launch; a replacement
+        owner joins at the committed version and proves it by :meth:`digests`); returns what this owner
+        covers: canonical name -> (wire dtype, shape) for whole tensors, (wire dtype, shape, boxes) for parts."""
         shards = resolve_shards(tensors)
         if not self.store.names():
             for name, sh in shards.items():
                 self.store.add(name, sh.tensor)
                 self.specs[name] = sh.spec
+            self.store.version = version
         else:
             self._check_layout(shards)
         return canonical_specs({n: Shard(shards[n].tensor, self.specs[n]) for n in self.store.names()}, wire_name)
+
+    def digests(self) -> dict:
+        """Digest of every canonical box of the committed baseline (see :mod:`dcr_ray.sharding.digest`)."""
+        self.settle()
+        return shard_digests({n: (self.store.tensor(n), self.specs[n]) for n in self.store.names()})
 
     def _check_layout(self, shards: Mapping[str, Shard]) -> None:
         """The local tensors and their specs are those of attach (a layout change needs a new owner)."""
@@ -272,10 +280,13 @@ class OwnerMixin:
         raise NotImplementedError("implement dcr_tensors() to return this owner's canonical tensors")
 
     def dcr_attach(self, owner_id: str, config: RefitConfig, baseline_dir: str | None = None,
-                   in_memory: bool = False):
+                   in_memory: bool = False, version: int = 0):
         if self._dcr is None:
             self._dcr = DeltaOwner(owner_id, config, baseline_dir=baseline_dir, in_memory=in_memory)
-        return self._dcr.attach(self.dcr_tensors())
+        return self._dcr.attach(self.dcr_tensors(), version)
+
+    def dcr_digests(self) -> dict:
+        return self._dcr_owner().digests()
 
     def _dcr_owner(self) -> DeltaOwner:
         if self._dcr is None:
