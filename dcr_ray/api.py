@@ -124,21 +124,19 @@ class Refit:
         return ray.get(self._actor.replace_owner.remote(owner_id, handle))
 
     def shutdown(self) -> None:
-        """Kill the coordinator, engines and relays (owners given by the caller are left alone).
+        """Kill the coordinator, engines and relays and remove their placement groups (owners given by
+        the caller are left alone).
 
-        Safe to call on a coordinator that already died: the actors it created die with it.
+        Engines and relays outlive the coordinator (they are detached), so this also works when the
+        coordinator already died: it then finds them by name.
         """
         try:
-            h = ray.get(self._actor.handles.remote())
-        except ray.exceptions.RayActorError:
-            return  # coordinator gone; Ray reaps the engines and relays it owned
-        for group in ("engines", "relays"):
-            for a in h[group].values():
-                ray.kill(a)
+            ray.get(self._actor.teardown.remote(), timeout=_SHUTDOWN_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            _kill_named(("dcr_engine:", "dcr_relay:"))
         if self._owns_owners:
-            for a in h["owners"].values():
-                ray.kill(a)
-        ray.kill(self._actor)
+            _kill_named(("dcr_owner:",))
+        ray.kill(self._actor, no_restart=True)
 
 
 def launch(
@@ -150,6 +148,7 @@ def launch(
     config: RefitConfig | None = None,
     coordinator_resources: dict | None = None,
     transport: Transport | None = None,
+    resume: bool = False,
 ) -> Refit:
     """Start a topology: coordinator, engines per cluster, the transport; attach owners; bootstrap.
 
@@ -162,6 +161,12 @@ def launch(
 
     Everything is checked before any actor is spawned: a bad set-up raises :class:`ConfigError` and
     leaves nothing behind.
+
+    ``resume=True`` carries on with a topology whose coordinator died for good (killed, or its node
+    lost): give the same clusters, engine, owners and ``CommitConfig.dir``; the new coordinator reads
+    the commit record, finds the live engines and relays by name, settles the open transition and
+    continues at the committed version. (A coordinator that merely crashed is restarted by Ray and
+    resumes by itself.)
     """
     if not ray.is_initialized():
         raise ConfigError("call ray.init() first (dcr_ray runs in your Ray cluster)")
@@ -171,6 +176,9 @@ def launch(
         raise ConfigError("give either owners or owner_tensors, not both")
     if isinstance(owners, (list, tuple)):
         owners = {f"owner{i}": h for i, h in enumerate(owners)}
+    if resume and (config is None or config.commit.dir is None or owner_tensors is not None):
+        raise ConfigError("resume=True needs the running owners (owners=...) and the commit directory of the "
+                          "topology to resume: RefitConfig(commit=CommitConfig(dir=...))")
     planned = owners if owners is not None else {f"owner{i}": StandaloneOwner for i in range(len(owner_tensors))}
     config = validate(config or RefitConfig(), clusters, planned, engine)
     if _coordinator_exists():
@@ -182,20 +190,38 @@ def launch(
         owners = {f"owner{i}": Owner.options(**actor_options("owner", f"dcr_owner:owner{i}")).remote(t)
                   for i, t in enumerate(owner_tensors)}
     Coordinator = ray.remote(CoordinatorActor)
-    actor = Coordinator.options(**actor_options("coordinator", COORDINATOR_NAME,
-                                                resources=coordinator_resources)).remote(
+    # detached and restarted by Ray when its process dies: it resumes from the commit record
+    actor = Coordinator.options(**actor_options("coordinator", COORDINATOR_NAME, resources=coordinator_resources,
+                                                detached=True, max_restarts=-1)).remote(
         config, clusters, engine, dict(owners), transport)
     n_eng = sum(c.started + len(c.adopt) for c in clusters)
     log.info("starting %d engines in %d clusters, %d owners, transport=%s; dense bootstrap...", n_eng,
              len(clusters), len(owners), config.transport.kind)
     refit = Refit(actor, owns_owners=own_owners)
     try:
-        ray.get(actor.start.remote())
+        ray.get(actor.start.remote(resume))
     except BaseException:
+        if resume:  # the topology keeps running as it was; only this coordinator goes
+            ray.kill(actor, no_restart=True)
+            raise
         # A failed start leaves nothing behind: the name is free again for the next launch().
         refit.shutdown()
         raise
     return refit
+
+
+#: How long shutdown waits for the coordinator to tear down before killing actors by name.
+_SHUTDOWN_TIMEOUT_S = 120
+
+
+def _kill_named(prefixes: tuple[str, ...]) -> None:
+    """Kill every actor of dcr_ray's namespace whose name starts with one of ``prefixes``."""
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == NAMESPACE and a["name"].startswith(prefixes):
+            try:
+                ray.kill(ray.get_actor(a["name"], namespace=NAMESPACE), no_restart=True)
+            except (ValueError, ray.exceptions.RayActorError):
+                pass  # died meanwhile
 
 
 def _coordinator_exists() -> bool:

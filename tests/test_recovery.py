@@ -62,17 +62,24 @@ def test_a_partially_applied_xor_attempt_is_repaired_by_an_overwrite_retry(local
         refit.shutdown()
 
 
-def test_a_dead_engine_leaves_the_required_set_and_the_others_commit(local_ray):
+def test_a_dead_engine_is_dropped_from_the_refit_and_comes_back_recreated_at_the_committed_version(local_ray):
     refit, trainer = _start(dcr_ray.HFEngine(SPEC),
                             [dcr_ray.ClusterSpec(name="a", engines=2), dcr_ray.ClusterSpec(name="b", engines=1)])
     try:
-        ray.kill(refit.engines()["a/e1"])
+        dead = refit.engines()["a/e1"]
+        ray.kill(dead)
         ray.get(trainer.step.remote(seed=0))
         report = refit.run()
         assert report.dropped_engines == ["a/e1"]
         assert set(report.engine_versions) == {"a/e0", "b/e0"}
-        assert refit.status()["required"] == ["a/e0", "b/e0"]
-        _check(refit, trainer, engines={"a/e0", "b/e0"})
+        assert any("a/e1 died and was re-created at version 1" in w for w in report.warnings)
+        # the fleet is back at its configured size, every engine at v1, bit for bit
+        assert refit.status()["required"] == ["a/e0", "a/e1", "b/e0"]
+        assert refit.engines()["a/e1"] != dead
+        _check(refit, trainer)
+        ray.get(trainer.step.remote(seed=1))
+        assert set(refit.run().engine_versions) == {"a/e0", "a/e1", "b/e0"}
+        _check(refit, trainer)
     finally:
         refit.shutdown()
 

@@ -30,15 +30,17 @@ def gather(calls: dict, timeout: float, stage: str) -> tuple[dict, list, dict]:
     for k, ref in calls.items():
         try:
             out[k] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except DcrError as e:
+            errors[k] = e
+        except ray.exceptions.RayTaskError as e:
+            # the actor is alive and its call raised, possibly because an actor *it* called died (a
+            # relay under an owner's stream): an error of this attempt, not a death of ``k``
+            cause = e.as_instanceof_cause()
+            errors[k] = cause if isinstance(cause, DcrError) else RefitError(f"{stage}: {k}: {e}")
         except RayActorError:
             dead.append(k)
         except GetTimeoutError:
             errors[k] = RefitTimeoutError(f"stage '{stage}': {k} did not answer within {timeout:.0f} s")
-        except DcrError as e:
-            errors[k] = e
-        except ray.exceptions.RayTaskError as e:
-            cause = e.as_instanceof_cause()
-            errors[k] = cause if isinstance(cause, DcrError) else RefitError(f"{stage}: {k}: {e}")
     return out, dead, errors
 
 

@@ -5,6 +5,10 @@ record. A commit is a compare-and-set on the version: under an exclusive file lo
 record must still say ``version == expected``; the new record is written to a temporary file, fsynced
 and renamed over ``commit.json`` (atomic on POSIX), so a reader sees the old or the new record,
 never a torn one. Only after this write do owners promote their baselines and engines activate.
+
+Each coordinator incarnation has a fencing ``epoch``: one that resumes from the record first rewrites
+it with ``epoch + 1``, and a compare-and-set from an older epoch is refused, so a stale coordinator
+(a partitioned or zombie incarnation) can never move the record again.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class CommitRecord:
     members: list[str] = field(default_factory=list)
     """Engines that hold this version (the required set that acknowledged it)."""
     time: float = 0.0
+    epoch: int = 0
+    """Fencing epoch of the coordinator incarnation that wrote it."""
 
 
 class CommitLog:
@@ -58,6 +64,10 @@ class CommitLog:
                         f"commit record is at version {have}, expected {expected_version}: another "
                         f"coordinator moved it; refusing to overwrite"
                     )
+                if cur is not None and cur.epoch > record.epoch:
+                    raise CommitConflictError(
+                        f"commit record was written by coordinator epoch {cur.epoch}; this coordinator is "
+                        f"epoch {record.epoch} (fenced: a newer coordinator resumed from the record)")
                 tmp = self.path + ".tmp"
                 with open(tmp, "w") as f:
                     json.dump(asdict(record), f)

@@ -20,6 +20,17 @@ after ``max_attempts`` the owners discard their pending sets, engines that an ab
 into in place are re-bootstrapped densely to the committed version (or leave the required set when
 that fails too), and ``refit`` raises ``RefitError``.
 Every wait has a timeout (``CommitConfig.timeout_s``).
+
+Failures of single actors are repaired, not fatal: a failed attempt first re-creates relays that died
+(the cluster's tree is re-planned) before the next attempt; engines that died during a refit are
+re-created and bootstrapped once it commits, so the fleet heals to its configured size; an owner
+that died fails the refit cleanly (engines roll back in place) until ``replace_owner``.
+
+The coordinator itself is restartable: engines, relays and owners do not share its fate, and a new
+incarnation (Ray restarting the actor, or ``launch(..., resume=True)``) resumes from the durable record
+(:meth:`CoordinatorActor._resume`): it fences older incarnations, finds the live actors by name,
+settles the open transition (roll forward when the record holds its target, else roll back) and
+carries on at the committed version.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from dcr_ray.actors.calls import ActorsDied, gather, get_all
 from dcr_ray.actors.commit import CommitLog, CommitRecord
 from dcr_ray.actors.coverage import check_coverage
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.actors.recovery import Recovery
 from dcr_ray.actors.topology import Topology
 from dcr_ray.config import ClusterSpec, RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError, DcrError, RefitError
@@ -47,7 +59,7 @@ from dcr_ray.report import RefitReport
 log = logging.getLogger("dcr_ray")
 
 
-class CoordinatorActor:
+class CoordinatorActor(Recovery):
     def __init__(self, config: RefitConfig, clusters: list[ClusterSpec], backend_factory,
                  owners: dict[str, object], transport: Transport | None = None):
         self.config = config
@@ -59,6 +71,16 @@ class CoordinatorActor:
         self._lock = threading.Lock()
         self._started = False
         self.history: list[dict] = []
+        self.epoch = 0
+        self._owner_specs: dict[str, dict] = {}
+        self.phase = "idle"
+        self._resume_error: Exception | None = None
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            try:
+                self.start(resume=True)  # Ray restarted this actor: carry on from the record
+            except Exception as e:  # kept for refit() to report; raising here would restart us in a loop
+                self._resume_error = e
+                log.error("dcr_ray: the restarted coordinator could not resume: %r", e)
 
     @property
     def engines(self) -> dict[str, object]:
@@ -73,26 +95,32 @@ class CoordinatorActor:
         return self.topology.transport
 
     # -- start-up ---------------------------------------------------------------------------------
-    def start(self) -> dict:
-        """Create engines and the transport, attach owners, write record v0, bootstrap every engine."""
+    def start(self, resume: bool = False) -> dict:
+        """Create engines and the transport, attach owners, write record v0, bootstrap every engine; with
+        ``resume``, carry on from the commit record of an earlier coordinator instead."""
         with self._lock:
             if self._started:
                 return self.status()
+            if resume:
+                self._resume()
+                self._started = True
+                return self.status()
             cfg = self.config
+            rec = self.commits.read()
+            if rec is not None and rec.version != 0:  # checked before anything is spawned
+                raise ConfigError(
+                    f"the commit record in {cfg.commit.dir} already holds version {rec.version}; owners start "
+                    f"at version 0: use a fresh CommitConfig.dir, or launch(..., resume=True) to carry on "
+                    f"with the running topology"
+                )
             self.topology.start(self.backend_factory, cfg)
             t = cfg.commit.timeout_s
             specs = get_all({o: h.dcr_attach.remote(o, cfg) for o, h in self.owners.items()}, t, "attach")
             check_coverage(specs, self.topology.engine_specs(t))
             self._owner_specs = specs
-            rec = self.commits.read()
             if rec is None:
                 self.commits.compare_and_set(None, CommitRecord(version=0, transfer="attach", baseline="",
                                                                 members=sorted(self.engines)))
-            elif rec.version != 0:
-                raise ConfigError(
-                    f"the commit record in {cfg.commit.dir} already holds version {rec.version}; owners start "
-                    f"at version 0: use a fresh CommitConfig.dir"
-                )
             self.version = 0
             self._bootstrap(list(self.engines))
             self._started = True
@@ -129,6 +157,9 @@ class CoordinatorActor:
         """Move the owners' current tensors to every required engine as version v+1 and commit."""
         with self._lock:
             if not self._started:
+                if self._resume_error is not None:
+                    raise RefitError(f"the restarted coordinator could not resume from the commit record: "
+                                     f"{self._resume_error!r}; relaunch with launch(..., resume=True)")
                 raise RefitError("the coordinator was not started; use dcr_ray.launch(...)")
             t_start = time.perf_counter()
             base, target = self.version, self.version + 1
@@ -142,6 +173,7 @@ class CoordinatorActor:
                 try:
                     report = self._attempt(transfer, attempt, base, target, t_start)
                     report.dropped_engines = dropped
+                    self._heal(dropped, report)
                     return report
                 except ActorsDied as d:
                     gone = [x for x in d.ids if x in self.engines]
@@ -159,6 +191,7 @@ class CoordinatorActor:
                         break  # an owner's committed state or the setup is wrong: retrying cannot help
                 metrics.record("refit_retries")
                 self._abort(transfer)
+                self._repair()
             dirty = self._abort(transfer, final=True)
             self._discard_pending()
             restored = self._restore(dirty)
@@ -220,7 +253,7 @@ class CoordinatorActor:
         acks = get_all({e: self.engines[e].flush.remote(transfer, attempt, keys, t) for e in req}, t,
                          "flush")
         t2 = time.perf_counter()
-        self.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer,
+        self.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer, epoch=self.epoch,
                                                         baseline=self._last_transfer(), members=req))
         t_rec = time.perf_counter()
         # Committed: v+1 is durable. From here on roll forward (never retry, never abort): a failure
@@ -273,42 +306,16 @@ class CoordinatorActor:
         with self._lock:
             if engine_id not in self.engines:
                 raise ConfigError(f"unknown engine {engine_id!r}; known: {sorted(self.engines)}")
+            try:
+                ray.get(self.engines[engine_id].get_version.remote(), timeout=self.config.commit.timeout_s)
+            except (RayActorError, GetTimeoutError):
+                self.topology.respawn(engine_id, self.config)  # its actor died: a new one takes its place
             self._bootstrap([engine_id])
             return self.status()
 
-    def replace_owner(self, owner_id: str, handle) -> dict:
-        """Put ``handle`` in place of owner ``owner_id`` (one that died) at the committed version.
-
-        The replacement must cover exactly what ``owner_id`` covered and hold the committed bits: its
-        digests of every canonical box it covers must equal a required engine's. Otherwise nothing
-        changes and ``ConfigError`` says what differs.
-        """
-        with self._lock:
-            if owner_id not in self.owners:
-                raise ConfigError(f"unknown owner {owner_id!r}; known: {sorted(self.owners)}")
-            t = self.config.commit.timeout_s
-            specs = ray.get(handle.dcr_attach.remote(owner_id, self.config, version=self.version), timeout=t)
-            if specs != self._owner_specs[owner_id]:
-                raise ConfigError(f"the replacement for {owner_id} covers other tensors or boxes than it did: "
-                                  f"{sorted(set(specs) ^ set(self._owner_specs[owner_id]))[:5] or 'same names, other boxes'}")
-            mine = ray.get(handle.dcr_digests.remote(), timeout=t)
-            theirs, why = None, "no required engine"
-            for e in sorted(self.required):
-                try:
-                    theirs = ray.get(self.engines[e].box_digests.remote(list(mine)), timeout=t)
-                    break
-                except Exception as err:  # adopted engines cannot read back; try the next one
-                    why = f"{e}: {err}"
-            if theirs is None:
-                raise ConfigError(f"no engine could digest the committed version to check the replacement ({why})")
-            bad = sorted(k[0] for k in mine if mine[k] != theirs["digests"][k])
-            if bad:
-                raise ConfigError(f"the replacement for {owner_id} does not hold committed version {self.version}: "
-                                  f"{len(bad)} boxes differ, e.g. {bad[:3]} (restore it from the committed "
-                                  f"checkpoint first)")
-            self.topology.owners[owner_id] = handle
-            log.info("dcr_ray: owner %s replaced at version %d", owner_id, self.version)
-            return self.status()
+    def teardown(self) -> None:
+        """Kill the engines and relays and remove the placement groups (``Refit.shutdown``)."""
+        self.topology.teardown()
 
     def status(self) -> dict:
         rec = self.commits.read()

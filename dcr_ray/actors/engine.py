@@ -306,6 +306,19 @@ class EngineActor:
                     "node": ray.get_runtime_context().get_node_id(),
                     "placement_group": ray.get_runtime_context().get_placement_group_id(), **self._stats}
 
+    def state(self) -> dict:
+        """Where this engine stands: its version, the transfer it is in or wrote into, dirty or not, and
+        ``phase`` (``ready`` / ``receiving`` / ``staging`` / ``dirty``). A resumed coordinator settles
+        an open transfer from this (activate it if the record committed it, else roll it back)."""
+        with self._cv:
+            cur = self._cur
+            phase = ("dirty" if self._dirty is not None or self.version is None else
+                     "ready" if cur is None and self._touched is None else
+                     "staging" if self.config.engines.apply == "staged" and self._touched is None else "receiving")
+            return {"engine": self.engine_id, "cluster": self.cluster, "version": self.version, "phase": phase,
+                    "transfer": cur.transfer if cur else self._touched,
+                    "target": cur.target if cur else None, "dirty": self._dirty is not None}
+
     def get_version(self) -> int | None:
         return self.version
 

@@ -285,6 +285,11 @@ class OwnerMixin:
             self._dcr = DeltaOwner(owner_id, config, baseline_dir=baseline_dir, in_memory=in_memory)
         return self._dcr.attach(self.dcr_tensors(), version)
 
+    def dcr_state(self) -> dict:
+        """``{"version": committed baseline version, "pending": version of the pending set or None}``."""
+        o = self._dcr_owner()
+        return {"version": o.version, "pending": o.store.pending_version}
+
     def dcr_digests(self) -> dict:
         return self._dcr_owner().digests()
 

@@ -6,6 +6,10 @@ cluster's nodes by its resources, named ``dcr_engine:<cluster>/e<i>`` in namespa
 each engine its transport's reader, and lets the transport build what it needs (relay trees).
 Engines dcr_ray did not start join through ``ClusterSpec.adopt``: each gets a proxy engine actor
 (``dcr_engine:<cluster>/a<i>``) whose backend drives it through its own API.
+
+Engines, relays and placement groups are *detached*: they do not share the coordinator's fate. A
+coordinator that resumes finds them again by name (:meth:`Topology.reconnect`), and an engine that
+died is re-created in its place (:meth:`Topology.respawn`) to rejoin by dense bootstrap.
 """
 
 from __future__ import annotations
@@ -13,13 +17,20 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import time
+
 import ray
 
 from dcr_ray.actors import placement
 from dcr_ray.actors.engine import EngineActor
 from dcr_ray.config import ClusterSpec, RefitConfig
-from dcr_ray.options import actor_options
+from dcr_ray.errors import ConfigError
+from dcr_ray.options import NAMESPACE, actor_options
 from dcr_ray.relay.transport import Transport
+
+
+#: How long a re-created actor waits for the name of the one it replaces to be released.
+NAME_RELEASE_S = 10.0
 
 
 def engine_name(engine_id: str) -> str:
@@ -44,21 +55,82 @@ class Topology:
         self.transport = transport
         self.engines: dict[str, Any] = {}
         self.engine_cluster: dict[str, str] = {}
+        self.pgs: dict[str, Any] = {}
+        self._plan: dict[str, tuple[str, Any, int | None]] = {}  # engine id -> (cluster, factory, bundle)
 
-    def start(self, backend_factory, config: RefitConfig) -> None:
-        """Create every engine actor, then the transport's own actors."""
-        Engine = ray.remote(EngineActor)
+    def _plan_engines(self, backend_factory, config: RefitConfig) -> None:
         for c in self.clusters.values():
-            reader = self.transport.reader(c.name)
-            pg = placement.reserve(c, config.commit.timeout_s)
             made = [(f"{c.name}/e{i}", backend_factory, i) for i in range(c.started)]
             made += [(f"{c.name}/a{i}", _keyed(f, config.codec.key), None) for i, f in enumerate(c.adopt)]
             for eid, factory, bundle in made:
-                self.engines[eid] = Engine.options(
-                    **actor_options("engine", engine_name(eid), **placement.engine_options(c, pg, bundle))
-                ).remote(eid, c.name, factory, config, reader)
+                self._plan[eid] = (c.name, factory, bundle)
                 self.engine_cluster[eid] = c.name
+
+    def _spawn(self, eid: str, config: RefitConfig):
+        cname, factory, bundle = self._plan[eid]
+        c = self.clusters[cname]
+        opts = actor_options("engine", engine_name(eid), detached=True,
+                             **placement.engine_options(c, self.pgs.get(cname), bundle))
+        deadline = time.monotonic() + NAME_RELEASE_S
+        while True:  # the name of an engine that just died is released shortly after its death
+            try:
+                return ray.remote(EngineActor).options(**opts).remote(eid, cname, factory, config,
+                                                                      self.transport.reader(cname))
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"an engine named {engine_name(eid)!r} already runs in namespace "
+                                      f"{NAMESPACE!r}: another topology is running (reach it with "
+                                      f"dcr_ray.Refit.get(), shut it down, or launch(..., resume=True))") from None
+                time.sleep(0.2)
+
+    def start(self, backend_factory, config: RefitConfig) -> None:
+        """Create every engine actor, then the transport's own actors."""
+        self._plan_engines(backend_factory, config)
+        for c in self.clusters.values():
+            self.pgs[c.name] = placement.reserve(c, config.commit.timeout_s)
+        for eid in self._plan:
+            self.engines[eid] = self._spawn(eid, config)
         self.transport.build(list(self.clusters.values()), self.engines, self.engine_cluster)
+
+    def reconnect(self, backend_factory, config: RefitConfig) -> list[str]:
+        """Find this topology's live actors by name (a resumed coordinator); engines that are gone are
+        re-created. Returns the ids of re-created engines (they need a dense bootstrap)."""
+        self._plan_engines(backend_factory, config)
+        for c in self.clusters.values():
+            self.pgs[c.name] = placement.find(c)
+        fresh = []
+        for eid in self._plan:
+            try:
+                self.engines[eid] = ray.get_actor(engine_name(eid), namespace=NAMESPACE)
+            except ValueError:
+                self.engines[eid] = self._spawn(eid, config)
+                fresh.append(eid)
+        self.transport.reconnect(list(self.clusters.values()), self.engines, self.engine_cluster)
+        return fresh
+
+    def respawn(self, eid: str, config: RefitConfig):
+        """Re-create engine ``eid`` (its actor died) and route the transport to the new actor."""
+        try:
+            ray.kill(self.engines[eid], no_restart=True)
+        except Exception:
+            pass  # already gone
+        self.engines[eid] = self._spawn(eid, config)
+        self.transport.reconnect(list(self.clusters.values()), self.engines, self.engine_cluster)
+        return self.engines[eid]
+
+    def teardown(self) -> None:
+        """Kill every engine and relay and remove the placement groups (``Refit.shutdown``)."""
+        for a in [*self.engines.values(), *self.transport.actors().values()]:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        for pg in self.pgs.values():
+            if pg is not None:
+                try:
+                    ray.util.remove_placement_group(pg)
+                except Exception:
+                    pass
 
     def handles(self) -> dict[str, dict[str, Any]]:
         """Actor handles: ``{"engines": {id: h}, "owners": {id: h}, "relays": {id: h}}``."""

@@ -93,6 +93,13 @@ class ObjectStoreTransport:
         self._engines = dict(engines)
         self._engine_cluster = dict(engine_cluster)
 
+    def reconnect(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
+        self.build(clusters, engines, engine_cluster)
+
+    def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
+               timeout_s: float = 10.0) -> list[str]:
+        return []  # no actors of its own
+
     def sink(self, targets: list[str] | None, required: list[str]) -> ObjectStoreSink:
         engines = [self._engines[e] for e in (targets if targets is not None else required)]
         return ObjectStoreSink(self.url, self.options, engines, targets,

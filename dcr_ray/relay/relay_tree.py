@@ -8,12 +8,13 @@ ref argument that Ray resolves before ``deliver`` runs.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Mapping
 
 import ray
 
 from dcr_ray.codec import PayloadKey
-from dcr_ray.options import actor_options
+from dcr_ray.options import NAMESPACE, actor_options
 from dcr_ray.relay.backpressure import wait_bounded
 from dcr_ray.relay.relay import RelayActor
 from dcr_ray.relay.tree import plan_tree
@@ -46,6 +47,18 @@ class RelaySink:
         self._acks, self._refs = [], []
 
 
+def _create(cls, relay_id: str, cluster: str, head: bool, on_cross):
+    """Start a relay; the name of one that just died is released shortly after its death."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return cls.remote(relay_id, cluster, head=head, on_cross=on_cross)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 class BytesReader:
     """Engine side: Ray already resolved the ref, so what arrives is the frame."""
 
@@ -73,6 +86,33 @@ class RelayTransport:
         return BytesReader()
 
     def build(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
+        """Create every cluster's relay tree (detached relays, named ``dcr_relay:<relay id>``)."""
+        self._wire(clusters, engines, engine_cluster, find=False)
+
+    def reconnect(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
+        """Find the relays of every cluster by name, create the ones that are gone, and route every relay
+        to the current engine handles (a resumed coordinator, a re-created engine or relay)."""
+        self._wire(clusters, engines, engine_cluster, find=True)
+
+    def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
+               timeout_s: float = 10.0) -> list[str]:
+        """Re-create relays that died (each cluster's tree is re-planned around them); returns their ids."""
+        dead = []
+        for rid, r in self.relays.items():
+            try:
+                ray.get(r.stats.remote(), timeout=timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(rid)
+        if dead:
+            for rid in dead:
+                try:
+                    ray.kill(self.relays[rid], no_restart=True)
+                except Exception:
+                    pass
+            self._wire(clusters, engines, engine_cluster, find=True, replace=set(dead))
+        return sorted(dead)
+
+    def _wire(self, clusters, engines, engine_cluster, *, find: bool, replace: set[str] = frozenset()) -> None:
         Relay = ray.remote(RelayActor)
         self._engine_cluster = dict(engine_cluster)
         for c in clusters:
@@ -81,9 +121,16 @@ class RelayTransport:
             made = {}
             for node in tree.walk():
                 head = node is tree
-                made[node.relay_id] = Relay.options(
-                    **actor_options("relay", f"dcr_relay:{node.relay_id}", resources=c.resources)
-                ).remote(node.relay_id, c.name, head=head, on_cross=self.on_cross.get(c.name) if head else None)
+                name = f"dcr_relay:{node.relay_id}"
+                if find and node.relay_id not in replace:
+                    try:
+                        made[node.relay_id] = ray.get_actor(name, namespace=NAMESPACE)
+                        continue
+                    except ValueError:
+                        pass  # gone: create it again
+                made[node.relay_id] = _create(Relay.options(**actor_options(
+                    "relay", name, resources=c.resources, detached=True)), node.relay_id, c.name, head,
+                    self.on_cross.get(c.name) if head else None)
             for node in tree.walk():
                 kids = [("engine", engines[e], [e]) for e in node.engines]
                 kids += [("relay", made[s.relay_id], s.all_engines()) for s in node.subrelays]

@@ -54,6 +54,14 @@ class Transport(Protocol):
     def build(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
         """Create what the transport needs once engines exist (e.g. relay actors per cluster)."""
 
+    def reconnect(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
+        """Find the transport's existing actors by name and route them to ``engines`` (a resumed
+        coordinator, a re-created engine); create any that are gone."""
+
+    def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
+               timeout_s: float = 10.0) -> list[str]:
+        """Re-create the transport's actors that died (re-planning around them); returns their ids."""
+
     def sink(self, targets: list[str] | None, required: list[str]) -> Sink:
         """A sink that reaches ``targets`` (engine ids), or every engine in ``required`` when None."""
 

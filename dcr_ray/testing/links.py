@@ -116,6 +116,12 @@ class EmulatedLinks:
     def build(self, clusters, engines, engine_cluster) -> None:
         self.inner.build(clusters, engines, engine_cluster)
 
+    def reconnect(self, clusters, engines, engine_cluster) -> None:
+        self.inner.reconnect(clusters, engines, engine_cluster)
+
+    def repair(self, clusters, engines, engine_cluster, timeout_s: float = 10.0) -> list[str]:
+        return self.inner.repair(clusters, engines, engine_cluster, timeout_s)
+
     def sink(self, targets, required):
         return self.inner.sink(targets, required)
 

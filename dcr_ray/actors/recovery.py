@@ -1,0 +1,122 @@
+"""Recovery of the coordinator's topology: resuming from the commit record, re-planning around dead
+relays, re-creating dead engines, replacing a dead owner.
+
+A mixin of :class:`~dcr_ray.actors.coordinator.CoordinatorActor` (it uses the coordinator's topology,
+commit log, ``_bootstrap`` and lock); kept apart so the refit state machine reads on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+import ray
+
+from dcr_ray.actors.calls import gather, get_all
+from dcr_ray.actors.commit import CommitRecord
+from dcr_ray.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dcr_ray.report import RefitReport
+
+log = logging.getLogger("dcr_ray")
+
+
+class Recovery:
+    """Resume, repair, heal and replace_owner for the coordinator."""
+
+    def _resume(self) -> None:
+        """Carry on from the durable record with the actors that are still alive (see the module doc)."""
+        cfg, t = self.config, self.config.commit.timeout_s
+        rec = self.commits.read()
+        if rec is None:
+            raise ConfigError(f"nothing to resume: no commit record in {cfg.commit.dir}")
+        self.epoch = rec.epoch + 1  # fence every older incarnation before touching anything
+        self.commits.compare_and_set(rec.version, CommitRecord(**{**asdict(rec), "epoch": self.epoch, "time": 0.0}))
+        self.version = rec.version
+        fresh = self.topology.reconnect(self.backend_factory, cfg)
+        self._owner_specs = get_all({o: h.dcr_attach.remote(o, cfg) for o, h in self.owners.items()}, t, "attach")
+        # owners: promote a pending set the record committed, drop any other
+        for o, st in get_all({o: h.dcr_state.remote() for o, h in self.owners.items()}, t, "owner state").items():
+            h = self.owners[o]
+            if st["version"] < rec.version and st["pending"] == rec.version:
+                ray.get(h.dcr_promote.remote(rec.version), timeout=t)
+            elif st["pending"] is not None:
+                ray.get(h.dcr_discard.remote(), timeout=t)
+        # engines: activate the transfer the record committed, roll back any other
+        states, dead, _ = gather({e: self.engines[e].state.remote() for e in self.engines if e not in fresh},
+                                 t, "engine state")
+        behind = list(fresh) + list(dead)
+        for e, st in states.items():
+            if st["transfer"] is not None and st["transfer"] == rec.transfer and st["target"] == rec.version:
+                ray.get(self.engines[e].activate.remote(rec.version, rec.transfer), timeout=t)
+            elif st["transfer"] is not None:
+                ray.get(self.engines[e].abort.remote(st["transfer"], True), timeout=t)
+            if ray.get(self.engines[e].get_version.remote(), timeout=t) == rec.version:
+                self.required.add(e)
+            else:
+                behind.append(e)
+        for e in dead:
+            self.topology.respawn(e, cfg)
+        if behind:
+            self._bootstrap(sorted(behind))
+        log.info("dcr_ray: coordinator epoch %d resumed at version %d (%d engines re-bootstrapped)", self.epoch,
+                 self.version, len(behind))
+
+    def _repair(self) -> None:
+        """Before the next attempt: re-create transport actors that died (a relay death is not an owner's)."""
+        topo = self.topology
+        try:
+            dead = self.transport.repair(list(topo.clusters.values()), topo.engines, topo.engine_cluster)
+        except Exception as e:  # repair is best effort: the next attempt reports what still fails
+            log.warning("dcr_ray: transport repair failed: %r", e)
+            return
+        if dead:
+            log.warning("dcr_ray: relay(s) %s died; their cluster trees were re-planned", dead)
+
+    def _heal(self, engine_ids: list[str], report: RefitReport) -> None:
+        """Re-create engines that died and bootstrap them to the committed version (fleet back to size)."""
+        for e in engine_ids:
+            try:
+                self.topology.respawn(e, self.config)
+                self._bootstrap([e])
+                report.warnings.append(f"engine {e} died and was re-created at version {self.version}")
+            except Exception as err:
+                report.warnings.append(f"engine {e} died and could not be re-created ({err!r}); "
+                                       f"Refit.rejoin({e!r}) retries")
+                log.warning("dcr_ray: re-creating engine %s failed: %r", e, err)
+
+    def replace_owner(self, owner_id: str, handle) -> dict:
+        """Put ``handle`` in place of owner ``owner_id`` (one that died) at the committed version.
+
+        The replacement must cover exactly what ``owner_id`` covered and hold the committed bits: its
+        digests of every canonical box it covers must equal a required engine's. Otherwise nothing
+        changes and ``ConfigError`` says what differs.
+        """
+        with self._lock:
+            if owner_id not in self.owners:
+                raise ConfigError(f"unknown owner {owner_id!r}; known: {sorted(self.owners)}")
+            t = self.config.commit.timeout_s
+            specs = ray.get(handle.dcr_attach.remote(owner_id, self.config, version=self.version), timeout=t)
+            if specs != self._owner_specs[owner_id]:
+                raise ConfigError(f"the replacement for {owner_id} covers other tensors or boxes than it did: "
+                                  f"{sorted(set(specs) ^ set(self._owner_specs[owner_id]))[:5] or 'same names, other boxes'}")
+            mine = ray.get(handle.dcr_digests.remote(), timeout=t)
+            theirs, why = None, "no required engine"
+            for e in sorted(self.required):
+                try:
+                    theirs = ray.get(self.engines[e].box_digests.remote(list(mine)), timeout=t)
+                    break
+                except Exception as err:  # adopted engines cannot read back; try the next one
+                    why = f"{e}: {err}"
+            if theirs is None:
+                raise ConfigError(f"no engine could digest the committed version to check the replacement ({why})")
+            bad = sorted(k[0] for k in mine if mine[k] != theirs["digests"][k])
+            if bad:
+                raise ConfigError(f"the replacement for {owner_id} does not hold committed version {self.version}: "
+                                  f"{len(bad)} boxes differ, e.g. {bad[:3]} (restore it from the committed "
+                                  f"checkpoint first)")
+            self.topology.owners[owner_id] = handle
+            log.info("dcr_ray: owner %s replaced at version %d", owner_id, self.version)
+            return self.status()

@@ -1,0 +1,187 @@
+"""The coordinator, engines and relays do not share a fate: a new coordinator resumes from the commit
+record, a dead relay's cluster tree is re-planned, and a stale coordinator is fenced."""
+
+from __future__ import annotations
+
+import time
+
+import raytools  # noqa: F401
+
+import pytest
+import ray
+import torch
+
+import dcr_ray
+from dcr_ray.actors.commit import CommitLog, CommitRecord
+from dcr_ray.errors import CommitConflictError
+from dcr_ray.options import COORDINATOR_NAME, NAMESPACE
+from dcr_ray.testing.models import ModelSpec
+from dcr_ray.testing.trainer import TinyTrainer
+
+SPEC = ModelSpec(size="tiny")
+
+
+def test_a_coordinator_of_an_older_epoch_cannot_move_the_commit_record(tmp_path):
+    log = CommitLog(str(tmp_path))
+    log.compare_and_set(None, CommitRecord(version=0, transfer="attach", baseline=""))
+    log.compare_and_set(0, CommitRecord(version=0, transfer="attach", baseline="", epoch=1))  # a resume
+    with pytest.raises(CommitConflictError, match="fenced"):
+        log.compare_and_set(0, CommitRecord(version=1, transfer="t", baseline="attach", epoch=0))
+    assert log.read().version == 0 and log.read().epoch == 1
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    raytools.init_local_ray()
+    yield
+    ray.shutdown()
+
+
+def _launch(tmp_path, resume=False, owners=None, transport="relay"):
+    if owners is None:
+        Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+        owners = [Trainer.remote(SPEC, lr=1e-3)]
+    config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(bucket_bytes=1 << 18, chunk_elems=1 << 15),
+                                 commit=dcr_ray.CommitConfig(dir=str(tmp_path / "commit"), timeout_s=60),
+                                 transport=dcr_ray.TransportConfig(kind=transport))
+    refit = dcr_ray.launch(owners=owners, engine=dcr_ray.HFEngine(SPEC), config=config, resume=resume,
+                           clusters=[dcr_ray.ClusterSpec(name="a", engines=2), dcr_ray.ClusterSpec(name="b", engines=1)])
+    return refit, owners
+
+
+def _check(refit, trainer):
+    want = ray.get(trainer.rollout_state.remote())
+    for eid, eng in refit.engines().items():
+        got = ray.get(eng.tensors.remote())
+        for n in want:
+            assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), (eid, n)
+
+
+def _until(fn, timeout=60):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except (ray.exceptions.RayActorError, ValueError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _resumed(refit, epoch=1, timeout=60):
+    """The status of the restarted coordinator (the kill is asynchronous: the old one may answer first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            st = refit.status()
+            if st["commit_record"]["epoch"] >= epoch:
+                return st
+        except ray.exceptions.RayActorError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError("the coordinator did not resume")
+        time.sleep(0.5)
+
+
+def _wait_gone(name, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{name} still registered after {timeout} s")
+
+
+@pytest.mark.slow
+def test_a_crashed_coordinator_is_restarted_by_ray_and_resumes_with_the_same_engines(local_ray, tmp_path):
+    refit, (trainer,) = _launch(tmp_path)
+    try:
+        ray.get(trainer.step.remote(seed=0))
+        assert refit.run().version == 1
+        engines = refit.engines()
+        applied = {e: ray.get(h.info.remote())["applied"] for e, h in engines.items()}
+        ray.kill(refit.actor, no_restart=False)  # the process dies; Ray restarts the actor
+        st = _resumed(refit)
+        assert st["version"] == 1 and st["required"] == sorted(engines)
+        assert refit.engines() == engines  # the same engine actors, not re-created
+        # nothing was re-sent to them: no dense bootstrap on resume
+        assert {e: ray.get(h.info.remote())["applied"] for e, h in engines.items()} == applied
+        ray.get(trainer.step.remote(seed=1))
+        assert refit.run().version == 2
+        _check(refit, trainer)
+    finally:
+        refit.shutdown()
+
+
+@pytest.mark.slow
+def test_a_coordinator_killed_for_good_is_replaced_by_launch_with_resume(local_ray, tmp_path):
+    refit, owners = _launch(tmp_path, transport="object_store")
+    (trainer,) = owners
+    try:
+        ray.get(trainer.step.remote(seed=0))
+        assert refit.run().version == 1
+        engines = refit.engines()
+        ray.kill(refit.actor)  # no restart: engines, relays and owners keep running
+        _wait_gone(COORDINATOR_NAME)
+        assert all(ray.get(h.get_version.remote()) == 1 for h in engines.values())
+        with pytest.raises(dcr_ray.errors.ConfigError, match="resume=True"):
+            _launch(tmp_path, owners=owners, transport="object_store")  # a fresh launch on a used record...
+        refit, _ = _launch(tmp_path, resume=True, owners=owners, transport="object_store")  # ...resume
+        assert refit.status()["version"] == 1 and refit.engines() == engines
+        ray.get(trainer.step.remote(seed=1))
+        assert refit.run().version == 2
+        _check(refit, trainer)
+    finally:
+        refit.shutdown()
+
+
+@pytest.mark.slow
+def test_a_coordinator_that_died_inside_a_transfer_is_resumed_with_the_engines_rolled_back(local_ray, tmp_path):
+    from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
+
+    refit, (trainer,) = _launch(tmp_path)
+    try:
+        committed = ray.get(trainer.rollout_state.remote())
+        ray.get(trainer.step.remote(seed=0))
+        new = ray.get(trainer.rollout_state.remote())
+        store = BaselineStore(in_memory=True)
+        for n, t in committed.items():
+            store.add(n, t)
+        frame = next(iter(encode_frames([d for d in (store.diff(n, t) for n, t in new.items()) if d.chunks],
+                                        FrameMeta(transfer="T", attempt=0, producer="hand", payload=0, base=0,
+                                                  target=1))))
+        eng = refit.engines()["a/e0"]
+        ray.get(eng.prepare.remote("T", 0, 0, 1))
+        assert ray.get(eng.deliver.remote(frame)) == "applied"  # half a transfer written in place
+        ray.kill(refit.actor, no_restart=False)
+        assert _resumed(refit)["version"] == 0
+        assert ray.get(eng.state.remote())["phase"] == "ready"  # rolled back by the resumed coordinator
+        got = ray.get(eng.tensors.remote())
+        for n in committed:
+            assert torch.equal(got[n].view(torch.int16), committed[n].view(torch.int16)), n
+        assert refit.run().version == 1
+        _check(refit, trainer)
+    finally:
+        refit.shutdown()
+
+
+@pytest.mark.slow
+def test_a_dead_head_relay_is_replaced_and_only_its_cluster_notices_a_retry(local_ray, tmp_path):
+    refit, (trainer,) = _launch(tmp_path)
+    try:
+        relays = ray.get(refit.actor.handles.remote())["relays"]
+        ray.kill(relays["b/head"])
+        ray.get(trainer.step.remote(seed=0))
+        report = refit.run()
+        assert report.version == 1 and report.retries >= 1
+        assert set(report.engine_versions) == {"a/e0", "a/e1", "b/e0"}
+        now = ray.get(refit.actor.handles.remote())["relays"]
+        assert now["b/head"] != relays["b/head"] and now["a/head"] == relays["a/head"]
+        _check(refit, trainer)
+        ray.get(trainer.step.remote(seed=1))
+        assert refit.run().retries == 0
+        _check(refit, trainer)
+    finally:
+        refit.shutdown()
