@@ -315,16 +315,24 @@ class OwnerMixin:
         return self._dcr_owner().version
 
 
+def _copy(t):
+    """A private copy of a tensor, or of a :class:`~dcr_ray.sharding.Shard`'s local tensor."""
+    if isinstance(t, Shard):
+        return Shard(t.tensor.detach().contiguous().clone(), t.spec)
+    return t.detach().contiguous().clone()
+
+
 class StandaloneOwner(OwnerMixin):
-    """An owner actor that is handed its tensors (``set_tensors``) instead of living in a trainer."""
+    """An owner actor that is handed its tensors (``set_tensors``) instead of living in a trainer:
+    canonical name -> tensor, or local name -> :class:`~dcr_ray.sharding.Shard`."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor] | None = None):
-        self._tensors = {n: t.detach().contiguous().clone() for n, t in (tensors or {}).items()}
+    def __init__(self, tensors: Mapping[str, object] | None = None):
+        self._tensors = {n: _copy(t) for n, t in (tensors or {}).items()}
 
-    def set_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def set_tensors(self, tensors: Mapping[str, object]) -> None:
         """Replace the current tensors (the next refit diffs them against the baseline)."""
         for n, t in tensors.items():
-            self._tensors[n] = t.detach().contiguous().clone()
+            self._tensors[n] = _copy(t)
 
     def dcr_tensors(self) -> Mapping[str, torch.Tensor]:
         return self._tensors

@@ -9,14 +9,14 @@
 """
 
 from dcr_ray.sharding.coverage import check_tiling
-from dcr_ray.sharding.layouts import (from_dtensor, fused_gate_up, fused_qkv, replicated_share, row_slice,
-                                      stacked_experts)
+from dcr_ray.sharding.layouts import (experts_from_dtensor, from_dtensor, fused_gate_up, fused_qkv,
+                                      replicated_share, row_slice, stacked_experts)
 from dcr_ray.sharding.local import Shard, canonical_specs, resolve_shards
 from dcr_ray.sharding.project import project, project_all
 from dcr_ray.sharding.spec import Box, ShardSpec, ShardSpecError, Target, box_target
 
 __all__ = [
     "Box", "Shard", "ShardSpec", "ShardSpecError", "Target", "box_target", "canonical_specs", "check_tiling",
-    "from_dtensor", "fused_gate_up", "fused_qkv", "project", "project_all", "replicated_share",
+    "experts_from_dtensor", "from_dtensor", "fused_gate_up", "fused_qkv", "project", "project_all", "replicated_share",
     "resolve_shards", "row_slice", "stacked_experts",
 ]

@@ -72,6 +72,15 @@ def from_dtensor(name: str, t: torch.Tensor) -> tuple[torch.Tensor, ShardSpec] |
     r = 0
     for i in rep_dims:
         r = r * mesh.size(i) + coord[i]
+    # a DTensor on a sub-mesh (FSDP2 over "dp" of a dp x tp mesh) is replicated along the root mesh's
+    # other dimensions: those ranks hold the same box too
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    if root is not mesh and root.mesh_dim_names and mesh.mesh_dim_names:
+        rc = root.get_coordinate()
+        for i, d in enumerate(root.mesh_dim_names):
+            if d not in mesh.mesh_dim_names:
+                r = r * root.size(i) + rc[i]
+                n_rep *= root.size(i)
     return replicated_share(name, tuple(t.shape), tuple(offset), local, r, n_rep)
 
 
@@ -163,4 +172,19 @@ def stacked_experts(local_shape: tuple[int, ...], names: Callable[[int], str | S
     return ShardSpec(local_shape, tuple(cells), cuts)
 
 
-__all__ = ["from_dtensor", "fused_gate_up", "fused_qkv", "replicated_share", "row_slice", "stacked_experts"]
+def experts_from_dtensor(t: torch.Tensor, names: Callable[[int], str | Sequence[str]]) -> tuple[torch.Tensor, ShardSpec] | None:
+    """This rank's share of a stacked expert DTensor (``[experts, ...]``, e.g. transformers'
+    ``mlp.experts.gate_up_proj`` sharded by FSDP2 or expert parallelism along the experts) as a
+    :func:`stacked_experts` spec onto the per-expert checkpoint tensors ``names(e)``."""
+    share = from_dtensor("stacked experts", t)
+    if share is None:
+        return None
+    local, spec = share
+    (box,) = spec.boxes()
+    if any(box.start[1:]) or tuple(box.stop[1:]) != tuple(t.shape[1:]):
+        raise ShardSpecError("experts sharded inside an expert (tensor parallel experts): give explicit "
+                             "stacked_experts(..., canonical_shape=, inner_offset=) specs")
+    return local, stacked_experts(tuple(local.shape), names, first_expert=box.start[0])
+
+
+__all__ = ["experts_from_dtensor", "from_dtensor", "fused_gate_up", "fused_qkv", "replicated_share", "row_slice", "stacked_experts"]
