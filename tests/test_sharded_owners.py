@@ -1,0 +1,122 @@
+"""Ray actors as training shards, for real: the ranks of a ``torch.distributed`` gloo group train a tiny
+HF model with FSDP2 x tensor parallelism (real AdamW steps) and are the owners. Nothing is gathered
+for a refit: each rank sends its own shard, projected onto the canonical tensors by its DTensor
+placements (stacked MoE experts through ``stacked_experts`` specs onto the per-expert checkpoint
+tensors). After every step each engine holds exactly the gathered model, and so does a dense reload of
+it through ``transformers``' own loader. A layout that leaves elements without an owner, or gives them
+two, is refused at launch naming the tensor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import raytools  # noqa: F401
+
+import pytest
+import ray
+import torch
+from safetensors.torch import save_file
+
+import dcr_ray
+from dcr_ray.errors import ConfigError
+from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint
+from dcr_ray.testing.sharded_trainer import CheckpointHFEngine, start_ranks
+
+pytestmark = pytest.mark.slow
+
+DENSE = ModelSpec(arch="qwen2", size="tiny", seed=0, tie_word_embeddings=True)  # lm_head tied to embed_tokens
+MOE = ModelSpec(arch="qwen3_moe", size="tiny", seed=3)  # 4 stacked experts per layer
+CONFIG = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(chunk_elems=1 << 12, bucket_bytes=1 << 16))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    raytools.init_local_ray()
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dense_ranks(local_ray):
+    ranks = start_ranks(DENSE, dp=2, tp=2)
+    yield ranks
+    for r in ranks:
+        ray.kill(r)
+
+
+def _differ(a: dict, b: dict) -> list[str]:
+    """Names whose bits differ (integer views), or that one side lacks."""
+    return sorted(n for n in set(a) | set(b)
+                  if n not in a or n not in b or a[n].dtype != b[n].dtype or a[n].shape != b[n].shape
+                  or not torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)))
+
+
+def _dense_reload(spec: ModelSpec, directory, state: dict) -> dict:
+    """``state`` (checkpoint names) written as a checkpoint and loaded by ``from_pretrained`` in an HF
+    engine; its tensors read back in checkpoint layout."""
+    template = str(directory / "config")
+    if not os.path.exists(template):
+        save_checkpoint(build_model(spec), template)
+    ck = directory / "reload"
+    ck.mkdir(exist_ok=True)
+    for f in os.listdir(template):
+        if f.endswith(".json"):
+            (ck / f).write_bytes((directory / "config" / f).read_bytes())
+    save_file(state, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    backend = dcr_ray.HFEngine(str(ck))()
+    return {n: t.contiguous() for n, t in dcr_ray.checkpoint_state_dict(backend.model).items()}
+
+
+def _train_and_refit(ranks, refit, spec, tmp_path, steps: int = 3) -> None:
+    for step in range(steps):
+        ray.get([r.step.remote(seed=step) for r in ranks])  # every rank: one AdamW step
+        report = ray.get(refit.remote())
+        assert report.version == step + 1 and report.retries == 0 and report.changed > 0
+        fulls = ray.get([r.gathered_state.remote() for r in ranks])  # a collective: every rank
+        full = fulls[0]
+        assert all(_differ(f, full) == [] for f in fulls[1:])  # replicated parameters agree across ranks
+        assert _differ(_dense_reload(spec, tmp_path, full), full) == []
+        for eid, eng in sorted(refit.engines().items()):
+            assert _differ(ray.get(eng.tensors.remote()), full) == [], (step, eid)
+
+
+def test_fsdp2_by_tensor_parallel_qwen2_ranks_refit_engines_to_exactly_the_gathered_model_every_step(
+        dense_ranks, tmp_path):
+    placements = ray.get(dense_ranks[0].placements.remote())
+    assert "_StridedShard" in placements["model.layers.0.self_attn.q_proj.weight"]  # FSDP over TP rows
+    assert "Shard(dim=1)" in placements["model.layers.0.mlp.down_proj.weight"]  # row-parallel columns
+    assert "lm_head.weight" not in placements  # tied: the checkpoint has embed_tokens only, sent once
+    refit = dcr_ray.launch(owners=dense_ranks, engine=dcr_ray.HFEngine(DENSE.with_seed(7)), config=CONFIG,
+                           clusters=[dcr_ray.ClusterSpec(name="a", engines=2), dcr_ray.ClusterSpec(name="b", engines=1)])
+    try:
+        _train_and_refit(dense_ranks, refit, DENSE, tmp_path)
+    finally:
+        refit.shutdown()
+
+
+def test_fsdp2_by_tensor_parallel_moe_ranks_send_stacked_experts_onto_per_expert_checkpoint_tensors(
+        local_ray, tmp_path):
+    ranks = start_ranks(MOE, dp=2, tp=2, names="checkpoint")
+    try:
+        owned = {n for names in ray.get([r.covers.remote() for r in ranks]) for n in names}
+        assert "model.layers.0.mlp.experts.3.up_proj.weight" in owned  # stacked -> per-expert tensors
+        refit = dcr_ray.launch(owners=ranks, engine=CheckpointHFEngine(MOE.with_seed(7)), config=CONFIG,
+                               clusters=[dcr_ray.ClusterSpec(name="a", engines=2)])
+        try:
+            _train_and_refit(ranks, refit, MOE, tmp_path)
+        finally:
+            refit.shutdown()
+    finally:
+        for r in ranks:
+            ray.kill(r)
+
+
+def test_ranks_left_out_or_claiming_the_same_rows_are_refused_at_launch_naming_the_tensor(dense_ranks):
+    engine = dcr_ray.HFEngine(DENSE)
+    clusters = [dcr_ray.ClusterSpec(name="a", engines=1)]
+    with pytest.raises(ConfigError, match=r"tensor 'model\.[^']+': owners cover \d+ of its \d+ elements; "
+                                          r"first uncovered element"):
+        dcr_ray.launch(owners=dense_ranks[:3], engine=engine, clusters=clusters)  # rank 3 left out
+    with pytest.raises(ConfigError, match=r"tensor 'model\.[^']+': owners \S+ and \S+ both own elements"):
+        dcr_ray.launch(owners=dense_ranks + dense_ranks[:1], engine=engine, clusters=clusters)  # rank 0 twice
