@@ -40,8 +40,11 @@ class ClusterSpec:
     ``adopt`` is given). Their ids are ``<cluster>/e<i>``."""
     adopt: list = field(default_factory=list)
     """Engines dcr_ray did not start, as engine factories, e.g.
-    ``dcr_ray.engines.vllm.AdoptedVllmEngine(handle, checkpoint=...)``: dcr_ray starts a light proxy
-    engine actor for each (ids ``<cluster>/a<i>``) that drives the engine through its own API."""
+    ``dcr_ray.engines.vllm.AdoptedVllmEngine(handle, checkpoint=...)`` (a vLLM Ray actor) or
+    ``dcr_ray.engines.vllm.AdoptedVllmServer("http://host:8000", checkpoint=...)`` (a ``vllm serve``
+    process): dcr_ray starts a light proxy engine actor for each (ids ``<cluster>/a<i>``) that drives the
+    engine through its own API. Joining, an adopted engine that already serves the committed version
+    (checked by digest) is not bootstrapped densely."""
     resources: dict[str, float] = field(default_factory=dict)
     """Ray custom resources that pin this cluster's relays and engines to its nodes, e.g.
     ``{"cluster-us-east": 0.001}`` when nodes were started with ``--resources='{"cluster-us-east": 100}'``.
@@ -69,7 +72,8 @@ class ClusterSpec:
                 raise ConfigError(f"ClusterSpec({self.name}).{f} must be an integer, got {v!r}")
         if not isinstance(self.adopt, list) or not all(callable(a) for a in self.adopt):
             raise ConfigError(f"ClusterSpec({self.name}).adopt must be a list of engine factories "
-                              f"(e.g. AdoptedVllmEngine(handle, checkpoint=...))")
+                              f"(e.g. AdoptedVllmEngine(handle, checkpoint=...) or "
+                              f"AdoptedVllmServer('http://host:8000', checkpoint=...))")
         if self.engines is not None and self.engines < 0:
             raise ConfigError(f"ClusterSpec({self.name}).engines must be >= 0, got {self.engines}")
         if self.started + len(self.adopt) < 1:

@@ -58,6 +58,10 @@ from dcr_ray.report import RefitReport
 
 log = logging.getLogger("dcr_ray")
 
+#: ``status(detail=True)`` waits this long for each engine's state, and lists this many past refits.
+STATUS_TIMEOUT_S = 10.0
+STATUS_HISTORY = 10
+
 
 class CoordinatorActor(Recovery):
     def __init__(self, config: RefitConfig, clusters: list[ClusterSpec], backend_factory,
@@ -73,7 +77,7 @@ class CoordinatorActor(Recovery):
         self.history: list[dict] = []
         self.epoch = 0
         self._owner_specs: dict[str, dict] = {}
-        self.phase = "idle"
+        self.phase = {"phase": "idle", "transfer": None, "attempt": None, "target": None, "since": time.time()}
         self._resume_error: Exception | None = None
         if ray.get_runtime_context().was_current_actor_reconstructed:
             try:
@@ -127,7 +131,11 @@ class CoordinatorActor(Recovery):
             return self.status()
 
     def _bootstrap(self, engine_ids: list[str]) -> None:
-        """Dense refit of ``engine_ids`` to the committed version (joining engines)."""
+        """Dense refit of ``engine_ids`` to the committed version (joining engines); adopted engines that
+        show by digest that they already serve it join as they are (:meth:`_join_by_digest`)."""
+        engine_ids = self._join_by_digest(engine_ids)
+        if not engine_ids:
+            return
         t = self.config.commit.timeout_s
         transfer = f"boot{self.version}-{uuid.uuid4().hex[:8]}"
         try:
@@ -151,10 +159,47 @@ class CoordinatorActor(Recovery):
         self.required |= set(engine_ids)
         log.info("dcr_ray: bootstrapped %d engines densely at version %d", len(engine_ids), self.version)
 
+    def _join_by_digest(self, engine_ids: list[str]) -> list[str]:
+        """Adopted engines among ``engine_ids`` whose served tensors have the owners' committed box
+        digests join the required set without dense frames; returns the engines still to bootstrap.
+        Any failure of the check leaves every engine to the dense bootstrap."""
+        adopted = [e for e in engine_ids if self.topology.is_adopted(e)]
+        if not adopted:
+            return engine_ids
+        t = self.config.commit.timeout_s
+        try:
+            digests: dict = {}
+            for d in get_all({o: h.dcr_digests.remote() for o, h in self.owners.items()}, t,
+                             "bootstrap digests").values():
+                digests.update(d)
+            joined = get_all({e: self.engines[e].join_by_digest.remote(self.version, digests) for e in adopted},
+                             t, "bootstrap digest check")
+        except Exception as e:
+            log.warning("dcr_ray: digest check of adopted engines %s failed (%r); bootstrapping densely", adopted, e)
+            return engine_ids
+        ok = sorted(e for e, j in joined.items() if j)
+        self.required |= set(ok)
+        if ok:
+            log.info("dcr_ray: %s already serve version %d (digests match): joined without a dense bootstrap",
+                     ok, self.version)
+        return [e for e in engine_ids if e not in ok]
+
     # -- helpers ----------------------------------------------------------------------------------
     # -- one refit ----------------------------------------------------------------------------------
     def refit(self) -> RefitReport:
         """Move the owners' current tensors to every required engine as version v+1 and commit."""
+        try:
+            return self._refit()
+        finally:
+            self._phase("idle")
+
+    def _phase(self, phase: str, transfer: str | None = None, attempt: int | None = None,
+               target: int | None = None) -> None:
+        """Record where the refit in flight is (``status()`` reports it while the refit runs)."""
+        self.phase = {"phase": phase, "transfer": transfer, "attempt": attempt, "target": target,
+                      "since": time.time()}
+
+    def _refit(self) -> RefitReport:
         with self._lock:
             if not self._started:
                 if self._resume_error is not None:
@@ -243,16 +288,20 @@ class CoordinatorActor(Recovery):
         t = self.config.commit.timeout_s
         req = sorted(self.required)
         t0 = time.perf_counter()
+        self._phase("prepare", transfer, attempt, target)
         get_all({e: self.engines[e].prepare.remote(transfer, attempt, base, target) for e in req}, t,
                   "prepare")
         t1 = time.perf_counter()
         sink = self.transport.sink(None, req)
+        self._phase("stream", transfer, attempt, target)
         sums = get_all({o: h.dcr_stream.remote(transfer, attempt, base, target, sink)
                           for o, h in self.owners.items()}, t, "stream")
         keys = [k for s in sums.values() for k in s["payloads"]]
+        self._phase("flush", transfer, attempt, target)
         acks = get_all({e: self.engines[e].flush.remote(transfer, attempt, keys, t) for e in req}, t,
                          "flush")
         t2 = time.perf_counter()
+        self._phase("commit", transfer, attempt, target)
         self.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer, epoch=self.epoch,
                                                         baseline=self._last_transfer(), members=req))
         t_rec = time.perf_counter()
@@ -260,6 +309,7 @@ class CoordinatorActor(Recovery):
         # now takes the failing actor out of service and is reported, the version stays v+1.
         self.version = target
         warnings = []
+        self._phase("promote", transfer, attempt, target)
         _, dead, errors = gather({o: h.dcr_promote.remote(target) for o, h in self.owners.items()},
                                        t, "promote")
         if dead or errors:
@@ -268,6 +318,7 @@ class CoordinatorActor(Recovery):
             warnings.append(f"owner(s) {bad} did not promote their baseline to v{target} ({why}); their "
                             f"next stream is refused until the topology is relaunched")
         t_pro = time.perf_counter()
+        self._phase("activate", transfer, attempt, target)
         versions, dead, errors = gather(
             {e: self.engines[e].activate.remote(target, transfer) for e in req}, t, "activate")
         if dead or errors:
@@ -317,11 +368,32 @@ class CoordinatorActor(Recovery):
         """Kill the engines and relays and remove the placement groups (``Refit.shutdown``)."""
         self.topology.teardown()
 
-    def status(self) -> dict:
+    def status(self, detail: bool = False) -> dict:
+        """The committed version and record, the required engines, the refit in flight (``phase``) and,
+        with ``detail``, each engine's state, the relays per cluster and the last refits
+        (:mod:`dcr_ray.status` formats it for ``dcr-ray status``)."""
         rec = self.commits.read()
-        return {"version": self.version, "required": sorted(self.required), "engines": sorted(self.engines),
-                "owners": sorted(self.owners), "clusters": list(self.topology.clusters),
-                "transport": self.transport.kind, "commit_record": None if rec is None else asdict(rec)}
+        out = {"version": self.version, "epoch": self.epoch, "required": sorted(self.required),
+               "engines": sorted(self.engines), "owners": sorted(self.owners),
+               "clusters": list(self.topology.clusters), "transport": self.transport.kind,
+               "commit_record": None if rec is None else asdict(rec), "phase": dict(self.phase)}
+        if detail:
+            states, dead, errors = gather({e: h.state.remote() for e, h in self.engines.items()}, STATUS_TIMEOUT_S,
+                                          "status")
+            for e in dead:
+                states[e] = {"engine": e, "phase": "dead"}
+            for e in errors:
+                states[e] = {"engine": e, "phase": "not answering"}
+            for e, st in states.items():
+                st["required"] = e in self.required
+                st.setdefault("cluster", self.topology.engine_cluster.get(e))
+            out["engine_states"] = [states[e] for e in sorted(states)]
+            relays: dict[str, list[str]] = {}
+            for rid in self.transport.actors():
+                relays.setdefault(rid.split("/")[0], []).append(rid)
+            out["relays"] = relays
+            out["last_refits"] = list(self.history[-STATUS_HISTORY:])
+        return out
 
     def handles(self) -> dict:
         """Actor handles: ``{"engines": {id: h}, "owners": {id: h}, "relays": {id: h}}``."""

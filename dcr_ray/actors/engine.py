@@ -337,6 +337,26 @@ class EngineActor:
                 raise EngineStateError(f"engine {self.engine_id} holds no settled version to digest")
             return {"version": self.version, "digests": box_digests(self.backend.tensors(), boxes)}
 
+    def join_by_digest(self, version: int, digests: dict) -> bool:
+        """Join at committed ``version`` without a dense bootstrap if the backend shows, by the owners'
+        box ``digests``, that it already serves it (:meth:`EngineBackend.matches_digests`). False (the
+        coordinator then bootstraps densely) when it does not, cannot tell, or a transfer is open."""
+        with self._cv:
+            check = getattr(self.backend, "matches_digests", None)
+            if check is None or self._cur is not None or self._touched is not None:
+                return False
+            if check(version, digests) is not True:
+                return False
+            self.version = version
+            self._dirty = None
+            self._applied.clear()
+            self._undo.clear()
+            if hasattr(self.backend, "activate"):
+                self.backend.activate(version)
+            self._stats["joined_by_digest"] = self._stats.get("joined_by_digest", 0) + 1
+            self._cv.notify_all()
+            return True
+
     def call_backend(self, method: str, *args, **kwargs):
         """Call a backend method (e.g. ``greedy`` or ``generate``) in the engine process."""
         return getattr(self.backend, method)(*args, **kwargs)

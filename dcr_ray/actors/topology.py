@@ -5,7 +5,8 @@ It starts one engine actor per engine of each :class:`~dcr_ray.config.ClusterSpe
 cluster's nodes by its resources, named ``dcr_engine:<cluster>/e<i>`` in namespace ``dcr_ray``), gives
 each engine its transport's reader, and lets the transport build what it needs (relay trees).
 Engines dcr_ray did not start join through ``ClusterSpec.adopt``: each gets a proxy engine actor
-(``dcr_engine:<cluster>/a<i>``) whose backend drives it through its own API.
+(``dcr_engine:<cluster>/a<i>``) whose backend drives it through its own API (Ray actor handles or server
+URLs); their bootstrap first checks by digest whether they already serve the committed version.
 
 Engines, relays and placement groups are *detached*: they do not share the coordinator's fate. A
 coordinator that resumes finds them again by name (:meth:`Topology.reconnect`), and an engine that
@@ -57,6 +58,7 @@ class Topology:
         self.engine_cluster: dict[str, str] = {}
         self.pgs: dict[str, Any] = {}
         self._plan: dict[str, tuple[str, Any, int | None]] = {}  # engine id -> (cluster, factory, bundle)
+        self.adopted: set[str] = set()  # ids of engines dcr_ray did not start (ClusterSpec.adopt)
 
     def _plan_engines(self, backend_factory, config: RefitConfig) -> None:
         for c in self.clusters.values():
@@ -65,6 +67,11 @@ class Topology:
             for eid, factory, bundle in made:
                 self._plan[eid] = (c.name, factory, bundle)
                 self.engine_cluster[eid] = c.name
+            self.adopted.update(f"{c.name}/a{i}" for i in range(len(c.adopt)))
+
+    def is_adopted(self, eid: str) -> bool:
+        """Whether engine ``eid`` is one dcr_ray did not start (its bootstrap first checks digests)."""
+        return eid in self.adopted
 
     def _spawn(self, eid: str, config: RefitConfig):
         cname, factory, bundle = self._plan[eid]

@@ -12,7 +12,9 @@ Call order within one transfer (driven by the engine actor)::
     flush()                   # make writes visible to the runtime (may push through the loader)
     # commit record written -> the engine activates the new version
 
-``load_dense`` bootstraps an engine (joining, or after it fell out of the required set).
+``load_dense`` bootstraps an engine (joining, or after it fell out of the required set). A backend that
+implements :meth:`EngineBackend.matches_digests` (adopted engines) is first asked whether it already
+serves the committed version; if so it joins without a dense bootstrap.
 """
 
 from __future__ import annotations
@@ -95,6 +97,16 @@ class EngineBackend(ABC):
     @abstractmethod
     def load_dense(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the named tensors' bits completely (bootstrap)."""
+
+    def matches_digests(self, version: int, digests: Mapping[tuple, str]) -> bool | None:
+        """Whether this engine already serves committed ``version``, shown by digest (optional).
+
+        ``digests``: ``{(name, start, stop): hex}``, the owners' committed box digests
+        (:mod:`dcr_ray.sharding.digest`). True: every box matches, the engine joins at ``version`` without
+        a dense bootstrap. False: it does not (or cannot show it): bootstrap densely. None (the default):
+        this backend does not check, so joining engines are bootstrapped densely.
+        """
+        return None
 
     def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8) -> list[dict]:
         """Greedy generation: per prompt ``{"token_ids", "logprobs"}`` (optional for a backend)."""

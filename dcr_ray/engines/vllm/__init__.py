@@ -52,18 +52,23 @@ Modules:
 - :mod:`~dcr_ray.engines.vllm.transfer`   the ``dcr`` backend of vLLM's weight-transfer API (every worker)
 - :mod:`~dcr_ray.engines.vllm.receiver`   one worker's host mirror: frames in, fused groups reloaded
 - :mod:`~dcr_ray.engines.vllm.plugin`     the vLLM plugin that registers the ``dcr`` backend
-- :mod:`~dcr_ray.engines.vllm.adopted`    :class:`AdoptedVllmEngine`: refit engines dcr_ray did not start
+- :mod:`~dcr_ray.engines.vllm.adopted`    :class:`AdoptedVllmEngine` / :class:`AdoptedVllmServer`: refit
+  engines dcr_ray did not start (Ray actors, or ``vllm serve`` processes by URL)
+- :mod:`~dcr_ray.engines.vllm.sync`       how the weight-transfer calls travel: Ray handles or HTTP
+- :mod:`~dcr_ray.engines.vllm.server`     ``python -m dcr_ray.engines.vllm.server``: ``vllm serve`` on CPU hosts
 
 Engines dcr_ray did not start (``LLM`` / ``AsyncLLM`` actors of veRL, OpenRLHF or your own code) are
 refit through vLLM's own weight-transfer API: start them with
 ``weight_transfer_config={"backend": "dcr"}`` and give ``ClusterSpec(adopt=[AdoptedVllmEngine(handle,
-checkpoint=...)])`` to :func:`dcr_ray.launch`.
+checkpoint=...)])`` to :func:`dcr_ray.launch`. OpenAI-compatible servers (``vllm serve`` with
+``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend": "dcr"}'``) are adopted by URL:
+``AdoptedVllmServer("http://host:8000", checkpoint=...)``.
 """
 
-from dcr_ray.engines.vllm.adopted import AdoptedVllmEngine
+from dcr_ray.engines.vllm.adopted import AdoptedVllmEngine, AdoptedVllmServer
 from dcr_ray.engines.vllm.backend import VllmBackend
 from dcr_ray.engines.vllm.compat import VLLM_CPU_RUNTIME_ENV
 from dcr_ray.engines.vllm.factory import VllmEngine
 from dcr_ray.engines.vllm.worker import WORKER_EXTENSION
 
-__all__ = ["AdoptedVllmEngine", "VLLM_CPU_RUNTIME_ENV", "VllmBackend", "VllmEngine", "WORKER_EXTENSION"]
+__all__ = ["AdoptedVllmEngine", "AdoptedVllmServer", "VLLM_CPU_RUNTIME_ENV", "VllmBackend", "VllmEngine", "WORKER_EXTENSION"]

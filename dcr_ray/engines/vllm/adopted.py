@@ -11,10 +11,18 @@ duplicate payloads) and drives the real engine with vLLM's own calls::
     flush      -> finish_weight_update(weight_version=str(target)); reset_prefix_cache()
 
 so the relay tree, the commit record, retries and the dirty-engine handling are the same as for
-engines dcr_ray starts. The workers validate every frame again before writing
+engines dcr_ray starts. The calls reach the engine through Ray actor handles (``LLM`` / ``AsyncLLM``
+actors) or over HTTP (``vllm serve`` processes, :class:`AdoptedVllmServer`); only the transport of the
+calls differs (:mod:`~dcr_ray.engines.vllm.sync`). The workers validate every frame again before writing
 (:class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver`). From ``finish_weight_update`` on the engine
 serves the new bits and tags outputs with their version; a refit that is abandoned after that point
 leaves the engine dirty, and the coordinator re-bootstraps it densely.
+
+Joining: before a dense bootstrap the coordinator asks the proxy whether the engine already holds the
+committed version (:meth:`WeightSyncBackend.matches_digests`): the engine's workers digest the
+canonical tensors they serve, box by box, against the owners' committed digests inside one
+``update_weights({"verify": ...})`` call that writes nothing. An engine started from the committed
+checkpoint joins without a single dense frame; any other is refit densely.
 
 What the proxy cannot do is read the served weights back (it sees only vLLM's public calls), so its
 ``tensors()`` refuses: check an adopted engine by its outputs and ``get_weight_version()``.
@@ -22,37 +30,38 @@ What the proxy cannot do is read the served weights back (it sees only vLLM's pu
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import logging
+from typing import Any, Mapping, Sequence
 
 from dcr_ray.codec import DecodedFrame
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray.engines.vllm.checkpoint import checkpoint_specs
+from dcr_ray.engines.vllm.sync import WeightSyncCalls, check_urls, make_calls
 from dcr_ray.errors import BackendError, ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class WeightSyncBackend(EngineBackend):
-    """The proxy's backend: forwards validated wire frames to vLLM engine actors' weight-transfer calls."""
+    """The proxy's backend: forwards validated wire frames through vLLM's weight-transfer calls.
+
+    ``calls`` is how the calls reach the engine (:mod:`~dcr_ray.engines.vllm.sync`: Ray actor handles or
+    server URLs); this class holds the refit logic for both.
+    """
 
     wants_wire_frames = True
 
-    def __init__(self, handles: Sequence[Any], checkpoint: str, *, version: int = 0, key: bytes | None = None,
-                 capture: bool | None = None, timeout_s: float = 300.0):
-        import ray
-
-        self._ray = ray
-        self.handles = list(handles)
+    def __init__(self, calls: WeightSyncCalls | Sequence[Any], checkpoint: str, *, version: int = 0,
+                 key: bytes | None = None, capture: bool | None = None, timeout_s: float = 300.0):
+        if not hasattr(calls, "update_weights") or isinstance(calls, (list, tuple)):
+            calls = make_calls(list(calls), timeout_s)  # Ray actor handles (the older signature) or URLs
+        self.calls: WeightSyncCalls = calls
         self.timeout_s = timeout_s
         self._specs = checkpoint_specs(checkpoint)
         self.version = version
         self._open: tuple[int, int] | None = None
-        self._call("init_weight_transfer_engine", {"init_info": {
-            "checkpoint": checkpoint, "version": version, "key": key.hex() if key else None, "capture": capture}})
-
-    def _call(self, method: str, *args) -> list:
-        try:
-            return self._ray.get([getattr(h, method).remote(*args) for h in self.handles], timeout=self.timeout_s)
-        except self._ray.exceptions.RayTaskError as e:
-            raise BackendError(f"adopted vLLM engine: {method} failed: {e.as_instanceof_cause()!r}") from e
+        self.calls.init_weight_transfer_engine({
+            "checkpoint": checkpoint, "version": version, "key": key.hex() if key else None, "capture": capture})
 
     # -- contract ----------------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -66,16 +75,16 @@ class WeightSyncBackend(EngineBackend):
         raise BackendError("an adopted vLLM engine takes wire frames (apply_wire), not decoded ones")
 
     def apply_wire(self, data: bytes, frame: DecodedFrame) -> None:
-        """Forward one validated frame to every handle (all DP replicas of this engine)."""
+        """Forward one validated frame to every replica of this engine."""
         update = (frame.meta.base, frame.meta.target)
         if self._open is None:
-            self._call("start_weight_update")
+            self.calls.start_weight_update()
             self._open = update
         elif self._open != update:
             raise BackendError(f"frame for {update[0]}->{update[1]} inside the open update "
                                f"{self._open[0]}->{self._open[1]}")
         try:
-            self._call("update_weights", {"update_info": {"base": update[0], "target": update[1], "frames": [data]}})
+            self.calls.update_weights({"base": update[0], "target": update[1], "frames": [data]})
         except BackendError:
             self._open = None  # vLLM closed its update session; the next frame (a retry) opens another
             raise
@@ -85,10 +94,13 @@ class WeightSyncBackend(EngineBackend):
         if self._open is None:
             return
         target = self._open[1]
-        self._call("finish_weight_update", str(target))
+        self.calls.finish_weight_update(str(target))
         self._open = None
         self.version = target
-        if not all(self._call("reset_prefix_cache")):
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.calls.reset_prefix_cache():
             raise BackendError("the adopted vLLM engine refused to reset its prefix cache (requests still "
                                "running): pause its generation around refits")
 
@@ -98,9 +110,32 @@ class WeightSyncBackend(EngineBackend):
         if self._open is None:
             return
         base, target = self._open
-        self._call("update_weights", {"update_info": {"base": base, "target": target, "abandon": True}})
-        self._call("finish_weight_update")
+        self.calls.update_weights({"base": base, "target": target, "abandon": True})
+        self.calls.finish_weight_update()
         self._open = None
+
+    def matches_digests(self, version: int, digests: Mapping[tuple, str]) -> bool:
+        """Whether every worker of the engine holds the boxes digested in ``digests`` (the owners' committed
+        ``version``); if so its outputs are tagged with ``version`` and no dense bootstrap is needed.
+
+        The workers digest what they serve (:meth:`~dcr_ray.engines.vllm.receiver.MirrorReceiver.box_digests`)
+        inside one ``update_weights`` call that writes nothing; a mismatch, or a worker that cannot prove
+        its bits (a mirror an abandoned update wrote into, a tensor-parallel shard on the capture path),
+        fails that call and this returns False.
+        """
+        if self._open is not None:
+            return False
+        boxes = [[name, list(start), list(stop), d] for (name, start, stop), d in digests.items()]
+        try:
+            self.calls.start_weight_update()
+            self.calls.update_weights({"base": version, "target": version, "verify": boxes})
+        except BackendError as e:
+            log.info("adopted vLLM engine at %s does not hold version %d: %s", self.calls.where, version, e)
+            return False
+        self.calls.finish_weight_update(str(version))
+        self._reset_prefix_cache()
+        self.version = version
+        return True
 
     def load_dense(self, tensors) -> None:
         raise BackendError("adopted engines are bootstrapped with dense frames through the refit protocol")
@@ -112,24 +147,74 @@ class WeightSyncBackend(EngineBackend):
 class AdoptedVllmEngine:
     """Engine factory for one adopted vLLM engine (give it to ``ClusterSpec(adopt=[...])``).
 
-    ``handles``: the Ray actor handle of an ``LLM`` / ``AsyncLLM`` actor (or of any actor exposing
-    vLLM's weight-transfer methods and ``reset_prefix_cache``), or a list of handles that are data
-    parallel replicas of one engine. ``checkpoint``: the directory it was started from, holding
-    ``version``. ``capture``: see :class:`~dcr_ray.engines.vllm.transfer.DcrInitInfo` (default: on CUDA).
+    ``handles``: what reaches the engine, either
+
+    - the Ray actor handle of an ``LLM`` / ``AsyncLLM`` actor (or of any actor exposing vLLM's
+      weight-transfer methods and ``reset_prefix_cache``), or a list of handles that are data parallel
+      replicas of one engine; or
+    - the base URL of an OpenAI-compatible ``vllm serve`` process (``"http://host:8000"``), or a list of
+      URLs of replicas, started with ``VLLM_SERVER_DEV_MODE=1`` and
+      ``--weight-transfer-config '{"backend": "dcr"}'`` (see :class:`AdoptedVllmServer`).
+
+    ``checkpoint``: the directory it was started from, holding ``version`` (readable by the proxy and by
+    the engine's workers). ``capture``: see :class:`~dcr_ray.engines.vllm.transfer.DcrInitInfo` (default:
+    on CUDA). ``timeout_s``: bound on each weight-transfer call.
+
+    When the engine joins, its workers digest the tensors they serve; if every tensor equals the owners'
+    committed version it joins as it is, else it is refit densely (see :meth:`WeightSyncBackend.matches_digests`).
     """
 
     def __init__(self, handles: Any, *, checkpoint: str, version: int = 0, key: bytes | None = None,
-                 capture: bool | None = None):
-        self.handles = list(handles) if isinstance(handles, (list, tuple)) else [handles]
-        if not self.handles or not all(hasattr(h, "update_weights") for h in self.handles):
+                 capture: bool | None = None, timeout_s: float = 300.0):
+        targets = list(handles) if isinstance(handles, (list, tuple)) else [handles]
+        urls = [t for t in targets if isinstance(t, str)]
+        if urls:
+            if len(urls) != len(targets):
+                raise ConfigError("AdoptedVllmEngine takes Ray actor handles or server URLs for one engine, "
+                                  "not both")
+            targets = check_urls(urls)
+        elif not targets or not all(hasattr(h, "update_weights") for h in targets):
             raise ConfigError("AdoptedVllmEngine needs Ray actor handles exposing vLLM's weight-transfer methods "
                               "(init_weight_transfer_engine, start_weight_update, update_weights, "
-                              "finish_weight_update)")
+                              "finish_weight_update), or vLLM server URLs ('http://host:port')")
+        if not isinstance(checkpoint, str) or not checkpoint:
+            raise ConfigError("AdoptedVllmEngine needs checkpoint=<the directory the engine was started from>")
+        if timeout_s <= 0:
+            raise ConfigError(f"AdoptedVllmEngine.timeout_s must be > 0, got {timeout_s}")
+        self.handles = targets
         self.checkpoint = checkpoint
         self.version = version
         self.key = key
         self.capture = capture
+        self.timeout_s = timeout_s
+
+    @property
+    def urls(self) -> list[str]:
+        """The server URLs, when this engine is adopted over HTTP (else empty)."""
+        return [t for t in self.handles if isinstance(t, str)]
 
     def __call__(self) -> WeightSyncBackend:
-        return WeightSyncBackend(self.handles, self.checkpoint, version=self.version, key=self.key,
-                                 capture=self.capture)
+        return WeightSyncBackend(make_calls(self.handles, self.timeout_s), self.checkpoint, version=self.version,
+                                 key=self.key, capture=self.capture, timeout_s=self.timeout_s)
+
+
+class AdoptedVllmServer(AdoptedVllmEngine):
+    """Engine factory for an OpenAI-compatible vLLM server dcr_ray did not start, adopted by its URL.
+
+    ::
+
+        VLLM_SERVER_DEV_MODE=1 vllm serve /ckpt --weight-transfer-config '{"backend": "dcr"}'
+        ClusterSpec(name="users", adopt=[AdoptedVllmServer("http://host:8000", checkpoint="/ckpt")])
+
+    ``url``: the server's base URL, or a list of URLs of data-parallel replicas of one engine. The proxy
+    drives the server's weight-transfer routes with vLLM's ``HTTPVLLMWeightSyncClient`` (frames as
+    base64 in the JSON body); ``/reset_prefix_cache`` and ``/weight_info`` as well, so the server
+    needs ``VLLM_SERVER_DEV_MODE=1`` (vLLM registers those routes only then). The proxy and the
+    server's workers both read ``checkpoint``. Other arguments: see :class:`AdoptedVllmEngine`.
+    """
+
+    def __init__(self, url: str | Sequence[str], *, checkpoint: str, version: int = 0, key: bytes | None = None,
+                 capture: bool | None = None, timeout_s: float = 300.0):
+        urls = [url] if isinstance(url, str) else list(url)
+        super().__init__(check_urls(urls), checkpoint=checkpoint, version=version, key=key, capture=capture,
+                         timeout_s=timeout_s)

@@ -14,6 +14,9 @@ that serves, whoever started it. Protocol of one update::
 
 The mirror is what the worker's loader is fed, never what is checked: the start-up self-check
 (:meth:`MirrorReceiver.check_reload_is_a_fresh_load`) compares the served parameters themselves.
+Having passed it, the mirror *is* what the worker serves (reloading it changes no served bit), and every
+``finish`` keeps it so; that is why :meth:`MirrorReceiver.verify` (does this worker serve committed
+version v?) digests the mirror.
 
 With ``capture`` (bit-addressable storage: CUDA) the model's loader is probed once per tensor at
 start-up (:class:`~dcr_ray.engines.vllm.capture.LoaderCapture`); tensors whose loader path is a plain
@@ -32,7 +35,7 @@ from dcr_ray.engines.vllm.capture import LoaderCapture
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
 from dcr_ray.engines.vllm.groups import fused_groups, reload_groups
 from dcr_ray.engines.vllm.storage import storage_digests
-from dcr_ray.errors import BackendError, EngineStateError
+from dcr_ray.errors import BackendError, ConfigError, EngineStateError
 
 #: Bound on one frame's decompressed size in a worker (frames are built in buckets far below this).
 MAX_FRAME_RAW_BYTES = 1 << 30
@@ -71,10 +74,13 @@ class MirrorReceiver:
         self.touched: set[str] = set()
         self.base: int | None = None
         self.target: int | None = None
+        #: the start-up self-check passed: the mirror holds exactly what the worker serves
+        self.mirror_is_served = False
 
     def check_reload_is_a_fresh_load(self) -> None:
         """Reload the checkpoint's own bits through :meth:`finish`'s path; refuse if any served bit moves."""
         if not self.mirror:
+            self.mirror_is_served = True
             return  # every tensor is written through captured copies: no reload path to check
         before = storage_digests(self.model)
         reload_groups(self.model, self.vllm_config, self._items(self.mirror))
@@ -84,7 +90,9 @@ class MirrorReceiver:
             raise BackendError(
                 f"vLLM's weight reload is not a fresh load for this model: reloading the checkpoint's own bits "
                 f"changed {len(changed)} parameter(s), e.g. {changed[:4]}; dcr_ray cannot refit it exactly on "
-                f"this vLLM version, so the dcr weight-transfer backend refuses to start")
+                f"this vLLM version, so the dcr weight-transfer backend refuses to start (or the engine "
+                f"was not started from the checkpoint given to init_weight_transfer_engine)")
+        self.mirror_is_served = True
 
     def begin(self, base: int, target: int) -> None:
         if base != BOOTSTRAP_BASE and base != self.version:
@@ -132,6 +140,70 @@ class MirrorReceiver:
         self.touched.clear()
         self.captured = []  # never written: live storage still holds the version
         self.base = self.target = None
+
+    def canonical(self, name: str) -> torch.Tensor:
+        """The canonical bits of ``name`` this worker serves: its mirror, or (capture path) live storage
+        read back through the recorded loader copies (:class:`BackendError` where this rank holds only a
+        shard of the tensor)."""
+        if name in self.mirror:
+            return self.mirror[name]
+        return self.capture.readback(name)
+
+    def verify(self, boxes: list) -> None:
+        """Check, writing nothing, that this worker serves the bits digested in ``boxes``.
+
+        ``boxes``: ``[[name, start, stop, digest], ...]`` (:func:`dcr_ray.sharding.digest.box_digests`
+        of the committed version, e.g. the owners' ``dcr_digests()``); together they must cover every
+        element of every checkpoint tensor. What is digested: on the mirror path the host mirror, which
+        the start-up self-check proved equal to the served parameters and every :meth:`finish` keeps
+        equal; on the capture path, tensors without a mirror are read back from live storage through
+        the loader's recorded copies. Raises :class:`EngineStateError` when a box differs, when the mirror
+        is not known to be what is served (an abandoned update wrote into it, the self-check was
+        skipped), or inside an open update; :class:`ConfigError` for a malformed request.
+        """
+        from dcr_ray.sharding.digest import box_digests
+
+        if self.target is not None:
+            raise EngineStateError(f"digest check inside the open update {self.base}->{self.target}")
+        if self.version is None:
+            raise EngineStateError("this vLLM worker's mirror holds no version (an abandoned update wrote into "
+                                   "it): it must be bootstrapped densely")
+        if not self.mirror_is_served:
+            raise EngineStateError("the start-up reload check was skipped (verify_reload=False), so this worker "
+                                   "cannot show that its mirror is what it serves")
+        by_name: dict[str, list[tuple[tuple, tuple, str]]] = {}
+        for b in boxes if isinstance(boxes, (list, tuple)) else [None]:
+            try:
+                name, start, stop, digest = b
+                start, stop = tuple(int(x) for x in start), tuple(int(x) for x in stop)
+                shape = self.specs[name][1]
+                ok = (isinstance(digest, str) and len(start) == len(stop) == len(shape)
+                      and all(0 <= a <= e <= n for a, e, n in zip(start, stop, shape)))
+            except (TypeError, ValueError, KeyError):
+                ok = False
+            if not ok:
+                raise ConfigError(f"verify: each box is [checkpoint tensor name, start, stop, digest] within "
+                                  f"the tensor's shape; got {str(b)[:200]}")
+            by_name.setdefault(name, []).append((start, stop, digest))
+        missing = [n for n in self.specs if n not in by_name]
+        if missing:
+            raise EngineStateError(f"verify: the digests cover {len(self.specs) - len(missing)} of "
+                                   f"{len(self.specs)} tensors (e.g. none for {missing[:3]}): cannot show this "
+                                   f"worker holds the version")
+        differ = []
+        for name, bs in by_name.items():
+            shape = self.specs[name][1]
+            covered = torch.zeros(shape, dtype=torch.bool)
+            for start, stop, _ in bs:
+                covered[tuple(slice(a, e) for a, e in zip(start, stop))] = True
+            if not bool(covered.all()):
+                raise EngineStateError(f"verify: the boxes of {name} do not cover all its elements")
+            got = box_digests({name: self.canonical(name)}, [(name, s, e) for s, e, _ in bs])
+            differ += [name for s, e, d in bs if got[(name, s, e)] != d]
+        if differ:
+            names = sorted(set(differ))
+            raise EngineStateError(f"this vLLM worker does not serve the committed version: {len(names)} of "
+                                   f"{len(self.specs)} tensors differ (e.g. {names[:3]})")
 
     def _items(self, names) -> list[tuple[str, torch.Tensor]]:
         """``names`` grown to whole fused groups, in checkpoint order, as loader input."""

@@ -11,6 +11,8 @@ own calls, on an ``LLM`` / ``AsyncLLM`` or through ``RayVLLMWeightSyncClient`` /
     finish_weight_update(weight_version=str(v + 1))
     # a refit that will not finish: update_weights({"update_info": {"base": v, "target": v + 1,
     #                                                               "abandon": True}}), then finish
+    # does this worker serve committed version v? (writes nothing; fails on any mismatch)
+    update_weights({"update_info": {"base": v, "target": v, "verify": [[name, start, stop, digest], ...]}})
 
 ``checkpoint`` is the directory the engine was started from (its canonical tensors seed the host
 mirror); ``key`` the hex of the shared frame key, if refits sign frames with one. Over HTTP, send
@@ -67,6 +69,11 @@ class DcrUpdateInfo(WeightTransferUpdateInfo):
     """The same frames, base64-encoded (for the JSON of the HTTP routes)."""
     abandon: bool = False
     """Leave the open update without reloading anything (the refit it belonged to was abandoned)."""
+    verify: list | None = None
+    """Instead of frames: ``[[name, start, stop, digest], ...]``, committed digests of canonical boxes
+    (:mod:`dcr_ray.sharding.digest`). Nothing is written; the call fails with
+    :class:`~dcr_ray.errors.EngineStateError` unless every box of what this worker serves has
+    that digest (see :meth:`MirrorReceiver.verify`). ``base`` = ``target`` = the committed version."""
 
 
 class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
@@ -103,6 +110,12 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         r = self._receiver()
         if update_info.abandon:
             r.abandon()
+            return
+        if update_info.verify is not None:
+            if update_info.frames or update_info.frames_b64:
+                raise ConfigError("update_weights: 'verify' checks digests and writes nothing; send frames "
+                                  "in another call")
+            r.verify(update_info.verify)
             return
         if r.target is None:
             r.begin(update_info.base, update_info.target)
