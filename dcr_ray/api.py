@@ -98,8 +98,11 @@ class Refit:
         """Refit now and wait for the report."""
         return ray.get(self.remote(), timeout=timeout)
 
-    def status(self) -> dict:
-        return ray.get(self._actor.status.remote())
+    def status(self, detail: bool = False) -> dict:
+        """The committed version and record, required engines and the refit in flight (``phase``); with
+        ``detail``, also each engine's version and state, relays per cluster and the last refits (what
+        ``dcr-ray status`` prints)."""
+        return ray.get(self._actor.status.remote(detail))
 
     def engines(self) -> dict:
         """Engine id -> engine actor handle."""

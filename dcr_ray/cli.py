@@ -3,6 +3,7 @@
 ::
 
     dcr-ray bench codec [--quick] [--json PATH]    codec benchmark (wire bytes, bounds, peers, GB/s)
+    dcr-ray status [--address ADDR] [--json]       a running topology: versions, engines, last refits
 
 Subcommand groups are added by the modules that own them (``dcr_ray.bench.MODULES`` for ``bench``),
 so this file only wires groups together.
@@ -16,6 +17,7 @@ import sys
 _EPILOG = """examples:
   dcr-ray bench codec --quick                  about a minute: table on stdout, progress on stderr
   dcr-ray bench codec --json out/codec.json    full run; also writes out/codec.png
+  dcr-ray status                               the topology running in the local Ray cluster
 
 Library use (refits on Ray) starts from `import dcr_ray` (dcr_ray.launch / dcr_ray.Refit)."""
 
@@ -38,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
     add_parsers(benches)
     bench.set_defaults(func=lambda args: _usage(bench))
+    from dcr_ray import status
+
+    status.add_parser(groups)
     parser.set_defaults(func=lambda args: _usage(parser))
     return parser
 

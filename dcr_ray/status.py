@@ -1,0 +1,78 @@
+"""``dcr-ray status``: what a running topology holds, read from its coordinator.
+
+Connects to a Ray cluster (``--address``, default: the local one), finds the coordinator by its name
+and prints the committed version and record, the refit in flight and its phase, each engine's version
+and state (``ready`` / ``receiving`` / ``staging`` / ``dirty`` / ``dead``), the relays per cluster,
+and the last refits (seconds per stage, wire bytes per cluster link, change rate, retries).
+``--json`` prints the same as one JSON object (what :meth:`dcr_ray.Refit.status` returns with
+``detail=True``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_parser(groups) -> None:
+    """Register ``status`` on the ``dcr-ray`` command's subparsers."""
+    p = groups.add_parser("status", help="show a running topology (versions, engines, refits)",
+                          description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", default="auto", help="Ray cluster address (default: the running local one)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import ray
+
+    from dcr_ray.api import Refit
+    from dcr_ray.options import NAMESPACE
+
+    try:
+        ray.init(address=args.address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+    except ConnectionError as e:
+        print(f"dcr-ray status: no Ray cluster at {args.address!r} ({e})", file=sys.stderr)
+        return 1
+    try:
+        refit = Refit.get()
+    except ValueError:
+        print("dcr-ray status: no dcr_ray topology runs in this Ray cluster (nothing named "
+              "'dcr_coordinator' in namespace 'dcr_ray')", file=sys.stderr)
+        return 1
+    st = refit.status(detail=True)
+    print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
+    return 0
+
+
+def format_status(st: dict) -> str:
+    """The text ``dcr-ray status`` prints for a ``status(detail=True)`` dict."""
+    rec = st.get("commit_record") or {}
+    ph = st.get("phase") or {}
+    lines = [f"committed version {st['version']} (transfer {rec.get('transfer')}, epoch {st.get('epoch', 0)}, "
+             f"{len(st['required'])}/{len(st['engines'])} engines required), transport {st['transport']}"]
+    if ph.get("phase", "idle") != "idle":
+        lines.append(f"refit in flight: v{ph.get('target')} attempt {ph.get('attempt')} in phase "
+                     f"'{ph['phase']}' for {time.time() - ph.get('since', time.time()):.1f} s")
+    else:
+        lines.append("no refit in flight")
+    lines += ["", f"{'engine':<20} {'cluster':<12} {'version':>7}  {'state':<14} required"]
+    for e in st.get("engine_states", []):
+        lines.append(f"{e['engine']:<20} {str(e.get('cluster')):<12} {str(e.get('version')):>7}  "
+                     f"{e.get('phase', '?'):<14} {'yes' if e.get('required') else 'no'}")
+    relays = st.get("relays") or {}
+    if relays:
+        lines += ["", "relays: " + "; ".join(f"{c}: {', '.join(sorted(r))}" for c, r in sorted(relays.items()))]
+    refits = st.get("last_refits") or []
+    if refits:
+        lines += ["", f"{'version':>7} {'total s':>8} {'stream s':>8} {'commit s':>8} {'wire MB':>8} "
+                      f"{'changed':>8} {'retries':>7}  link MB per cluster"]
+        for r in refits:
+            s = r.get("seconds", {})
+            links = ", ".join(f"{c}: {b / 1e6:.2f}" for c, b in (r.get("link_bytes") or {}).items())
+            lines.append(f"{r['version']:>7} {s.get('total', 0):>8.2f} {s.get('stream', 0):>8.2f} "
+                         f"{s.get('commit', 0):>8.2f} {r.get('wire_bytes', 0) / 1e6:>8.2f} "
+                         f"{100 * r.get('change_rate', 0):>7.2f}% {r.get('attempts', 1) - 1:>7}  {links}")
+    return "\n".join(lines)

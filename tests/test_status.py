@@ -1,0 +1,62 @@
+"""``Refit.status(detail=True)`` and ``dcr-ray status`` show a running topology as it is."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import raytools  # noqa: F401
+
+import pytest
+import ray
+
+import dcr_ray
+from dcr_ray.status import format_status
+from dcr_ray.testing.models import ModelSpec
+from dcr_ray.testing.trainer import TinyTrainer
+
+pytestmark = pytest.mark.slow
+SPEC = ModelSpec(size="tiny")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    raytools.init_local_ray()
+    yield
+    ray.shutdown()
+
+
+def test_status_lists_versions_engine_states_relays_and_the_last_refits_and_the_cli_prints_them(local_ray):
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    trainer = ray.remote(num_cpus=0)(TinyTrainer).remote(SPEC, lr=1e-3)
+    refit = dcr_ray.launch(owners=[trainer], engine=dcr_ray.HFEngine(SPEC),
+                           clusters=[dcr_ray.ClusterSpec(name="a", engines=2), dcr_ray.ClusterSpec(name="b", engines=1)])
+    try:
+        ray.get(trainer.step.remote(seed=0))
+        report = refit.run()
+        st = refit.status(detail=True)
+        assert st["version"] == 1 and st["phase"]["phase"] == "idle"
+        assert [(e["engine"], e["cluster"], e["version"], e["phase"], e["required"]) for e in st["engine_states"]] == [
+            ("a/e0", "a", 1, "ready", True), ("a/e1", "a", 1, "ready", True), ("b/e0", "b", 1, "ready", True)]
+        assert st["relays"] == {"a": ["a/head"], "b": ["b/head"]}
+        (last,) = st["last_refits"]
+        assert last["version"] == 1 and last["link_bytes"] == report.link_bytes and last["change_rate"] > 0
+        text = format_status(st)
+        assert "committed version 1" in text and "no refit in flight" in text and "b/e0" in text
+
+        out = subprocess.run([sys.executable, "-m", "dcr_ray.cli", "status", "--json"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        printed = json.loads(out.stdout)
+        assert printed["version"] == 1 and len(printed["engine_states"]) == 3
+
+        ray.kill(refit.engines()["a/e1"])
+        states = {e["engine"]: e["phase"] for e in refit.status(detail=True)["engine_states"]}
+        assert states["a/e1"] == "dead" and states["a/e0"] == "ready"
+    finally:
+        refit.shutdown()
+    out = subprocess.run([sys.executable, "-m", "dcr_ray.cli", "status"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and "no dcr_ray topology runs" in out.stderr
