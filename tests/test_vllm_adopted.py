@@ -91,6 +91,70 @@ def test_an_adopted_engine_refit_over_adamw_steps_serves_what_a_fresh_engine_ser
     assert got != before
 
 
+def test_an_adopted_engine_holding_the_committed_version_joins_without_dense_frames_and_another_is_refit_densely(
+        local_ray, tmp_path):
+    """Bootstrap checks digests: the engine started from version 0's checkpoint receives no frame at all;
+    the one started from another checkpoint is refit densely and then serves what a fresh engine serves."""
+    spec = ModelSpec(arch="qwen2", seed=5)
+    ckpt = save_checkpoint(build_model(spec), str(tmp_path / "v0"))
+    other = save_checkpoint(build_model(spec.with_seed(6)), str(tmp_path / "other"))
+    same, differs = _start_user_engine(ckpt), _start_user_engine(other)
+    trainer = ray.remote(num_cpus=0)(TinyTrainer).remote(spec, lr=1e-3)
+    try:
+        fresh0 = _serve(same)  # a0 is a freshly loaded engine of version 0: the reference
+        assert _serve(differs) != fresh0
+        refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="users", adopt=[
+            AdoptedVllmEngine(same, checkpoint=ckpt), AdoptedVllmEngine(differs, checkpoint=other)])])
+        try:
+            info = {e: ray.get(h.info.remote()) for e, h in refit.engines().items()}
+            assert info["users/a0"]["applied"] == 0 and info["users/a0"]["joined_by_digest"] == 1
+            assert info["users/a1"]["applied"] > 0 and "joined_by_digest" not in info["users/a1"]
+            assert refit.status()["required"] == ["users/a0", "users/a1"]
+            assert [ray.get(u.get_weight_version.remote()) for u in (same, differs)] == ["0", "0"]
+            assert _serve(differs) == fresh0  # token ids and logprobs, exactly
+            ray.get(trainer.step.remote(seed=1))
+            report = ray.get(refit.remote())
+            assert report.engine_versions == {"users/a0": 1, "users/a1": 1}
+            assert _serve(differs) == _serve(same) != fresh0
+        finally:
+            refit.shutdown()
+    finally:
+        for u in (same, differs):
+            ray.kill(u)
+
+
+def test_a_digest_check_writes_nothing_and_refuses_malformed_or_partial_requests(local_ray, tmp_path):
+    """The worker side of the check, through vLLM's own calls: a match, a mismatch, a box list that does not
+    cover every tensor, and malformed boxes; the engine serves what it served throughout."""
+    from dcr_ray.sharding.digest import box_digests
+
+    model = build_model(ModelSpec(arch="qwen2", seed=7))
+    ckpt = save_checkpoint(model, str(tmp_path))
+    user = _start_user_engine(ckpt)
+    try:
+        ray.get(user.init_weight_transfer_engine.remote({"init_info": {"checkpoint": ckpt, "version": 0}}))
+        before = _serve(user)
+        sd = dcr_ray.checkpoint_state_dict(model)
+        whole = [(n, (0,) * t.dim(), tuple(t.shape)) for n, t in sd.items()]
+        good = [[n, list(a), list(b), d] for (n, a, b), d in box_digests(sd, whole).items()]
+
+        def verify(boxes):
+            ray.get(user.start_weight_update.remote())
+            ray.get(user.update_weights.remote({"update_info": {"base": 0, "target": 0, "verify": boxes}}))
+            ray.get(user.finish_weight_update.remote())
+
+        verify(good)
+        wrong = [b if i else [b[0], b[1], b[2], "0" * 32] for i, b in enumerate(good)]
+        for boxes, why in [(wrong, "does not serve the committed version: 1 of"), (good[1:], "cover"),
+                           ([["no.such.weight", [0], [1], "00"]], "each box is"),
+                           ([[good[0][0], [0, 0], [10 ** 9, 1], "00"]], "each box is")]:
+            with pytest.raises(ray.exceptions.RayTaskError, match=why):
+                verify(boxes)
+        assert _serve(user) == before
+    finally:
+        ray.kill(user)
+
+
 def test_bad_frames_leave_an_adopted_engine_serving_what_it_served(local_ray, tmp_path):
     """Unknown tensor, wrong base version, wrong key: each update is refused before any write."""
     spec = ModelSpec(arch="qwen2", seed=4)
