@@ -159,31 +159,6 @@ class CoordinatorActor(Recovery):
         self.required |= set(engine_ids)
         log.info("dcr_ray: bootstrapped %d engines densely at version %d", len(engine_ids), self.version)
 
-    def _join_by_digest(self, engine_ids: list[str]) -> list[str]:
-        """Adopted engines among ``engine_ids`` whose served tensors have the owners' committed box
-        digests join the required set without dense frames; returns the engines still to bootstrap.
-        Any failure of the check leaves every engine to the dense bootstrap."""
-        adopted = [e for e in engine_ids if self.topology.is_adopted(e)]
-        if not adopted:
-            return engine_ids
-        t = self.config.commit.timeout_s
-        try:
-            digests: dict = {}
-            for d in get_all({o: h.dcr_digests.remote() for o, h in self.owners.items()}, t,
-                             "bootstrap digests").values():
-                digests.update(d)
-            joined = get_all({e: self.engines[e].join_by_digest.remote(self.version, digests) for e in adopted},
-                             t, "bootstrap digest check")
-        except Exception as e:
-            log.warning("dcr_ray: digest check of adopted engines %s failed (%r); bootstrapping densely", adopted, e)
-            return engine_ids
-        ok = sorted(e for e, j in joined.items() if j)
-        self.required |= set(ok)
-        if ok:
-            log.info("dcr_ray: %s already serve version %d (digests match): joined without a dense bootstrap",
-                     ok, self.version)
-        return [e for e in engine_ids if e not in ok]
-
     # -- helpers ----------------------------------------------------------------------------------
     # -- one refit ----------------------------------------------------------------------------------
     def refit(self) -> RefitReport:
