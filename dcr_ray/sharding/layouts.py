@@ -87,7 +87,10 @@ def from_dtensor(name: str, t: torch.Tensor) -> tuple[torch.Tensor, ShardSpec] |
 def replicated_share(name: str, canonical_shape: tuple[int, ...], offset: tuple[int, ...], local: torch.Tensor,
                      replica: int, replicas: int) -> tuple[torch.Tensor, ShardSpec] | None:
     """Replica ``replica`` of ``replicas`` identical copies of the box of ``name`` at ``offset``: its rows
-    (the i-th of ``torch.tensor_split``'s near-equal parts), or the whole box for replica 0 of a scalar."""
+    (the i-th of ``torch.tensor_split``'s near-equal parts), or the whole box for replica 0 of a scalar.
+    An empty box (FSDP2's empty last shards when a dimension has fewer rows than ranks) has no part."""
+    if local.numel() == 0:
+        return None
     if local.dim() == 0 or replicas == 1:
         if replica:
             return None

@@ -76,6 +76,8 @@ def _changes(td: TensorDelta, old_bits) -> tuple[np.ndarray, np.ndarray, np.ndar
             ps.append(p[keep]), xs.append(x[keep]), ns.append(n[keep])
         else:
             ps.append(c.positions()), xs.append(c.xor), ns.append(c.new)
+    if not ps:  # a changed set with no chunks: nothing to project
+        return np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.uint8)
     if len(ps) == 1:
         return ps[0], xs[0], ns[0]
     return np.concatenate(ps), np.concatenate(xs), np.concatenate(ns)
