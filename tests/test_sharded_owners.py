@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 DENSE = ModelSpec(arch="qwen2", size="tiny", seed=0, tie_word_embeddings=True)  # lm_head tied to embed_tokens
 MOE = ModelSpec(arch="qwen3_moe", size="tiny", seed=3)  # 4 stacked experts per layer
+MIXTRAL = ModelSpec(arch="mixtral", size="tiny", seed=4)  # its router is block_sparse_moe.gate on disk
 CONFIG = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(chunk_elems=1 << 12, bucket_bytes=1 << 16))
 
 
@@ -95,16 +96,20 @@ def test_fsdp2_by_tensor_parallel_qwen2_ranks_refit_engines_to_exactly_the_gathe
         refit.shutdown()
 
 
+@pytest.mark.parametrize("spec,dp,tp,expert", [
+    (MOE, 2, 2, "model.layers.0.mlp.experts.3.up_proj.weight"),
+    (MIXTRAL, 2, 1, "model.layers.1.block_sparse_moe.experts.2.w3.weight"),
+], ids=["qwen3_moe-fsdp2xtp2", "mixtral-fsdp2"])
 def test_fsdp2_by_tensor_parallel_moe_ranks_send_stacked_experts_onto_per_expert_checkpoint_tensors(
-        local_ray, tmp_path):
-    ranks = start_ranks(MOE, dp=2, tp=2, names="checkpoint")
+        local_ray, tmp_path, spec, dp, tp, expert):
+    ranks = start_ranks(spec, dp=dp, tp=tp, names="checkpoint")
     try:
         owned = {n for names in ray.get([r.covers.remote() for r in ranks]) for n in names}
-        assert "model.layers.0.mlp.experts.3.up_proj.weight" in owned  # stacked -> per-expert tensors
-        refit = dcr_ray.launch(owners=ranks, engine=CheckpointHFEngine(MOE.with_seed(7)), config=CONFIG,
+        assert expert in owned  # stacked experts -> per-expert checkpoint tensors
+        refit = dcr_ray.launch(owners=ranks, engine=CheckpointHFEngine(spec.with_seed(7)), config=CONFIG,
                                clusters=[dcr_ray.ClusterSpec(name="a", engines=2)])
         try:
-            _train_and_refit(ranks, refit, MOE, tmp_path)
+            _train_and_refit(ranks, refit, spec, tmp_path)
         finally:
             refit.shutdown()
     finally:

@@ -28,6 +28,7 @@ The driver picks a free port and creates ``world = dp * tp`` actors with ranks `
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Callable
@@ -105,6 +106,9 @@ class ShardedTrainer(OwnerMixin):
         if names not in ("model", "checkpoint"):
             raise ValueError(f"names must be 'model' or 'checkpoint', got {names!r}")
         torch.set_num_threads(threads)
+        # gathered_state() all-gathers strided shards in two steps, which torch warns may reduce in another
+        # order on each rank: an all-gather moves bits and does no arithmetic, so it is exact here
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         if not torch.distributed.is_initialized():
             torch.distributed.init_process_group("gloo", rank=rank, world_size=dp * tp)
