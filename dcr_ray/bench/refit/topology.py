@@ -1,14 +1,16 @@
 """Launching a benchmark topology, and switching the emulated link at its cluster boundary.
 
 A topology is ``dcr_ray.launch`` of one ``rollout`` cluster behind an emulated link
-(:class:`~dcr_ray.testing.links.EmulatedLinks`), fed either by two synthetic owners (``stress``) or by one
-real AdamW trainer (``adamw``). The link stays off through the dense bootstrap and is switched on before
-the first timed refit.
+(:class:`~dcr_ray.testing.links.EmulatedLinks`), fed either by two synthetic owners (``stress``, light
+engines) or by one real AdamW trainer (``adamw``: ``transformers`` engines, or dcr_ray-started vLLM engines
+on CPU). The link stays off through the dense bootstrap and is switched on before the first timed refit.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -35,6 +37,14 @@ class Topology:
     link_mbps: float | None = None
     latency_s: float = 0.0
     owner_share_bytes: int = 0
+    engine_kind: str = "synthetic"  # "synthetic" (stress), "hf" or "vllm"
+    spec: object = None  # the ModelSpec of the adamw cases
+    cleanup: list = None  # directories to remove at shutdown (vLLM engines' starting checkpoint)
+
+    @property
+    def engine_pid_of(self) -> dict:
+        """Engine id -> process id."""
+        return dict(zip(self.engines, self.engine_pids))
 
     def _link_holders(self) -> dict:
         """Actors whose emulated link a payload crosses: relay heads, or engines reading storage."""
@@ -61,6 +71,8 @@ class Topology:
         finally:
             for h in self.owners.values():
                 ray.kill(h)
+            for d in self.cleanup or ():
+                shutil.rmtree(d, ignore_errors=True)
 
 
 def _set_link(actor_self, mbps, latency_s) -> None:
@@ -135,23 +147,43 @@ def launch_stress(s: Settings, transport: str) -> Topology:
     return _finish_launch("stress", transport, refit, owners, 2 * numel, numel, s.size, s, share)
 
 
-def launch_adamw(s: Settings, transport: str) -> Topology:
-    """One real trainer of the ``small`` model (AdamW) as owner; ``s.engines`` transformers engines."""
+def launch_adamw(s: Settings, transport: str, receiver: str = "hf") -> Topology:
+    """One real trainer of the ``small`` model (AdamW) as owner; ``s.engines`` engines of ``receiver``:
+    ``hf`` (:class:`~dcr_ray.HFEngine`) or ``vllm`` (:class:`~dcr_ray.engines.vllm.VllmEngine` started by
+    dcr_ray from a checkpoint of another random init; the dense bootstrap replaces its bits)."""
     import ray
 
     import dcr_ray
     from dcr_ray.options import actor_options
-
-    from dcr_ray.testing.models import ModelSpec
+    from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint
 
     spec = ModelSpec(size="small", seed=s.seed)
-    log(f"[{transport}] real-update topology: small model, AdamW lr={s.real_lr:g}, {s.engines} HF engines")
+    log(f"[{transport}] real-update topology: small model, AdamW lr={s.real_lr:g}, {s.engines} "
+        f"{'vLLM (CPU)' if receiver == 'vllm' else 'HF'} engines")
+    cleanup = []
+    if receiver == "vllm":
+        from dcr_ray.engines.vllm import VllmEngine
+
+        ckpt = tempfile.mkdtemp(prefix="dcr_bench_vllm_")
+        cleanup.append(ckpt)
+        save_checkpoint(build_model(spec.with_seed(s.seed + 1)), ckpt)
+        engine = VllmEngine(ckpt)
+    else:
+        engine = dcr_ray.HFEngine(spec.with_seed(s.seed + 1))
     Trainer = ray.remote(BenchTrainer)
     trainer = Trainer.options(**actor_options("owner", "dcr_bench_trainer")).remote(spec, lr=s.real_lr)
     owners = {"trainer": trainer}
     ray.get(trainer.bench_set_baseline.remote(s.baseline))
     t = time.perf_counter()
-    refit = _launch(s, transport, owners=owners, engine=dcr_ray.HFEngine(spec.with_seed(s.seed + 1)))
+    try:
+        refit = _launch(s, transport, owners=owners, engine=engine)
+    except BaseException:
+        ray.kill(trainer)
+        for d in cleanup:
+            shutil.rmtree(d, ignore_errors=True)
+        raise
     numel = sum(ray.get(trainer.__ray_call__.remote(lambda self: [t.numel() for t in self.dcr_tensors().values()])))
     log(f"  up in {time.perf_counter() - t:.1f}s ({numel / 1e6:.1f} M parameters)")
-    return _finish_launch("adamw", transport, refit, owners, 2 * numel, numel, "small", s, 2 * numel)
+    topo = _finish_launch("adamw", transport, refit, owners, 2 * numel, numel, "small", s, 2 * numel)
+    topo.engine_kind, topo.spec, topo.cleanup = receiver, spec, cleanup
+    return topo
