@@ -138,19 +138,24 @@ def test_a_digest_check_writes_nothing_and_refuses_malformed_or_partial_requests
         whole = [(n, (0,) * t.dim(), tuple(t.shape)) for n, t in sd.items()]
         good = [[n, list(a), list(b), d] for (n, a, b), d in box_digests(sd, whole).items()]
 
-        def verify(boxes):
+        def verify(boxes, version=0):
             ray.get(user.start_weight_update.remote())
-            ray.get(user.update_weights.remote({"update_info": {"base": 0, "target": 0, "verify": boxes}}))
+            ray.get(user.update_weights.remote({"update_info": {"base": version, "target": version,
+                                                                "verify": boxes}}))
             ray.get(user.finish_weight_update.remote())
 
         verify(good)
         wrong = [b if i else [b[0], b[1], b[2], "0" * 32] for i, b in enumerate(good)]
-        for boxes, why in [(wrong, "does not serve the committed version: 1 of"), (good[1:], "cover"),
+        for boxes, why in [(wrong, "does not serve the committed version 0: 1 of"), (good[1:], "cover"),
                            ([["no.such.weight", [0], [1], "00"]], "each box is"),
                            ([[good[0][0], [0, 0], [10 ** 9, 1], "00"]], "each box is")]:
             with pytest.raises(ray.exceptions.RayTaskError, match=why):
                 verify(boxes)
         assert _serve(user) == before
+        verify(good, version=4)  # a match at version 4: the workers' next update must start from 4
+        ray.get(user.start_weight_update.remote())
+        with pytest.raises(ray.exceptions.RayTaskError, match="holds version 4"):
+            ray.get(user.update_weights.remote({"update_info": {"base": 0, "target": 1, "frames": []}}))
     finally:
         ray.kill(user)
 

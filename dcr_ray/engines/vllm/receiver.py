@@ -149,8 +149,9 @@ class MirrorReceiver:
             return self.mirror[name]
         return self.capture.readback(name)
 
-    def verify(self, boxes: list) -> None:
-        """Check, writing nothing, that this worker serves the bits digested in ``boxes``.
+    def verify(self, boxes: list, version: int) -> None:
+        """Check, writing nothing, that this worker serves the bits digested in ``boxes`` (committed
+        ``version``); if so, the mirror holds ``version`` from now on (the next update's base).
 
         ``boxes``: ``[[name, start, stop, digest], ...]`` (:func:`dcr_ray.sharding.digest.box_digests`
         of the committed version, e.g. the owners' ``dcr_digests()``); together they must cover every
@@ -202,8 +203,9 @@ class MirrorReceiver:
             differ += [name for s, e, d in bs if got[(name, s, e)] != d]
         if differ:
             names = sorted(set(differ))
-            raise EngineStateError(f"this vLLM worker does not serve the committed version: {len(names)} of "
-                                   f"{len(self.specs)} tensors differ (e.g. {names[:3]})")
+            raise EngineStateError(f"this vLLM worker does not serve the committed version {version}: "
+                                   f"{len(names)} of {len(self.specs)} tensors differ (e.g. {names[:3]})")
+        self.version = version
 
     def _items(self, names) -> list[tuple[str, torch.Tensor]]:
         """``names`` grown to whole fused groups, in checkpoint order, as loader input."""

@@ -115,7 +115,10 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             if update_info.frames or update_info.frames_b64:
                 raise ConfigError("update_weights: 'verify' checks digests and writes nothing; send frames "
                                   "in another call")
-            r.verify(update_info.verify)
+            if update_info.base != update_info.target:
+                raise ConfigError(f"update_weights: a digest check names one version (base == target), got "
+                                  f"{update_info.base}->{update_info.target}")
+            r.verify(update_info.verify, update_info.base)
             return
         if r.target is None:
             r.begin(update_info.base, update_info.target)
