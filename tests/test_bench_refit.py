@@ -148,7 +148,7 @@ def test_the_vllm_receiver_case_is_summarised_tabled_and_plotted_beside_the_tran
               "tokens_equal": True, "logprobs_equal": True, "exact": True}],
          "machine": {"loadavg_start": (0, 0, 0), "loadavg_end": (0, 0, 0)}}
     text = R.format_table(r)
-    assert "vLLM engines (CPU)" in text and "rollout/e1 0.500s / 2.00 GB" in text and "logprobs ==" in text
+    assert "vLLM engines (CPU)" in text and "rollout/e1 0.500s (flush -s) / 2.00 GB" in text and "logprobs ==" in text
     md = R.markdown(r)
     assert md.count("\n| adamw-vllm | vllm | relay |") == 2
     assert "| vLLM engines (CPU) | relay | 2 | 1.200% |" in md

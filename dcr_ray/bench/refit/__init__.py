@@ -17,6 +17,10 @@ What runs (real Ray on this machine, loopback only):
   ``transformers`` backend, without a model around it); each case changes a uniform ``rate`` of the
   elements by a relative ``1e-2 * randn`` (one ulp when rounding would leave an element unchanged),
   the recipe of ``dcr-ray bench codec``.
+  ``adamw-vllm``: the same trainer, steps and refits received by dcr_ray-started vLLM engines on CPU
+  (:class:`~dcr_ray.engines.vllm.VllmEngine`, mirror mode: frames into the host mirror, touched fused groups
+  through vLLM's ``reload_weights``). ``--receivers hf,vllm`` picks the receivers of the real-update cases
+  (default both; ``hf`` alone with ``--quick``: vLLM engines take about half a minute each to start here).
 - **Reference.** Transport-only full checkpoint: every canonical byte crosses each link once, with no
   encoding or apply cost, timed by the same link model (``bytes * 8 / bw + latency``). The model is
   checked against a measured push of the whole checkpoint through a relay head (``reference_check``).
@@ -32,6 +36,13 @@ What runs (real Ray on this machine, loopback only):
   time + latency) as a fraction of refit time, owner and engine peak RSS during the refit (VmHWM,
   reset before each refit), and ``bit_exact``: SHA-256 of every tensor's integer view, owners vs every
   engine, after every refit, plus an element-wise integer-view comparison at the end of each topology.
+  Per engine (``engine_kind``: ``synthetic``, ``hf`` or ``vllm``): ``engine_apply_s`` (validate + apply
+  + flush, what its ACK reported; ``apply_seconds`` is the slowest engine's), ``engine_peaks`` (peak RSS
+  during the refit) and ``engine_refit_added_bytes`` (peak minus the RSS the refit began with). A vLLM
+  engine's tensors are its host mirror, so at the end of ``adamw-vllm`` the engines' *served* state is also
+  compared with a fresh vLLM engine started from a checkpoint of the trainer's current BF16 weights:
+  digests of every live parameter and buffer, greedy token ids and logprobs, all with ``==``
+  (``served``, folded into ``bit_exact``).
 - **Sweep** over link bandwidth (10 Mbit/s .. 10 Gbit/s) at 3%: a *model* (measured compute-bound
   refit time with no link, measured overhead outside the link at the headline link, the link model)
   and a few measured points.
@@ -43,10 +54,12 @@ Modules, one idea each:
 - :mod:`.settings`      :class:`Settings` of one run and the constants the modules share
 - :mod:`.cli`           the ``refit`` subcommand's options and entry point (:func:`run`)
 - :mod:`.actors`        what runs inside the Ray actors: synthetic owners, the AdamW trainer, the light
-  engine backend, and their probes (fingerprints, peer measurements)
-- :mod:`.topology`      launching a stress or AdamW topology; switching its emulated link
+  engine backend, and their probes (fingerprints, peer measurements, engines' apply seconds)
+- :mod:`.topology`      launching a stress or AdamW topology (transformers or vLLM engines); switching its
+  emulated link
 - :mod:`.memory`        peak RSS of the actor processes during a refit
 - :mod:`.measure`       one measured refit, bit-exactness checks, the reference model and its check
+- :mod:`.served`        what vLLM engines serve vs a fresh dense vLLM engine (live storage, greedy outputs)
 - :mod:`.runner`        the whole run (:func:`run_bench`): every case, then the derived results
 - :mod:`.sweep`         the link-bandwidth sweep model
 - :mod:`.large_models`  the projection to large models
@@ -65,20 +78,22 @@ from dcr_ray.bench.refit.large_models import (NEMO, PROJECTION_APPLIERS, PROJECT
 from dcr_ray.bench.refit.measure import (check_exact, check_exact_elementwise, measure_refit, reference_check,
                                          reference_seconds)
 from dcr_ray.bench.refit.memory import MemorySampler
-from dcr_ray.bench.refit.report import format_table, markdown, plot
+from dcr_ray.bench.refit.report import format_table, markdown, plot, receivers_markdown
 from dcr_ray.bench.refit.runner import run_adamw, run_bench, run_stress, summarise
+from dcr_ray.bench.refit.served import DenseVllmReference, check_served, engine_served
 from dcr_ray.bench.refit.settings import (DEFAULT_BUCKET_MIB, DEFAULT_LATENCY_MS, DEFAULT_LINK_MBPS, PEERS,
-                                          STRESS_RATES, TRANSPORTS, Settings)
+                                          RECEIVER_CASE, RECEIVERS, STRESS_RATES, TRANSPORTS, Settings)
 from dcr_ray.bench.refit.sweep import SWEEP_MBPS, SWEEP_MEASURED_FACTORS, sweep_model
 from dcr_ray.bench.refit.targets import TARGETS, checks
 from dcr_ray.bench.refit.topology import Topology, launch_adamw, launch_stress
 
 __all__ = [
-    "BenchOwner", "BenchTrainer", "DEFAULT_BUCKET_MIB", "DEFAULT_LATENCY_MS", "DEFAULT_LINK_MBPS", "MemorySampler",
-    "NEMO", "PEERS", "PROJECTION_APPLIERS", "PROJECTION_LINK_MBPS", "PROJECTION_MODELS", "PROJECTION_OWNERS",
-    "STRESS_RATES", "SWEEP_MBPS", "SWEEP_MEASURED_FACTORS", "Settings", "SyntheticBackend", "SyntheticEngine",
-    "TARGETS", "TRANSPORTS", "Topology", "add_parser", "canonical_shapes", "check_exact", "check_exact_elementwise",
-    "checks", "format_table", "launch_adamw", "launch_stress", "markdown", "measure_refit", "plot", "projection",
-    "reference_check", "reference_seconds", "run", "run_adamw", "run_bench", "run_stress", "summarise",
-    "sweep_model",
+    "BenchOwner", "BenchTrainer", "DEFAULT_BUCKET_MIB", "DEFAULT_LATENCY_MS", "DEFAULT_LINK_MBPS",
+    "DenseVllmReference", "MemorySampler", "NEMO", "PEERS", "PROJECTION_APPLIERS", "PROJECTION_LINK_MBPS",
+    "PROJECTION_MODELS", "PROJECTION_OWNERS", "RECEIVERS", "RECEIVER_CASE", "STRESS_RATES", "SWEEP_MBPS",
+    "SWEEP_MEASURED_FACTORS", "Settings", "SyntheticBackend", "SyntheticEngine", "TARGETS", "TRANSPORTS",
+    "Topology", "add_parser", "canonical_shapes", "check_exact", "check_exact_elementwise", "check_served",
+    "checks", "engine_served", "format_table", "launch_adamw", "launch_stress", "markdown", "measure_refit", "plot",
+    "projection", "receivers_markdown", "reference_check", "reference_seconds", "run", "run_adamw", "run_bench",
+    "run_stress", "summarise", "sweep_model",
 ]

@@ -49,8 +49,26 @@ def engine_digests(self) -> dict[str, str]:
 
 def engine_apply_stats(self) -> dict:
     """An engine actor's apply seconds of its last refit (validate + apply + flush, what its ACK reported;
-    kept until the next ``prepare``) and, for vLLM, its last flush's counts (run in it with ``__ray_call__``)."""
-    return {"apply_s": self._apply_s, "flush": dict(getattr(self.backend, "last_flush", None) or {})}
+    kept until the next ``prepare``), the backend flush's share of them (after :func:`time_backend_flush`)
+    and, for vLLM, its last flush's counts (run in it with ``__ray_call__``)."""
+    return {"apply_s": self._apply_s, "flush_s": getattr(self.backend, "_bench_flush_s", None),
+            "flush": dict(getattr(self.backend, "last_flush", None) or {})}
+
+
+def time_backend_flush(self) -> None:
+    """Time the backend's ``flush`` (vLLM: reload of the touched fused groups into the runtime) in an engine
+    actor from now on (run in it with ``__ray_call__``); the time lands in ``backend._bench_flush_s``."""
+    backend = self.backend
+    inner = backend.flush
+
+    def flush():
+        t = time.perf_counter()
+        try:
+            inner()
+        finally:
+            backend._bench_flush_s = time.perf_counter() - t
+
+    backend.flush = flush
 
 
 class _Probe:

@@ -108,6 +108,7 @@ def measure_refit(topo: Topology, *, with_peers: bool = True) -> dict:
         # the receiver: its kind, and per engine its apply seconds and peak memory during this refit
         "engine_kind": topo.engine_kind, "apply_seconds": max(v["apply_s"] for v in per_engine.values()),
         "engine_apply_s": {k: v["apply_s"] for k, v in per_engine.items()},
+        "engine_flush_s": {k: v["flush_s"] for k, v in per_engine.items() if v["flush_s"] is not None},
         "engine_peaks": {k: mem.peak[p] for k, p in topo.engine_pid_of.items()},
         "engine_peaks_hwm": {k: mem.hwm[p] for k, p in topo.engine_pid_of.items()},
         "engine_refit_added_bytes": {k: mem.peak[p] - mem.start[p] for k, p in topo.engine_pid_of.items()},

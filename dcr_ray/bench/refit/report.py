@@ -16,12 +16,14 @@ _RECEIVER = {"hf": "transformers engines", "vllm": "vLLM engines (CPU)", "synthe
 def receivers_markdown(r: dict) -> str:
     """The receiver comparison of the real-update cases, in Markdown."""
     out = ["| receiver | transport | steps | change rate | refit s | apply s (max engine) | apply s per engine "
-           "| engine peak GB per engine | added by the refit MB per engine | exact |", "|" + "---|" * 10]
+           "| of which flush s | engine peak GB per engine | added by the refit MB per engine | exact |",
+           "|" + "---|" * 11]
     for m in r.get("summary", []):
         per = m.get("per_engine", {})
         out.append(f"| {_RECEIVER.get(m.get('engine_kind'), m['case'])} | {m['transport']} | {m['steps']} | "
                    f"{m['change_rate']:.3%} | {m['dcr_seconds']:.2f} | {_fmt(m.get('apply_seconds'), '{:.3f}')} | "
                    + ", ".join(f"{v['apply_s']:.3f}" for v in per.values()) + " | "
+                   + ", ".join(_fmt(v.get("flush_s"), "{:.3f}") for v in per.values()) + " | "
                    + ", ".join(f"{v['peak_bytes'] / 2**30:.2f}" for v in per.values()) + " | "
                    + ", ".join(f"{v.get('added_bytes', 0) / 1e6:.0f}" for v in per.values())
                    + f" | {'yes' if m.get('bit_exact') else 'NO'} |")
@@ -29,13 +31,14 @@ def receivers_markdown(r: dict) -> str:
 
 
 def _rows(r: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["case", "receiver", "transport", "rate", "refit s", "ref s", "speedup", "wire MB", "ref MB", "byte ratio",
-            "eff", "LB/refit", "construct s", "apply s", "commit s", "owner GB (share)", "engine GB", "exact",
-            "dense s", "areal s", "slime s"]
+    head = ["case", "receiver", "transport", "rate", "refit s", "ref s", "speedup", "wire MB", "ref MB",
+            "byte ratio", "eff", "LB/refit", "construct s", "apply s", "commit s", "owner GB (share)", "engine GB",
+            "exact", "dense s", "areal s", "slime s"]
     rows = []
     for c in r["cases"]:
         p = c.get("peers", {})
-        rows.append([c.get("case", c["name"]), c.get("engine_kind", "-"), c["transport"], f"{c['change_rate']:.2%}", f"{c['dcr_seconds']:.2f}",
+        rows.append([c.get("case", c["name"]), c.get("engine_kind", "-"), c["transport"], f"{c['change_rate']:.2%}",
+                     f"{c['dcr_seconds']:.2f}",
                      _fmt(c["reference_seconds"], "{:.1f}"), _fmt(c["speedup"], "{:.1f}x"),
                      f"{c['wire_bytes'] / 1e6:.2f}", f"{c['reference_bytes'] / 1e6:.0f}", _fmt(c["byte_ratio"], "{:.1f}"),
                      _fmt(c["efficiency"]), _fmt(c["lower_bound_fraction"], "{:.0%}"), f"{c['construct_s']:.2f}",
@@ -65,18 +68,21 @@ def format_table(r: dict) -> str:
                          f"{m['steps']} steps): change rate {m['change_rate']:.3%}, refit {m['dcr_seconds']:.2f}s, "
                          f"speedup {_fmt(m.get('speedup'), '{:.1f}x')}")
         lines += ["", "receivers (real AdamW, per engine: apply = validate + apply + flush of one refit, mean over "
-                      "steps; peak = max RSS during a refit, + what the refit added to the RSS it began with):"]
+                      "steps; flush = the backend's flush, vLLM: reload into the runtime; peak = max RSS during a refit, + what the refit added to the RSS it began with):"]
         for m in r["summary"]:
-            per = ", ".join(f"{e} {v['apply_s']:.3f}s / {v['peak_bytes'] / 2**30:.2f} GB "
+            per = ", ".join(f"{e} {v['apply_s']:.3f}s (flush {_fmt(v.get('flush_s'), '{:.3f}')}s) / "
+                            f"{v['peak_bytes'] / 2**30:.2f} GB "
                             f"(+{v.get('added_bytes', 0) / 1e6:.0f} MB)"
                             for e, v in m.get("per_engine", {}).items())
             lines.append(f"  {_RECEIVER.get(m.get('engine_kind'), m['case']):26s} {m['transport']:12s} apply "
-                         f"{_fmt(m.get('apply_seconds'), '{:.3f}')}s, engine peak {m['engine_peak_max_bytes'] / 2**30:.2f} "
-                         f"GB [{per}], exact={'yes' if m.get('bit_exact') else 'NO'}")
+                         f"{_fmt(m.get('apply_seconds'), '{:.3f}')}s, engine peak "
+                         f"{m['engine_peak_max_bytes'] / 2**30:.2f} GB [{per}], "
+                         f"exact={'yes' if m.get('bit_exact') else 'NO'}")
     for sv in r.get("served", []):
-        lines.append(f"  vLLM served ({sv['transport']}) vs a fresh dense vLLM engine at v{sv['version']}: live storage "
-                     f"({sv['served_tensors']} parameters/buffers) {'==' if sv['served_storage_exact'] else '!='}, greedy "
-                     f"tokens {'==' if sv['tokens_equal'] else '!='}, logprobs {'==' if sv['logprobs_equal'] else '!='}")
+        eq = {k: "==" if sv[k] else "!=" for k in ("served_storage_exact", "tokens_equal", "logprobs_equal")}
+        lines.append(f"  vLLM served ({sv['transport']}) vs a fresh dense vLLM engine at v{sv['version']}: live "
+                     f"storage ({sv['served_tensors']} parameters/buffers) {eq['served_storage_exact']}, greedy "
+                     f"tokens {eq['tokens_equal']}, logprobs {eq['logprobs_equal']}")
     rc = r.get("reference_check")
     if rc:
         lines.append(f"reference check: {rc['bytes'] / 1e9:.2f} GB through a relay head at {rc['link_mbps']:g} Mbit/s: "

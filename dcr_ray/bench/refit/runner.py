@@ -160,7 +160,9 @@ def summarise(cases: list[dict]) -> list[dict]:
                     "engine_peak_bytes")
             avg = {k: sum(r[k] for r in rows) / len(rows) for k in keys if all(r.get(k) is not None for r in rows)}
             engines = sorted(rows[0].get("engine_apply_s", {}))
+            flush = [r.get("engine_flush_s", {}) for r in rows]
             per = {e: {"apply_s": sum(r["engine_apply_s"][e] for r in rows) / len(rows),
+                       **({"flush_s": sum(f[e] for f in flush) / len(rows)} if all(e in f for f in flush) else {}),
                        "peak_bytes": max(r["engine_peaks"][e] for r in rows),
                        "added_bytes": max(r["engine_refit_added_bytes"][e] for r in rows)} for e in engines}
             out.append({"case": case, "engine_kind": rows[0].get("engine_kind"), "transport": tr,

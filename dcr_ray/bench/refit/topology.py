@@ -14,7 +14,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from dcr_ray.bench.refit.actors import BenchOwner, BenchTrainer, SyntheticEngine, actor_pid, canonical_shapes
+from dcr_ray.bench.refit.actors import (BenchOwner, BenchTrainer, SyntheticEngine, actor_pid, canonical_shapes,
+                                        time_backend_flush)
 from dcr_ray.bench.refit.progress import log
 from dcr_ray.bench.refit.settings import Settings
 
@@ -186,4 +187,5 @@ def launch_adamw(s: Settings, transport: str, receiver: str = "hf") -> Topology:
     log(f"  up in {time.perf_counter() - t:.1f}s ({numel / 1e6:.1f} M parameters)")
     topo = _finish_launch("adamw", transport, refit, owners, 2 * numel, numel, "small", s, 2 * numel)
     topo.engine_kind, topo.spec, topo.cleanup = receiver, spec, cleanup
+    ray.get([e.__ray_call__.remote(time_backend_flush) for e in topo.engines.values()])
     return topo
