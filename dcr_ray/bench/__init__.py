@@ -8,6 +8,7 @@ matplotlib) inside the functions that run, so ``dcr-ray --help`` stays fast.
 - :mod:`~dcr_ray.bench.codec`  codec wire size vs the entropy bound and peers, encode/apply throughput
 - :mod:`~dcr_ray.bench.refit`  end-to-end refits over an emulated cross-cluster link vs a full-checkpoint
   reference and peers; link sweep; projection to large models
+- :mod:`~dcr_ray.bench.projection`  sharded owners projecting their changes vs gather-then-convert-then-diff
 - :mod:`~dcr_ray.bench.peers`  compact peer encodings (AReaL-DTE style, slime style) for comparison
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import importlib
 
 #: Benchmark modules (under ``dcr_ray.bench``) that add a ``dcr-ray bench <name>`` subcommand.
-MODULES: tuple[str, ...] = ("codec", "refit")
+MODULES: tuple[str, ...] = ("codec", "refit", "projection")
 
 
 def add_parsers(subparsers) -> None:
