@@ -125,3 +125,70 @@ def test_ranks_left_out_or_claiming_the_same_rows_are_refused_at_launch_naming_t
         dcr_ray.launch(owners=dense_ranks[:3], engine=engine, clusters=clusters)  # rank 3 left out
     with pytest.raises(ConfigError, match=r"tensor 'model\.[^']+': owners \S+ and \S+ both own elements"):
         dcr_ray.launch(owners=dense_ranks + dense_ranks[:1], engine=engine, clusters=clusters)  # rank 0 twice
+
+
+def _fake_rank(dp: int, tp: int, rows: int, cols: int, rank: int, conn) -> None:
+    """One rank of a fake process group (no communication): FSDP2 over dp of a TP-sharded model; sends
+    back, per canonical box this rank's dcr_tensors() would send, whether its bits are that box of the
+    unsharded model."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from dcr_ray.sharding import resolve_shards
+
+        torch.set_num_threads(1)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp * tp)
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(cols, rows), torch.nn.Linear(rows, cols), torch.nn.LayerNorm(cols))
+        full = {n: p.detach().clone() for n, p in m.named_parameters()}
+        if tp > 1:  # local splits only (src_data_rank=None): the fake group moves no data
+            parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()}, src_data_rank=None)
+        fully_shard(m, mesh=mesh["dp"])
+        out = []
+        for sh in resolve_shards({n: p.detach() for n, p in m.named_parameters()}).values():
+            for b in sh.spec.boxes():
+                want = full[b.name][tuple(slice(a, z) for a, z in zip(b.start, b.stop))]
+                out.append((b.name, f"rank{rank}", b.start, b.stop, tuple(full[b.name].shape),
+                            torch.equal(want, sh.tensor)))
+        conn.send(out)
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        conn.send(repr(e))
+
+
+@pytest.mark.parametrize("dp,tp,rows,cols", [(2, 2, 6, 16), (3, 2, 10, 6), (2, 4, 12, 7), (4, 1, 3, 5)])
+def test_uneven_fsdp2_strided_shards_over_tensor_parallel_map_each_rank_onto_its_own_bits_and_tile(dp, tp, rows,
+                                                                                                    cols):
+    import multiprocessing as mp
+
+    import torch.distributed.fsdp  # noqa: F401 - imported once here, inherited by the forked ranks
+    import torch.distributed.tensor.parallel  # noqa: F401
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+    from dcr_ray.sharding import check_tiling
+
+    ctx = mp.get_context("fork")
+    boxes: dict[str, list] = {}
+    shapes = {}
+    procs = []
+    for rank in range(dp * tp):  # all ranks at once (they do not communicate)
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_fake_rank, args=(dp, tp, rows, cols, rank, b))
+        p.start()
+        procs.append((rank, p, a))
+    for rank, p, a in procs:
+        assert a.poll(120), f"rank {rank} sent nothing"
+        got = a.recv()
+        p.join(60)
+        assert isinstance(got, list), got
+        for name, owner, start, stop, shape, same in got:
+            assert same, (rank, name, start, stop)
+            boxes.setdefault(name, []).append((owner, start, stop))
+            shapes[name] = shape
+    assert len(boxes) == 6  # two linear weights and biases, the norm's weight and bias
+    for name, bs in boxes.items():
+        check_tiling(name, shapes[name], bs)  # every element exactly once across the ranks
