@@ -30,8 +30,8 @@ def _engine(canon: dict[str, torch.Tensor]) -> dict[str, tuple]:
 
 
 def _check(owner_specs: dict[str, dict], engine: dict[str, tuple]) -> None:
-    """:func:`check_coverage`, then :func:`check_tiling` of every tensor declared in parts (check_coverage
-    skips a lone box that ends where the tensor ends, see the xfail test below)."""
+    """:func:`check_coverage`, then :func:`check_tiling` of every tensor declared in parts (the second
+    guards the first: both must accept exactly the same tilings)."""
     check_coverage(owner_specs, engine)
     boxes: dict[str, list] = {}
     for o, specs in owner_specs.items():
@@ -100,9 +100,6 @@ def test_a_shard_declared_by_two_owners_is_refused_naming_both(layout, seed, dat
     assert any(repr(n) in msg for n in dup.spec.names), msg
 
 
-@pytest.mark.xfail(strict=True, reason="dcr_ray.actors.coverage.check_coverage tiles a tensor only when it has "
-                   "several boxes or its lone box does not end at the tensor's end; a lone box such as rows 1..2 "
-                   "of 2 passes unchecked (it should also compare the box's start with zeros)")
 def test_check_coverage_refuses_a_lone_box_that_ends_at_the_tensor_end_but_starts_inside_it():
     with pytest.raises(ConfigError, match=r"first uncovered element \(0, 0\)"):
         check_coverage({"r1": {"w": ("bfloat16", (2, 1), [((1, 0), (2, 1))])}}, {"w": ("bfloat16", (2, 1))})

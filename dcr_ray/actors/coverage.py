@@ -28,7 +28,7 @@ def check_coverage(owner_specs: dict[str, dict], engine_specs: dict[str, tuple[s
             parts = s[2] if len(s) > 2 and s[2] is not None else [((0,) * len(meta[1]), meta[1])]
             boxes.setdefault(n, []).extend((o, tuple(a), tuple(b)) for a, b in parts)
     for n, bs in boxes.items():
-        if len(bs) > 1 or bs[0][2] != union[n][1]:
+        if len(bs) > 1 or any(bs[0][1]) or tuple(bs[0][2]) != union[n][1]:
             check_tiling(n, union[n][1], bs)
     missing = sorted(set(engine_specs) - set(union))
     extra = sorted(set(union) - set(engine_specs))
