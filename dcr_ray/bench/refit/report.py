@@ -208,6 +208,10 @@ def plot(r: dict, path: str) -> None:
         bx.set_title(f"link sweep, {sw['case']} (model + measured points)")
         bx.grid(alpha=0.3, which="both")
         bx.legend(fontsize=7, loc="lower left")
+    else:
+        bx.set_axis_off()
+        bx.text(0.5, 0.5, "no link sweep in this run (it needs the stress cases)", ha="center", va="center",
+                fontsize=9, color="gray", transform=bx.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
