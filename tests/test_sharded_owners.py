@@ -91,6 +91,9 @@ def test_fsdp2_by_tensor_parallel_qwen2_ranks_refit_engines_to_exactly_the_gathe
     refit = dcr_ray.launch(owners=dense_ranks, engine=dcr_ray.HFEngine(DENSE.with_seed(7)), config=CONFIG,
                            clusters=[dcr_ray.ClusterSpec(name="a", engines=2), dcr_ray.ClusterSpec(name="b", engines=1)])
     try:
+        held = ray.get([r.baseline_numel.remote() for r in dense_ranks])
+        total = sum(t.numel() for t in dcr_ray.checkpoint_state_dict(build_model(DENSE)).values())
+        assert sum(held) == total and max(held) <= total // 4 + total // 50, (held, total)  # a quarter each
         _train_and_refit(dense_ranks, refit, DENSE, tmp_path)
     finally:
         refit.shutdown()

@@ -191,6 +191,11 @@ class ShardedTrainer(OwnerMixin):
 
         return sorted({n for sh in resolve_shards(self.dcr_tensors()).values() for n in sh.spec.names})
 
+    def baseline_numel(self) -> int:
+        """Elements in this rank's committed baseline (after attach): its shard, not the model."""
+        owner = self._dcr_owner()
+        return sum(owner.store.tensor(n).numel() for n in owner.store.names())
+
     def placements(self) -> dict[str, str]:
         """Parameter name -> its DTensor placements (for docs and tests)."""
         return {n: str(p.placements) for n, p in self.model.named_parameters()}
