@@ -4,6 +4,7 @@
 
     dcr-ray bench codec [--quick] [--json PATH]    codec benchmark (wire bytes, bounds, peers, GB/s)
     dcr-ray status [--address ADDR] [--json]       a running topology: versions, engines, last refits
+    dcr-ray chaos [--refits N] [--seed S] [--json PATH]   seeded faults; every refit checked bit for bit
 
 Subcommand groups are added by the modules that own them (``dcr_ray.bench.MODULES`` for ``bench``),
 so this file only wires groups together.
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dcr_ray import status
 
     status.add_parser(groups)
+    from dcr_ray.bench import chaos
+
+    chaos.add_parser(groups)
     parser.set_defaults(func=lambda args: _usage(parser))
     return parser
 

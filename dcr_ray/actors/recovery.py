@@ -8,6 +8,7 @@ commit log, ``_bootstrap`` and lock); kept apart so the refit state machine read
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     from dcr_ray.report import RefitReport
 
 log = logging.getLogger("dcr_ray")
+
+#: Owner handles replaced since launch, beside the commit record (read back on resume).
+OWNERS_FILE = "owners.pkl"
 
 
 class Recovery:
@@ -36,9 +40,17 @@ class Recovery:
         self.commits.compare_and_set(rec.version, CommitRecord(**{**asdict(rec), "epoch": self.epoch, "time": 0.0}))
         self.version = rec.version
         fresh = self.topology.reconnect(self.backend_factory, cfg)
-        self._owner_specs = get_all({o: h.dcr_attach.remote(o, cfg) for o, h in self.owners.items()}, t, "attach")
+        self._load_owners()
+        specs, dead_owners, errors = gather({o: h.dcr_attach.remote(o, cfg) for o, h in self.owners.items()}, t,
+                                            "attach")
+        if errors:
+            raise next(iter(errors.values()))
+        if dead_owners:  # the next refit fails cleanly until Refit.replace_owner; engines keep serving
+            log.warning("dcr_ray: owner(s) %s are dead at resume; replace them with Refit.replace_owner", dead_owners)
+        self._owner_specs = {**self._owner_specs, **specs}
         # owners: promote a pending set the record committed, drop any other
-        for o, st in get_all({o: h.dcr_state.remote() for o, h in self.owners.items()}, t, "owner state").items():
+        live = {o: h for o, h in self.owners.items() if o not in dead_owners}
+        for o, st in get_all({o: h.dcr_state.remote() for o, h in live.items()}, t, "owner state").items():
             h = self.owners[o]
             if st["version"] < rec.version and st["pending"] == rec.version:
                 ray.get(h.dcr_promote.remote(rec.version), timeout=t)
@@ -63,6 +75,26 @@ class Recovery:
             self._bootstrap(sorted(behind))
         log.info("dcr_ray: coordinator epoch %d resumed at version %d (%d engines re-bootstrapped)", self.epoch,
                  self.version, len(behind))
+
+    def _owners_path(self) -> str:
+        return os.path.join(self.config.commit.dir, OWNERS_FILE)
+
+    def _save_owners(self) -> None:
+        """Persist the owner handles and their specs (replacements must survive a coordinator restart,
+        which re-runs the constructor with the owners given at launch)."""
+        tmp = self._owners_path() + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(ray.cloudpickle.dumps({"owners": dict(self.owners), "specs": self._owner_specs}))
+        os.replace(tmp, self._owners_path())
+
+    def _load_owners(self) -> None:
+        try:
+            with open(self._owners_path(), "rb") as f:
+                saved = ray.cloudpickle.loads(f.read())
+        except FileNotFoundError:
+            return
+        self.topology.owners.update(saved["owners"])
+        self._owner_specs = dict(saved["specs"])
 
     def _repair(self) -> None:
         """Before the next attempt: re-create transport actors that died (a relay death is not an owner's)."""
@@ -118,6 +150,7 @@ class Recovery:
                                   f"{len(bad)} boxes differ, e.g. {bad[:3]} (restore it from the committed "
                                   f"checkpoint first)")
             self.topology.owners[owner_id] = handle
+            self._save_owners()
             log.info("dcr_ray: owner %s replaced at version %d", owner_id, self.version)
             return self.status()
 

@@ -1,0 +1,267 @@
+"""``dcr-ray chaos [--refits N] [--seed S] [--json PATH]``: seeded faults against a running topology.
+
+A multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: a training node and two rollout
+"clusters" of nodes marked by custom resources), two data-parallel :class:`~dcr_ray.testing.trainer.
+TinyTrainer` owners taking real AdamW steps, and two clusters of engines behind relay trees. Each refit
+draws a fault (the first refits cover every kind once, in a seeded order) and injects it before or
+during the refit:
+
+* ``kill_engine`` / ``kill_relay``: ``ray.kill`` of a random engine or relay, during the refit;
+* ``kill_coordinator``: the coordinator's process dies (Ray restarts it; it resumes from the record);
+* ``kill_owner``: an owner dies; the refit fails cleanly, then a replacement that replays the same
+  steps (so it holds the committed bits) takes its place through ``Refit.replace_owner``;
+* ``flip_bytes`` / ``wrong_key`` / ``truncate`` / ``stale_replay``: a hostile frame delivered straight to
+  a random engine during the refit (one bit flipped, signed with another key, cut short, or a validly
+  signed frame of another transfer).
+
+After every committed version every required engine is compared bit for bit (integer views) with the
+owners. The JSON has the fields of the issue's chaos suite: refits, committed, faults_injected,
+faults_by_kind, faults_survived, mismatched_engines, bad_frames_rejected, bad_frames_applied,
+hung_waits, engines_at_end, engines_configured, dense_rebootstraps, in_place_rollbacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+
+FAULT_KINDS = ("kill_engine", "kill_relay", "kill_coordinator", "kill_owner", "flip_bytes", "wrong_key",
+               "truncate", "stale_replay")
+#: Probability of a refit without a fault, after every kind ran once.
+QUIET_P = 0.3
+#: The frame key of the chaos topology (hostile frames sign with another one).
+KEY = b"dcr-chaos-key"
+TARGETS = {"committed_min_fraction": 28 / 30, "mismatched_engines": 0, "bad_frames_applied": 0, "hung_waits": 0}
+
+
+def add_parser(groups) -> None:
+    """Register ``chaos`` on the ``dcr-ray`` command's subparsers."""
+    p = groups.add_parser("chaos", help="seeded faults against a multi-node topology; checks every refit",
+                          description=__doc__.split("\n\n")[1])
+    p.add_argument("--refits", type=int, default=30, help="refits to run (default 30; CI runs 8)")
+    p.add_argument("--seed", type=int, default=20137, help="fault schedule seed")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.refits < 1:
+        print("dcr-ray chaos: --refits must be >= 1", file=sys.stderr)
+        return 2
+    out = run_chaos(args.refits, args.seed, progress=sys.stderr)
+    print(json.dumps(out, indent=2))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0 if out["mismatched_engines"] == 0 and out["bad_frames_applied"] == 0 else 1
+
+
+def schedule(refits: int, seed: int) -> list[str | None]:
+    """The fault of each refit: every kind once (seeded order), then random kinds or none."""
+    rng = random.Random(seed)
+    first = list(FAULT_KINDS)
+    rng.shuffle(first)
+    rest = [None if rng.random() < QUIET_P else rng.choice(FAULT_KINDS) for _ in range(max(0, refits - len(first)))]
+    return (first + rest)[:refits]
+
+
+def _hostile_frame(kind: str, name: str, shape: tuple, base: int) -> bytes:
+    import torch
+
+    from dcr_ray.codec import FrameMeta, encode_frames, full_delta
+
+    t = torch.zeros(shape, dtype=torch.bfloat16)
+    meta = FrameMeta(transfer=f"chaos-{kind}", attempt=0, producer="chaos", payload=0, base=base, target=base + 1)
+    frame = next(iter(encode_frames([full_delta(name, t)], meta, key=b"not-the-key" if kind == "wrong_key" else KEY)))
+    if kind == "flip_bytes":
+        b = bytearray(frame)
+        b[len(b) // 2] ^= 0x10
+        return bytes(b)
+    if kind == "truncate":
+        return frame[: len(frame) // 2]
+    return frame  # wrong_key, stale_replay (a validly signed frame of another transfer)
+
+
+def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
+    """Run the chaos suite (see the module docstring); returns the results dict."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    import torch
+    from ray.cluster_utils import Cluster
+
+    import dcr_ray
+    from dcr_ray.testing.models import ModelSpec
+    from dcr_ray.testing.trainer import TinyTrainer
+
+    say = (lambda m: print(f"[chaos] {m}", file=progress, flush=True)) if progress else (lambda m: None)
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"train": 10}})
+    for c in ("a", "b"):
+        cluster.add_node(num_cpus=1, resources={f"cluster-{c}": 10})
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    cluster.wait_for_nodes()
+    spec = ModelSpec(size="tiny")
+    Trainer = ray.remote(num_cpus=0, resources={"train": 0.01})(TinyTrainer)
+    steps: list[int] = []
+    committed_steps = 0  # steps reflected in the committed version
+
+    def trainer(rank: int, upto: int):
+        t = Trainer.remote(spec, lr=1e-3, rank=rank, world=2)
+        for s in steps[:upto]:  # replay: a replacement holds exactly the bits of the one it replaces
+            ray.get(t.step.remote(seed=s))
+        return t
+
+    owners = [trainer(r, 0) for r in range(2)]
+    clusters = [dcr_ray.ClusterSpec(name="a", engines=2, resources={"cluster-a": 0.01}),
+                dcr_ray.ClusterSpec(name="b", engines=2, fanout=2, resources={"cluster-b": 0.01})]
+    config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(key=KEY, bucket_bytes=1 << 17, chunk_elems=1 << 13),
+                                 commit=dcr_ray.CommitConfig(dir=tempfile.mkdtemp(prefix="dcr_chaos_"), timeout_s=30))
+    refit = dcr_ray.launch(owners=owners, clusters=clusters, engine=dcr_ray.HFEngine(spec), config=config,
+                           coordinator_resources={"train": 0.01})
+    configured = sum(c.engines for c in clusters)
+    rng = random.Random(seed + 1)
+    stats = Counter()
+    by_kind, survived = Counter(), Counter()
+    mismatched, recreated, t0 = 0, 0, time.monotonic()
+    try:
+        for i, kind in enumerate(schedule(refits, seed)):
+            s = len(steps)
+            steps.append(s)
+            ray.get([o.step.remote(seed=s) for o in owners])
+            threads, bad = [], []
+            if kind is not None:
+                by_kind[kind] += 1
+                stats["faults_injected"] += 1
+            handles = ray.get(refit.actor.handles.remote())
+            if kind == "kill_coordinator":
+                epoch = refit.status()["epoch"]
+                ray.kill(refit.actor, no_restart=False)
+                _wait(lambda: refit.status()["epoch"] > epoch)
+            elif kind == "kill_owner":
+                ray.kill(owners[1])
+            elif kind in ("kill_engine", "kill_relay"):
+                pool = handles["engines"] if kind == "kill_engine" else handles["relays"]
+                victim = pool[rng.choice(sorted(pool))]
+                threads.append(threading.Timer(rng.uniform(0.0, 0.2), lambda v=victim: ray.kill(v)))
+            elif kind is not None:
+                eid = rng.choice(sorted(handles["engines"]))
+                name, shape = _some_tensor(handles["engines"][eid])
+                frame = _hostile_frame(kind, name, shape, refit.status()["version"])
+                threads.append(threading.Timer(rng.uniform(0.0, 0.1), lambda e=handles["engines"][eid], f=frame:
+                                               bad.append(_deliver(e, f))))
+            for th in threads:
+                th.start()
+            start = time.monotonic()
+            ok = _try_refit(refit, say)
+            if not ok and kind == "kill_owner":
+                owners[1] = trainer(1, committed_steps)  # restored to the committed version...
+                refit.replace_owner("owner1", owners[1])
+                for s in steps[committed_steps:]:  # ...then it catches up with the other rank
+                    ray.get(owners[1].step.remote(seed=s))
+                ok = _try_refit(refit, say)
+            for th in threads:
+                th.join()
+            if time.monotonic() - start > 2 * config.commit.timeout_s * config.commit.max_attempts:
+                stats["hung_waits"] += 1
+            stats["bad_frames_rejected"] += sum(b in ("rejected", "stale") for b in bad)
+            stats["bad_frames_applied"] += sum(b == "applied" for b in bad)
+            if ok:
+                stats["committed"] += 1
+                committed_steps = len(steps)
+                recreated += sum("re-created" in w for w in ok.warnings)
+                bad_engines = _check(refit, owners[0])
+                mismatched += len(bad_engines)
+                if kind is not None and not bad_engines:
+                    survived[kind] += 1
+            say(f"refit {i + 1}/{refits}: fault {kind or '-'}: {'committed v%d' % ok.version if ok else 'failed'}")
+        st = refit.status(detail=True)
+        at_end = sum(e.get("phase") == "ready" and e.get("version") == st["version"] for e in st["engine_states"])
+        rollbacks = sum(ray.get(h.info.remote()).get("rollbacks", 0) for h in refit.engines().values())
+    finally:
+        try:
+            refit.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    return {"refits": refits, "seed": seed, "committed": stats["committed"],
+            "faults_injected": stats["faults_injected"], "faults_by_kind": dict(by_kind),
+            "faults_survived": sum(survived.values()), "mismatched_engines": mismatched,
+            "bad_frames_rejected": stats["bad_frames_rejected"], "bad_frames_applied": stats["bad_frames_applied"],
+            "hung_waits": stats["hung_waits"], "engines_at_end": at_end, "engines_configured": configured,
+            "dense_rebootstraps": recreated, "in_place_rollbacks": rollbacks,
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
+def _try_refit(refit, say=None):
+    import dcr_ray
+
+    try:
+        return refit.run()
+    except dcr_ray.DcrError as e:
+        if say is not None:
+            say(f"  refit failed: {str(e)[-400:]}")
+        return None
+
+
+def _deliver(engine, frame: bytes) -> str:
+    import ray
+
+    try:
+        return ray.get(engine.deliver.remote(frame), timeout=30)
+    except Exception as e:  # a killed engine, or an error: not an application of the frame
+        return f"error: {type(e).__name__}"
+
+
+def _some_tensor(engine) -> tuple[str, tuple]:
+    import ray
+
+    specs = ray.get(engine.call_backend.remote("tensor_specs"), timeout=30)
+    name = sorted(specs)[0]
+    return name, tuple(specs[name][1])
+
+
+def _check(refit, owner) -> list[str]:
+    """Required engines whose bits differ from the owners' (integer views)."""
+    import ray
+    import torch
+
+    want = ray.get(owner.rollout_state.remote())
+    st = refit.status()
+    bad = []
+    for eid, eng in refit.engines().items():
+        if eid not in st["required"]:
+            continue
+        try:
+            got = ray.get(eng.tensors.remote())
+        except ray.exceptions.RayActorError:
+            continue  # killed after the commit (a late fault): the next refit re-creates it
+        if any(not torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)) for n in want):
+            bad.append(eid)
+    return bad
+
+
+def _wait(cond, timeout: float = 120.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except ray.exceptions.RayActorError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the condition did not hold in time")
+
+
+__all__ = ["FAULT_KINDS", "add_parser", "run", "run_chaos", "schedule"]

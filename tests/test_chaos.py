@@ -1,0 +1,27 @@
+"""``dcr-ray chaos``, short seed: every fault kind once on a multi-node cluster; nothing mismatched,
+nothing hostile applied, the fleet back at its configured size (the README names the longer soak)."""
+
+from __future__ import annotations
+
+import raytools  # noqa: F401
+
+import pytest
+
+from dcr_ray.bench.chaos import FAULT_KINDS, run_chaos, schedule
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_schedule_covers_every_fault_kind_before_repeating_any():
+    first = schedule(30, 20137)[:len(FAULT_KINDS)]
+    assert sorted(first) == sorted(FAULT_KINDS) and schedule(30, 20137) == schedule(30, 20137)
+
+
+def test_a_short_chaos_run_survives_every_fault_kind_bit_exactly():
+    out = run_chaos(len(FAULT_KINDS), seed=1)
+    assert out["faults_by_kind"] == {k: 1 for k in FAULT_KINDS}
+    assert out["mismatched_engines"] == 0 and out["bad_frames_applied"] == 0 and out["hung_waits"] == 0
+    assert out["committed"] == len(FAULT_KINDS)  # a dead owner's refit commits after replace_owner
+    assert out["bad_frames_rejected"] >= 3  # flipped, wrong-key and truncated frames (stale ones are ignored)
+    assert out["engines_at_end"] == out["engines_configured"]
+    assert out["in_place_rollbacks"] >= 1
