@@ -89,7 +89,8 @@ def test_fsdp2_by_tensor_parallel_qwen2_ranks_refit_engines_to_exactly_the_gathe
     assert "Shard(dim=1)" in placements["model.layers.0.mlp.down_proj.weight"]  # row-parallel columns
     assert "lm_head.weight" not in placements  # tied: the checkpoint has embed_tokens only, sent once
     refit = dcr_ray.launch(owners=dense_ranks, engine=dcr_ray.HFEngine(DENSE.with_seed(7)), config=CONFIG,
-                           clusters=[dcr_ray.ClusterSpec(name="a", engines=2), dcr_ray.ClusterSpec(name="b", engines=1)])
+                           clusters=[dcr_ray.ClusterSpec(name="a", engines=2),
+                                     dcr_ray.ClusterSpec(name="b", engines=1)])
     try:
         held = ray.get([r.baseline_numel.remote() for r in dense_ranks])
         total = sum(t.numel() for t in dcr_ray.checkpoint_state_dict(build_model(DENSE)).values())

@@ -114,10 +114,8 @@ class ShardedTrainer(OwnerMixin):
             torch.distributed.init_process_group("gloo", rank=rank, world_size=dp * tp)
         self.spec, self.rank, self.dp, self.tp, self.names = spec, rank, dp, tp, names
         self.mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        model = build_model(spec)  # the same seed on every rank: the same initial bits
-        self._renamed, self._experts = checkpoint_names(model) if names == "checkpoint" else ({}, {})
-        self._dense = model  # BF16, unsharded: where gathered_state() puts the full model
-        self.model = build_model(spec).float().train()
+        self._renamed, self._experts = checkpoint_names(build_model(spec)) if names == "checkpoint" else ({}, {})
+        self.model = build_model(spec).float().train()  # the same seed on every rank: the same initial bits
         self.vocab = self.model.config.vocab_size
         self._shard(self.model)
         # parameters replicated over "tp" but applied to tensor-parallel (per-head) activations, such as
@@ -142,7 +140,8 @@ class ShardedTrainer(OwnerMixin):
         fully_shard(model, mesh=self.mesh["dp"])
 
     def step(self, seed: int, batch: int = 2, seq: int = 16) -> float:
-        """One real AdamW step on a random-token batch: the ranks of one dp group share it."""
+        """One real AdamW step on a random-token batch: each data-parallel index ``rank // tp`` has its own,
+        which the tensor-parallel ranks at that index share."""
         g = torch.Generator().manual_seed(seed * self.dp + self.rank // self.tp)
         ids = torch.randint(0, self.vocab, (batch, seq), generator=g)
         loss = self.model(input_ids=ids, labels=ids).loss
@@ -178,11 +177,12 @@ class ShardedTrainer(OwnerMixin):
 
         With ``names="checkpoint"`` the checkpoint tensors come from ``transformers``' own reverse
         conversion of the gathered model, independent of the shard specs :meth:`dcr_tensors` uses."""
-        dense = dict(self._dense.named_parameters())
+        model = build_model(self.spec)  # BF16, unsharded: the gathered bits replace its initial ones
+        dense = dict(model.named_parameters())
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 dense[n].copy_(p.detach().full_tensor().to(torch.bfloat16))
-        sd = checkpoint_state_dict(self._dense) if self.names == "checkpoint" else canonical_state_dict(self._dense)
+        sd = checkpoint_state_dict(model) if self.names == "checkpoint" else canonical_state_dict(model)
         return {n: t.detach().clone().contiguous() for n, t in sd.items()}
 
     def covers(self) -> list[str]:
