@@ -2,7 +2,8 @@
 # GPU checks for cuda_ext (run from anywhere on a machine with a CUDA GPU and CuPy; < 5 minutes):
 #   1. the `gpu`-marked tests: GPU kernels vs the numpy path, bit for bit, all element widths;
 #      and the vLLM dcr weight-transfer backend on CUDA (loader capture), outputs == a fresh engine;
-#   2. a codec micro-benchmark (64 Mi BF16-sized elements, 1% changed), which re-checks equality.
+#   2. a codec micro-benchmark (64 Mi BF16-sized elements, 1% changed), which re-checks equality;
+#   3. apply GB/s of one 1% patch: dcr's sparse write vs vLLM sparse_nccl's NaN-masked load, same GPU.
 # Without CuPy or a GPU the tests skip and the benchmark prints the numpy figures only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,3 +17,4 @@ timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_cuda_ex
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_vllm_adopted.py
 timeout 90 "$PY" -m cuda_ext.bench --elems $((1 << 26)) --density 0.01
 timeout 30 "$PY" -m cuda_ext.bench --elems $((1 << 24)) --density 0.01 --width 1
+timeout 120 "$PY" -m cuda_ext.bench_patch --elems $((1 << 26)) --density 0.01

@@ -16,7 +16,9 @@ def init_local_ray(num_cpus: int = 2) -> None:
     """A fresh single-node Ray (shuts down any other first)."""
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # address="local": always a new instance, never another test's (or session's) cluster on this machine
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
+             log_to_driver=False)
 
 
 def kill_topology() -> None:

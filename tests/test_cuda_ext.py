@@ -279,3 +279,12 @@ def test_cuda_kernel_sources_compile_with_nvcc_when_a_toolkit_is_installed(width
     ptx = (tmp_path / "k.ptx").read_text()
     for name in ("count", "compact", "scatter_xor", "scatter_set"):
         assert f"dcr_{name}_{width}" in ptx
+
+
+@pytest.mark.vllm
+def test_the_patch_benchmark_runs_both_paths_and_the_sparse_write_is_exact():
+    """``cuda_ext.bench_patch`` on whatever device there is (CPU here: a smoke test of the GPU script)."""
+    pytest.importorskip("vllm")
+    from cuda_ext import bench_patch
+
+    assert bench_patch.main(["--elems", str(1 << 16), "--repeat", "1"]) == 0
