@@ -86,6 +86,13 @@ class CoordinatorActor(Recovery):
                 self._resume_error = e
                 log.error("dcr_ray: the restarted coordinator could not resume: %r", e)
 
+    def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
+        try:
+            return (f"CoordinatorActor(v{self.version}, epoch {self.epoch}, {self.phase['phase']}, "
+                    f"{len(self.required)}/{len(self.topology.engines)} engines required)")
+        except AttributeError:  # not constructed yet
+            return "CoordinatorActor(starting)"
+
     @property
     def engines(self) -> dict[str, object]:
         return self.topology.engines

@@ -87,6 +87,13 @@ class EngineActor:
         self._undo = UndoLog()
         kernels.warm_up()  # load the apply kernels while the dense bootstrap runs
 
+    def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
+        try:
+            state = "dirty" if self._dirty else ("in " + self._cur.transfer if self._cur else "ready")
+            return f"EngineActor({self.engine_id}, cluster={self.cluster}, v{self.version}, {state})"
+        except AttributeError:  # not constructed yet
+            return "EngineActor(starting)"
+
     # -- protocol -----------------------------------------------------------------------------------
     def prepare(self, transfer: str, attempt: int, base: int, target: int) -> dict:
         """Open attempt ``(transfer, attempt)``; checks that this engine holds ``base``."""

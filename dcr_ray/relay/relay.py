@@ -41,6 +41,9 @@ class RelayActor:
         self._payloads_in: dict[str, set] = defaultdict(set)
         self._seen: set[tuple] = set()
 
+    def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
+        return f"RelayActor({self.relay_id}, cluster={self.cluster}, {'head' if self.head else 'inner'})"
+
     def set_children(self, children: list[tuple[str, object, list[str]]]) -> None:
         """``[(kind, handle, engine ids below it)]`` with kind ``"engine"`` or ``"relay"``."""
         self.children = [(k, h, frozenset(ids)) for k, h, ids in children]
