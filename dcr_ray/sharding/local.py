@@ -37,7 +37,9 @@ def _is_dtensor(t) -> bool:
 def resolve_shards(tensors: Mapping[str, object]) -> dict[str, Shard]:
     """Local name -> :class:`Shard` for every value ``dcr_tensors()`` returned (see the module docstring).
 
-    DTensor replicas that own no part of a replicated tensor are left out.
+    DTensor replicas that own no part of a replicated tensor are left out. Shards on a GPU are copied to
+    host memory whole before the diff (the host path; a device-side diff that copies only the changes,
+    with ``cuda_ext``, is not wired into owners yet).
     """
     out: dict[str, Shard] = {}
     for name, t in tensors.items():
@@ -55,7 +57,8 @@ def resolve_shards(tensors: Mapping[str, object]) -> dict[str, Shard]:
         else:
             raise ShardSpecError(f"dcr_tensors()[{name!r}] is a {type(t).__name__}: give a torch.Tensor, a "
                                  f"DTensor or a dcr_ray.sharding.Shard(tensor, spec)")
-    return out
+    return {n: sh if sh.tensor.device.type == "cpu" else Shard(sh.tensor.detach().cpu(), sh.spec)
+            for n, sh in out.items()}
 
 
 def canonical_specs(shards: Mapping[str, Shard], dtype_of) -> dict[str, tuple]:
