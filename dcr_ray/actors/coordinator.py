@@ -129,6 +129,7 @@ class CoordinatorActor(Recovery):
             specs = get_all({o: h.dcr_attach.remote(o, cfg) for o, h in self.owners.items()}, t, "attach")
             check_coverage(specs, self.topology.engine_specs(t))
             self._owner_specs = specs
+            self._save_owners()  # a restarted coordinator checks replacements against these specs
             if rec is None:
                 self.commits.compare_and_set(None, CommitRecord(version=0, transfer="attach", baseline="",
                                                                 members=sorted(self.engines)))
