@@ -167,13 +167,20 @@ class CommitConfig:
     max_attempts: int = 3
     """Attempts per refit; every retry sends OVERWRITE payloads of the complete changed set."""
     timeout_s: float = 300.0
-    """Timeout of every wait in a refit (prepare, stream, flush, commit); exceeded -> RefitTimeoutError."""
+    """Timeout of every wait in a refit (prepare, stream, flush, commit); exceeded -> RefitTimeoutError.
+    An engine that is alive but does not answer prepare or flush within it is evicted (hung) and rejoins
+    when it answers again."""
+    start_timeout_s: float = 1800.0
+    """Timeout of the waits of start-up and dense bootstrap (owners attaching, engines loading the
+    model, dense frames of the whole model): these move the whole model, not a delta."""
 
     def __post_init__(self):
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ConfigError(f"CommitConfig.max_attempts must be an integer >= 1, got {self.max_attempts!r}")
-        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ConfigError(f"CommitConfig.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        for name in ("timeout_s", "start_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"CommitConfig.{name} must be a finite number of seconds > 0, got {v!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import raytools  # noqa: F401
 
 import pytest
@@ -240,5 +242,31 @@ def test_a_dead_owner_fails_the_refit_cleanly_and_a_replacement_with_the_committ
         assert refit.run().version == 2
         _check(refit, good)
         _check(refit, trainers[0])
+    finally:
+        refit.shutdown()
+
+
+def test_a_hung_engine_is_evicted_at_the_stage_timeout_and_rejoins_when_it_answers_again(local_ray):
+    from dcr_ray.testing.faults import StallingEngine
+
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainer = Trainer.remote(SPEC, lr=1e-3)
+    # engine a/e1's first delta flush hangs for 16 s; the stage timeout is 8 s
+    refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=2)],
+                           engine=StallingEngine(dcr_ray.HFEngine(SPEC), stall_s=16.0, only="a/e1"),
+                           config=dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(timeout_s=8)))
+    try:
+        ray.get(trainer.step.remote(seed=0))
+        report = refit.run()
+        assert report.version == 1 and set(report.engine_versions) == {"a/e0"}
+        assert any("a/e1 did not answer and is evicted" in w for w in report.warnings)
+        assert refit.status()["required"] == ["a/e0"]
+        _check(refit, trainer, engines={"a/e0"})
+        time.sleep(8)  # the stall ends
+        ray.get(trainer.step.remote(seed=1))
+        report = refit.run()
+        assert any("a/e1 answers again and rejoined at version 2" in w for w in report.warnings)
+        assert refit.status()["required"] == ["a/e0", "a/e1"]
+        _check(refit, trainer)
     finally:
         refit.shutdown()

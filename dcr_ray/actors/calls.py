@@ -15,6 +15,10 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from dcr_ray.errors import DcrError, RefitError, RefitTimeoutError
 
 
+class NoAnswerError(RefitTimeoutError):
+    """An actor did not answer a stage within its timeout (alive, perhaps hung)."""
+
+
 class ActorsDied(Exception):
     """Some of the actors called are dead (``ids``)."""
 
@@ -40,7 +44,7 @@ def gather(calls: dict, timeout: float, stage: str) -> tuple[dict, list, dict]:
         except RayActorError:
             dead.append(k)
         except GetTimeoutError:
-            errors[k] = RefitTimeoutError(f"stage '{stage}': {k} did not answer within {timeout:.0f} s")
+            errors[k] = NoAnswerError(f"stage '{stage}': {k} did not answer within {timeout:.0f} s")
     return out, dead, errors
 
 

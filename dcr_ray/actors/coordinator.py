@@ -77,6 +77,7 @@ class CoordinatorActor(Recovery):
         self.history: list[dict] = []
         self.epoch = 0
         self._owner_specs: dict[str, dict] = {}
+        self.evicted: set[str] = set()  # engines that stopped answering (hung); readmitted when they answer
         self.phase = {"phase": "idle", "transfer": None, "attempt": None, "target": None, "since": time.time()}
         self._resume_error: Exception | None = None
         if ray.get_runtime_context().was_current_actor_reconstructed:
@@ -125,7 +126,7 @@ class CoordinatorActor(Recovery):
                     f"with the running topology"
                 )
             self.topology.start(self.backend_factory, cfg)
-            t = cfg.commit.timeout_s
+            t = cfg.commit.start_timeout_s
             specs = get_all({o: h.dcr_attach.remote(o, cfg) for o, h in self.owners.items()}, t, "attach")
             check_coverage(specs, self.topology.engine_specs(t))
             self._owner_specs = specs
@@ -144,7 +145,7 @@ class CoordinatorActor(Recovery):
         engine_ids = self._join_by_digest(engine_ids)
         if not engine_ids:
             return
-        t = self.config.commit.timeout_s
+        t = self.config.commit.start_timeout_s
         transfer = f"boot{self.version}-{uuid.uuid4().hex[:8]}"
         try:
             get_all({e: self.engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, self.version)
@@ -202,6 +203,9 @@ class CoordinatorActor(Recovery):
                     report = self._attempt(transfer, attempt, base, target, t_start)
                     report.dropped_engines = dropped
                     self._heal(dropped, report)
+                    self._readmit(report)
+                    report.warnings += [f"engine {e} did not answer and is evicted; it rejoins when it answers"
+                                        for e in sorted(self.evicted)]
                     return report
                 except ActorsDied as d:
                     gone = [x for x in d.ids if x in self.engines]
@@ -245,35 +249,13 @@ class CoordinatorActor(Recovery):
                 pass  # a dead or hung engine is dropped by the next refit's prepare
         return sorted(dirty)
 
-    def _discard_pending(self) -> None:
-        """Owners drop their pending changed sets (their baselines stay the committed bits)."""
-        refs = [h.dcr_discard.remote() for h in self.owners.values()]
-        try:
-            ray.get(refs, timeout=self.config.commit.timeout_s)
-        except (RayActorError, GetTimeoutError):
-            pass  # a dead owner has nothing pending; a hung one fails the next refit's stream
-
-    def _restore(self, dirty: list[str]) -> str:
-        """Dense re-bootstrap of engines an abandoned refit wrote into; a note for the error message."""
-        if not dirty:
-            return ""
-        try:
-            self._bootstrap(dirty)
-            log.warning("dcr_ray: re-bootstrapped %s to version %d after an abandoned refit", dirty, self.version)
-            return f"; {dirty} were re-bootstrapped densely to it"
-        except Exception as e:  # e.g. an owner died: these engines leave until Refit.rejoin
-            self.required -= set(dirty)
-            log.warning("dcr_ray: could not re-bootstrap %s (%s); they left the required set", dirty, e)
-            return (f"; {dirty} hold partially written weights and could not be re-bootstrapped ({e}), so "
-                    f"they left the required set: Refit.rejoin(engine_id) restores each")
-
     def _attempt(self, transfer: str, attempt: int, base: int, target: int, t_start: float) -> RefitReport:
         t = self.config.commit.timeout_s
         req = sorted(self.required)
         t0 = time.perf_counter()
         self._phase("prepare", transfer, attempt, target)
-        get_all({e: self.engines[e].prepare.remote(transfer, attempt, base, target) for e in req}, t,
-                  "prepare")
+        self._engines_answer({e: self.engines[e].prepare.remote(transfer, attempt, base, target) for e in req},
+                             "prepare")
         t1 = time.perf_counter()
         sink = self.transport.sink(None, req)
         self._phase("stream", transfer, attempt, target)
@@ -281,8 +263,9 @@ class CoordinatorActor(Recovery):
                           for o, h in self.owners.items()}, t, "stream")
         keys = [k for s in sums.values() for k in s["payloads"]]
         self._phase("flush", transfer, attempt, target)
-        acks = get_all({e: self.engines[e].flush.remote(transfer, attempt, keys, t) for e in req}, t,
-                         "flush")
+        acks = self._engines_answer({e: self.engines[e].flush.remote(transfer, attempt, keys, t) for e in req},
+                                    "flush")
+        req = sorted(acks)  # without engines evicted as hung
         t2 = time.perf_counter()
         self._phase("commit", transfer, attempt, target)
         self.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer, epoch=self.epoch,

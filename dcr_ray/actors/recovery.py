@@ -13,8 +13,9 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
-from dcr_ray.actors.calls import gather, get_all
+from dcr_ray.actors.calls import ActorsDied, NoAnswerError, gather, get_all
 from dcr_ray.actors.commit import CommitRecord
 from dcr_ray.errors import ConfigError
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dcr_ray")
 
+#: How long a hung engine has to answer before it is tried for readmission.
+READMIT_PROBE_S = 2.0
 #: Owner handles replaced since launch, beside the commit record (read back on resume).
 OWNERS_FILE = "owners.pkl"
 
@@ -119,6 +122,20 @@ class Recovery:
                                        f"Refit.rejoin({e!r}) retries")
                 log.warning("dcr_ray: re-creating engine %s failed: %r", e, err)
 
+    def _readmit(self, report: RefitReport) -> None:
+        """Engines evicted as hung that answer again rejoin by dense bootstrap."""
+        for e in sorted(self.evicted):
+            try:
+                ray.get(self.engines[e].state.remote(), timeout=READMIT_PROBE_S)  # waits for the engine's lock
+            except Exception:
+                continue  # still hung (or dead: the next prepare drops it)
+            try:
+                self._bootstrap([e])
+                self.evicted.discard(e)
+                report.warnings.append(f"engine {e} answers again and rejoined at version {self.version}")
+            except Exception as err:
+                log.warning("dcr_ray: readmitting engine %s failed: %r", e, err)
+
     def replace_owner(self, owner_id: str, handle) -> dict:
         """Put ``handle`` in place of owner ``owner_id`` (one that died) at the committed version.
 
@@ -178,3 +195,45 @@ class Recovery:
             log.info("dcr_ray: %s already serve version %d (digests match): joined without a dense bootstrap",
                      ok, self.version)
         return [e for e in engine_ids if e not in ok]
+
+    def _engines_answer(self, calls: dict, stage: str) -> dict:
+        """Results of one engine stage. A dead engine raises :class:`ActorsDied`; an engine that is alive
+        but does not answer within the stage timeout is *evicted* (it leaves the required set, and rejoins
+        once it answers again, see ``_readmit``) while the others go on; any other error fails the attempt."""
+        out, dead, errors = gather(calls, self.config.commit.timeout_s, stage)
+        if dead:
+            raise ActorsDied(dead)
+        hung = sorted(e for e, err in errors.items() if isinstance(err, NoAnswerError))
+        other = [err for e, err in errors.items() if e not in hung]
+        if other:
+            raise other[0]
+        if hung and len(hung) == len(calls):
+            raise errors[hung[0]]  # nobody answered: a stalled stage, not one hung engine
+        if hung:
+            self.required -= set(hung)
+            self.evicted |= set(hung)
+            log.warning("dcr_ray: engine(s) %s did not answer '%s' within %.0f s: evicted until they answer again",
+                        hung, stage, self.config.commit.timeout_s)
+        return out
+
+    def _discard_pending(self) -> None:
+        """Owners drop their pending changed sets (their baselines stay the committed bits)."""
+        refs = [h.dcr_discard.remote() for h in self.owners.values()]
+        try:
+            ray.get(refs, timeout=self.config.commit.timeout_s)
+        except (RayActorError, GetTimeoutError):
+            pass  # a dead owner has nothing pending; a hung one fails the next refit's stream
+
+    def _restore(self, dirty: list[str]) -> str:
+        """Dense re-bootstrap of engines an abandoned refit wrote into; a note for the error message."""
+        if not dirty:
+            return ""
+        try:
+            self._bootstrap(dirty)
+            log.warning("dcr_ray: re-bootstrapped %s to version %d after an abandoned refit", dirty, self.version)
+            return f"; {dirty} were re-bootstrapped densely to it"
+        except Exception as e:  # e.g. an owner died: these engines leave until Refit.rejoin
+            self.required -= set(dirty)
+            log.warning("dcr_ray: could not re-bootstrap %s (%s); they left the required set", dirty, e)
+            return (f"; {dirty} hold partially written weights and could not be re-bootstrapped ({e}), so "
+                    f"they left the required set: Refit.rejoin(engine_id) restores each")

@@ -4,6 +4,9 @@
 *after* ``n`` frames of a transfer were applied in place: the engine then holds a partially applied
 XOR delta, which is exactly the state a retry must repair.
 
+``StallingEngine(inner, stall_s)`` builds the ``inner`` backend and makes its first flush after the
+bootstrap sleep ``stall_s`` seconds (an engine that is alive but hung, holding its lock).
+
 ``TrainerThatFailsToPromoteOnce`` is a real :class:`~dcr_ray.testing.trainer.TinyTrainer` owner whose first
 promote fails: the failure lands right after the commit record is written, a moment a test cannot hit
 by killing an actor from outside.
@@ -62,6 +65,39 @@ class FlakyEngine:
 
     def __call__(self) -> EngineBackend:
         return _FlakyBackend(self.inner(), self.fail_after)
+
+
+class _StallingBackend(_FlakyBackend):
+    def __init__(self, inner: EngineBackend, stall_s: float):
+        super().__init__(inner, fail_after=1 << 30)
+        self.stall_s = stall_s
+        self.flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+        if self.flushes == 2:  # the first flush is the dense bootstrap's
+            import time
+
+            time.sleep(self.stall_s)
+        self.inner.flush()
+
+
+class StallingEngine:
+    """Engine factory: ``inner()`` whose first flush after the bootstrap hangs for ``stall_s`` seconds;
+    with ``only``, just in the engine of that id (e.g. ``"a/e1"``), the others are plain ``inner()``."""
+
+    def __init__(self, inner, stall_s: float, only: str | None = None):
+        self.inner = inner
+        self.stall_s = stall_s
+        self.only = only
+
+    def __call__(self) -> EngineBackend:
+        if self.only is not None:
+            import ray
+
+            if not (ray.get_runtime_context().get_actor_name() or "").endswith(self.only):
+                return self.inner()
+        return _StallingBackend(self.inner(), self.stall_s)
 
 
 class TrainerThatFailsToPromoteOnce(TinyTrainer):
