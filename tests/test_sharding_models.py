@@ -24,7 +24,7 @@ from dcr_ray.codec.bits import bits_view, wire_name
 from dcr_ray.engines.base import checkpoint_state_dict
 from dcr_ray.sharding import (Shard, ShardSpec, canonical_specs, fused_gate_up, fused_qkv, replicated_share,
                               row_slice, stacked_experts)
-from dcr_ray.testing.models import ModelSpec, build_model, hf_config
+from dcr_ray.testing.models import ModelSpec, build_model
 from dcr_ray.testing.sharded_trainer import checkpoint_names
 
 from test_sharding_cases import Layout, Piece, check_bootstrap, check_projection, owners

@@ -22,7 +22,6 @@ hung_waits, engines_at_end, engines_configured, dense_rebootstraps, in_place_rol
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -95,7 +94,6 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
-    import torch
     from ray.cluster_utils import Cluster
 
     import dcr_ray
