@@ -9,7 +9,9 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import pytest  # noqa: E402
 import ray  # noqa: E402
+import torch  # noqa: E402
 
 
 def init_local_ray(num_cpus: int = 2) -> None:
@@ -29,3 +31,47 @@ def kill_topology() -> None:
         dcr_ray.Refit.get().shutdown()
     except (ValueError, ray.exceptions.RayActorError):
         pass  # none running, or it died while we looked it up
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A fresh single-node Ray for one test module (import it into the module to use it)."""
+    init_local_ray()
+    yield
+    ray.shutdown()
+
+
+def check_engines(refit, trainer, engines=None) -> None:
+    """Every engine of ``refit`` (or those in ``engines``) holds ``trainer``'s rollout bits (int16 views)."""
+    want = ray.get(trainer.rollout_state.remote())
+    for eid, eng in refit.engines().items():
+        if engines is not None and eid not in engines:
+            continue
+        got = ray.get(eng.tensors.remote())
+        for n in want:
+            assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), (eid, n)
+
+
+def half_written(refit, trainer, committed, engine_id: str = "a/e0"):
+    """Drive one engine's protocol by hand: after a trainer step, prepare transfer ``T`` (0 -> 1), apply
+    half of its mixed frames in place, then open attempt 1 and apply one OVERWRITE frame over part of
+    what attempt 0 wrote as XOR. Returns the engine handle (its transfer left open)."""
+    from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
+
+    eng = refit.engines()[engine_id]
+    ray.get(trainer.step.remote(seed=0))
+    new = ray.get(trainer.rollout_state.remote())
+    store = BaselineStore(in_memory=True)
+    for n, t in committed.items():
+        store.add(n, t)
+    deltas = [d for d in (store.diff(n, t) for n, t in new.items()) if d.chunks]
+    meta = FrameMeta(transfer="T", attempt=0, producer="hand", payload=0, base=0, target=1)
+    frames = list(encode_frames(deltas, meta, bucket_bytes=1 << 12))
+    ray.get(eng.prepare.remote("T", 0, 0, 1))
+    for f in frames[: max(1, len(frames) // 2)]:
+        assert ray.get(eng.deliver.remote(f)) == "applied"
+    meta = FrameMeta(transfer="T", attempt=1, producer="hand", payload=0, base=0, target=1)
+    ray.get(eng.prepare.remote("T", 1, 0, 1))
+    first = next(iter(encode_frames(deltas, meta, mode="overwrite", bucket_bytes=1 << 12)))
+    assert ray.get(eng.deliver.remote(first)) == "applied"
+    return eng

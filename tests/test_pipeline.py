@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import raytools  # noqa: F401  (sets the loopback environment before ray is imported)
+from raytools import local_ray  # noqa: F401  (module-scoped Ray fixture)
 
 import pytest
 import ray
@@ -19,13 +20,6 @@ from dcr_ray.testing.trainer import TinyTrainer
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(size="tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    raytools.init_local_ray()
-    yield
-    ray.shutdown()
 
 
 def _launch(config: dcr_ray.RefitConfig, world: int = 2, engines=(2, 1)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import raytools  # noqa: F401
+from raytools import check_engines, half_written, local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
 
 import pytest
 import ray
@@ -19,13 +20,6 @@ pytestmark = pytest.mark.slow
 SPEC = ModelSpec(size="tiny")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    raytools.init_local_ray()
-    yield
-    ray.shutdown()
-
-
 def _start(engine, clusters, trainer_cls=TinyTrainer, max_attempts: int = 3, rollback: str = "in_place"):
     Trainer = ray.remote(num_cpus=0)(trainer_cls)
     trainer = Trainer.remote(SPEC, lr=1e-3)
@@ -34,16 +28,6 @@ def _start(engine, clusters, trainer_cls=TinyTrainer, max_attempts: int = 3, rol
                                                       commit=dcr_ray.CommitConfig(max_attempts=max_attempts),
                                                       engines=dcr_ray.EngineConfig(rollback=rollback)))
     return refit, trainer
-
-
-def _check(refit, trainer, engines=None):
-    want = ray.get(trainer.rollout_state.remote())
-    for eid, eng in refit.engines().items():
-        if engines is not None and eid not in engines:
-            continue
-        got = ray.get(eng.tensors.remote())
-        for n in want:
-            assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), (eid, n)
 
 
 def test_a_partially_applied_xor_attempt_is_repaired_by_an_overwrite_retry(local_ray):
@@ -55,11 +39,11 @@ def test_a_partially_applied_xor_attempt_is_repaired_by_an_overwrite_retry(local
         # attempt 0 applied two XOR frames on each engine, then failed; attempt 1 overwrote them
         assert report.retries == 1 and report.mode == "overwrite" and report.version == 1
         assert report.payloads > 2
-        _check(refit, trainer)
+        check_engines(refit, trainer)
         ray.get(trainer.step.remote(seed=1))
         report = refit.run()  # the next refit is clean again (mixed XOR/OVERWRITE)
         assert report.retries == 0 and report.mode == "mixed"
-        _check(refit, trainer)
+        check_engines(refit, trainer)
     finally:
         refit.shutdown()
 
@@ -78,10 +62,10 @@ def test_a_dead_engine_is_dropped_from_the_refit_and_comes_back_recreated_at_the
         # the fleet is back at its configured size, every engine at v1, bit for bit
         assert refit.status()["required"] == ["a/e0", "a/e1", "b/e0"]
         assert refit.engines()["a/e1"] != dead
-        _check(refit, trainer)
+        check_engines(refit, trainer)
         ray.get(trainer.step.remote(seed=1))
         assert set(refit.run().engine_versions) == {"a/e0", "a/e1", "b/e0"}
-        _check(refit, trainer)
+        check_engines(refit, trainer)
     finally:
         refit.shutdown()
 
@@ -121,7 +105,7 @@ def test_an_abandoned_refit_that_wrote_in_place_restores_the_engines_to_the_comm
         # and the next refit (the fault fired once) lands exactly on the trainer's bits
         ray.get(trainer.step.remote(seed=1))
         assert refit.run().version == 1
-        _check(refit, trainer)
+        check_engines(refit, trainer)
     finally:
         refit.shutdown()
 
@@ -136,7 +120,7 @@ def test_a_failure_after_the_commit_record_rolls_forward_and_is_reported_not_ret
         assert report.version == 1 and report.retries == 0 and report.engine_versions == {"a/e0": 1}
         assert len(report.warnings) == 1 and "did not promote" in report.warnings[0]
         assert refit.status()["version"] == 1
-        _check(refit, trainer)
+        check_engines(refit, trainer)
         # the owner's baseline is still v0, so its next stream is refused with a clear error and
         # nothing is written: the committed version stays 1
         ray.get(trainer.step.remote(seed=1))
@@ -147,35 +131,11 @@ def test_a_failure_after_the_commit_record_rolls_forward_and_is_reported_not_ret
         refit.shutdown()
 
 
-def _half_written(refit, trainer, committed):
-    """Drive the engine protocol by hand: prepare transfer T and apply one frame of it in place."""
-    from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
-
-    eng = refit.engines()["a/e0"]
-    ray.get(trainer.step.remote(seed=0))
-    new = ray.get(trainer.rollout_state.remote())
-    store = BaselineStore(in_memory=True)
-    for n, t in committed.items():
-        store.add(n, t)
-    deltas = [store.diff(n, t) for n, t in new.items()]
-    meta = FrameMeta(transfer="T", attempt=0, producer="hand", payload=0, base=0, target=1)
-    frames = list(encode_frames([d for d in deltas if d.chunks], meta, bucket_bytes=1 << 12))
-    ray.get(eng.prepare.remote("T", 0, 0, 1))
-    for f in frames[: max(1, len(frames) // 2)]:
-        assert ray.get(eng.deliver.remote(f)) == "applied"
-    # a second attempt OVERWRITEs part of what the first wrote as XOR
-    meta = FrameMeta(transfer="T", attempt=1, producer="hand", payload=0, base=0, target=1)
-    ray.get(eng.prepare.remote("T", 1, 0, 1))
-    first = next(iter(encode_frames([d for d in deltas if d.chunks], meta, mode="overwrite", bucket_bytes=1 << 12)))
-    assert ray.get(eng.deliver.remote(first)) == "applied"
-    return eng
-
-
 def test_an_abandoned_transfer_rolls_back_in_place_to_exactly_the_committed_bits(local_ray):
     refit, trainer = _start(dcr_ray.HFEngine(SPEC), [dcr_ray.ClusterSpec(name="a", engines=1)])
     try:
         committed = ray.get(trainer.rollout_state.remote())
-        eng = _half_written(refit, trainer, committed)
+        eng = half_written(refit, trainer, committed)
         assert ray.get(eng.abort.remote("T", True)) == {"engine": "a/e0", "dirty": False, "rolled_back": True}
         got = ray.get(eng.tensors.remote())
         for n in committed:
@@ -183,7 +143,7 @@ def test_an_abandoned_transfer_rolls_back_in_place_to_exactly_the_committed_bits
         assert ray.get(eng.generate.remote([[1, 2, 3]], 2))["version"] == 0
         ray.get(trainer.dcr_discard.remote())
         assert refit.run().version == 1  # takes deltas on v0 again, no rejoin
-        _check(refit, trainer)
+        check_engines(refit, trainer)
     finally:
         refit.shutdown()
 
@@ -195,7 +155,7 @@ def test_an_engine_left_with_half_written_weights_refuses_work_until_it_rejoins(
     refit, trainer = _start(dcr_ray.HFEngine(SPEC), [dcr_ray.ClusterSpec(name="a", engines=1)], rollback="dense")
     try:
         committed = ray.get(trainer.rollout_state.remote())
-        eng = _half_written(refit, trainer, committed)
+        eng = half_written(refit, trainer, committed)
         assert ray.get(eng.abort.remote("T", True)) == {"engine": "a/e0", "dirty": True}
         with pytest.raises(dcr_ray.DcrError, match="holds no version"):
             ray.get(eng.generate.remote([[1, 2, 3]], 2))
@@ -240,8 +200,8 @@ def test_a_dead_owner_fails_the_refit_cleanly_and_a_replacement_with_the_committ
         refit.replace_owner("owner1", good)
         ray.get(good.step.remote(seed=1))
         assert refit.run().version == 2
-        _check(refit, good)
-        _check(refit, trainers[0])
+        check_engines(refit, good)
+        check_engines(refit, trainers[0])
     finally:
         refit.shutdown()
 
@@ -261,12 +221,12 @@ def test_a_hung_engine_is_evicted_at_the_stage_timeout_and_rejoins_when_it_answe
         assert report.version == 1 and set(report.engine_versions) == {"a/e0"}
         assert any("a/e1 did not answer and is evicted" in w for w in report.warnings)
         assert refit.status()["required"] == ["a/e0"]
-        _check(refit, trainer, engines={"a/e0"})
+        check_engines(refit, trainer, engines={"a/e0"})
         time.sleep(8)  # the stall ends
         ray.get(trainer.step.remote(seed=1))
         report = refit.run()
         assert any("a/e1 answers again and rejoined at version 2" in w for w in report.warnings)
         assert refit.status()["required"] == ["a/e0", "a/e1"]
-        _check(refit, trainer)
+        check_engines(refit, trainer)
     finally:
         refit.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import raytools  # noqa: F401
+from raytools import check_engines, half_written, local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
 
 import pytest
 import ray
@@ -30,13 +31,6 @@ def test_a_coordinator_of_an_older_epoch_cannot_move_the_commit_record(tmp_path)
     assert log.read().version == 0 and log.read().epoch == 1
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    raytools.init_local_ray()
-    yield
-    ray.shutdown()
-
-
 def _launch(tmp_path, resume=False, owners=None, transport="relay"):
     if owners is None:
         Trainer = ray.remote(num_cpus=0)(TinyTrainer)
@@ -47,25 +41,6 @@ def _launch(tmp_path, resume=False, owners=None, transport="relay"):
     refit = dcr_ray.launch(owners=owners, engine=dcr_ray.HFEngine(SPEC), config=config, resume=resume,
                            clusters=[dcr_ray.ClusterSpec(name="a", engines=2), dcr_ray.ClusterSpec(name="b", engines=1)])
     return refit, owners
-
-
-def _check(refit, trainer):
-    want = ray.get(trainer.rollout_state.remote())
-    for eid, eng in refit.engines().items():
-        got = ray.get(eng.tensors.remote())
-        for n in want:
-            assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), (eid, n)
-
-
-def _until(fn, timeout=60):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return fn()
-        except (ray.exceptions.RayActorError, ValueError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 def _resumed(refit, epoch=1, timeout=60):
@@ -110,7 +85,7 @@ def test_a_crashed_coordinator_is_restarted_by_ray_and_resumes_with_the_same_eng
         assert {e: ray.get(h.info.remote())["applied"] for e, h in engines.items()} == applied
         ray.get(trainer.step.remote(seed=1))
         assert refit.run().version == 2
-        _check(refit, trainer)
+        check_engines(refit, trainer)
     finally:
         refit.shutdown()
 
@@ -132,29 +107,17 @@ def test_a_coordinator_killed_for_good_is_replaced_by_launch_with_resume(local_r
         assert refit.status()["version"] == 1 and refit.engines() == engines
         ray.get(trainer.step.remote(seed=1))
         assert refit.run().version == 2
-        _check(refit, trainer)
+        check_engines(refit, trainer)
     finally:
         refit.shutdown()
 
 
 @pytest.mark.slow
 def test_a_coordinator_that_died_inside_a_transfer_is_resumed_with_the_engines_rolled_back(local_ray, tmp_path):
-    from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
-
     refit, (trainer,) = _launch(tmp_path)
     try:
         committed = ray.get(trainer.rollout_state.remote())
-        ray.get(trainer.step.remote(seed=0))
-        new = ray.get(trainer.rollout_state.remote())
-        store = BaselineStore(in_memory=True)
-        for n, t in committed.items():
-            store.add(n, t)
-        frame = next(iter(encode_frames([d for d in (store.diff(n, t) for n, t in new.items()) if d.chunks],
-                                        FrameMeta(transfer="T", attempt=0, producer="hand", payload=0, base=0,
-                                                  target=1))))
-        eng = refit.engines()["a/e0"]
-        ray.get(eng.prepare.remote("T", 0, 0, 1))
-        assert ray.get(eng.deliver.remote(frame)) == "applied"  # half a transfer written in place
+        eng = half_written(refit, trainer, committed)  # two attempts of a transfer written in place
         ray.kill(refit.actor, no_restart=False)
         assert _resumed(refit)["version"] == 0
         assert ray.get(eng.state.remote())["phase"] == "ready"  # rolled back by the resumed coordinator
@@ -162,7 +125,7 @@ def test_a_coordinator_that_died_inside_a_transfer_is_resumed_with_the_engines_r
         for n in committed:
             assert torch.equal(got[n].view(torch.int16), committed[n].view(torch.int16)), n
         assert refit.run().version == 1
-        _check(refit, trainer)
+        check_engines(refit, trainer)
     finally:
         refit.shutdown()
 
@@ -179,9 +142,9 @@ def test_a_dead_head_relay_is_replaced_and_only_its_cluster_notices_a_retry(loca
         assert set(report.engine_versions) == {"a/e0", "a/e1", "b/e0"}
         now = ray.get(refit.actor.handles.remote())["relays"]
         assert now["b/head"] != relays["b/head"] and now["a/head"] == relays["a/head"]
-        _check(refit, trainer)
+        check_engines(refit, trainer)
         ray.get(trainer.step.remote(seed=1))
         assert refit.run().retries == 0
-        _check(refit, trainer)
+        check_engines(refit, trainer)
     finally:
         refit.shutdown()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import raytools  # noqa: F401
+from raytools import local_ray  # noqa: F401  (module-scoped Ray fixture)
 
 import pytest
 import ray
@@ -29,13 +30,6 @@ DENSE = ModelSpec(arch="qwen2", size="tiny", seed=0, tie_word_embeddings=True)  
 MOE = ModelSpec(arch="qwen3_moe", size="tiny", seed=3)  # 4 stacked experts per layer
 MIXTRAL = ModelSpec(arch="mixtral", size="tiny", seed=4)  # its router is block_sparse_moe.gate on disk
 CONFIG = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(chunk_elems=1 << 12, bucket_bytes=1 << 16))
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    raytools.init_local_ray()
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

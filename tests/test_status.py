@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import raytools  # noqa: F401
+from raytools import local_ray  # noqa: F401  (module-scoped Ray fixture)
 
 import pytest
 import ray
@@ -19,13 +20,6 @@ from dcr_ray.testing.trainer import TinyTrainer
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(size="tiny")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    raytools.init_local_ray()
-    yield
-    ray.shutdown()
 
 
 def test_status_lists_versions_engine_states_relays_and_the_last_refits_and_the_cli_prints_them(local_ray):

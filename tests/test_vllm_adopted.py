@@ -10,7 +10,10 @@ too: two CPU workers (TP=2), each receiving the frames and reloading its shard t
 
 from __future__ import annotations
 
+import contextlib
+
 import raytools  # noqa: F401  (loopback environment before ray is imported)
+from raytools import local_ray  # noqa: F401  (module-scoped Ray fixture)
 
 import pytest
 import ray
@@ -27,13 +30,6 @@ from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # no
 from dcr_ray.testing.trainer import TinyTrainer  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    raytools.init_local_ray()
-    yield
-    ray.shutdown()
 
 
 def _start_user_engine(checkpoint: str, tp: int = 1):
@@ -123,17 +119,26 @@ def test_an_adopted_engine_holding_the_committed_version_joins_without_dense_fra
             ray.kill(u)
 
 
+@contextlib.contextmanager
+def _user_engine_at_v0(tmp_path, spec: ModelSpec):
+    """A user's engine (started by the test, not by dcr_ray) on ``spec``'s random-init checkpoint with the
+    dcr backend initialised at version 0; yields (model, handle, its greedy outputs now); killed after."""
+    model = build_model(spec)
+    ckpt = save_checkpoint(model, str(tmp_path))
+    user = _start_user_engine(ckpt)
+    try:
+        ray.get(user.init_weight_transfer_engine.remote({"init_info": {"checkpoint": ckpt, "version": 0}}))
+        yield model, user, _serve(user)
+    finally:
+        ray.kill(user)
+
+
 def test_a_digest_check_writes_nothing_and_refuses_malformed_or_partial_requests(local_ray, tmp_path):
     """The worker side of the check, through vLLM's own calls: a match, a mismatch, a box list that does not
     cover every tensor, and malformed boxes; the engine serves what it served throughout."""
     from dcr_ray.sharding.digest import box_digests
 
-    model = build_model(ModelSpec(arch="qwen2", seed=7))
-    ckpt = save_checkpoint(model, str(tmp_path))
-    user = _start_user_engine(ckpt)
-    try:
-        ray.get(user.init_weight_transfer_engine.remote({"init_info": {"checkpoint": ckpt, "version": 0}}))
-        before = _serve(user)
+    with _user_engine_at_v0(tmp_path, ModelSpec(arch="qwen2", seed=7)) as (model, user, before):
         sd = dcr_ray.checkpoint_state_dict(model)
         whole = [(n, (0,) * t.dim(), tuple(t.shape)) for n, t in sd.items()]
         good = [[n, list(a), list(b), d] for (n, a, b), d in box_digests(sd, whole).items()]
@@ -156,19 +161,11 @@ def test_a_digest_check_writes_nothing_and_refuses_malformed_or_partial_requests
         ray.get(user.start_weight_update.remote())
         with pytest.raises(ray.exceptions.RayTaskError, match="holds version 4"):
             ray.get(user.update_weights.remote({"update_info": {"base": 0, "target": 1, "frames": []}}))
-    finally:
-        ray.kill(user)
 
 
 def test_bad_frames_leave_an_adopted_engine_serving_what_it_served(local_ray, tmp_path):
     """Unknown tensor, wrong base version, wrong key: each update is refused before any write."""
-    spec = ModelSpec(arch="qwen2", seed=4)
-    model = build_model(spec)
-    ckpt = save_checkpoint(model, str(tmp_path))
-    user = _start_user_engine(ckpt)
-    try:
-        ray.get(user.init_weight_transfer_engine.remote({"init_info": {"checkpoint": ckpt, "version": 0}}))
-        before = _serve(user)
+    with _user_engine_at_v0(tmp_path, ModelSpec(arch="qwen2", seed=4)) as (model, user, before):
         sd = dcr_ray.checkpoint_state_dict(model)
         name = "model.layers.0.mlp.down_proj.weight"
         changed = sd[name].clone()
@@ -190,8 +187,6 @@ def test_bad_frames_leave_an_adopted_engine_serving_what_it_served(local_ray, tm
                                                                     "frames": [good, frame] if frame is signed
                                                                     else [frame]}}))
             assert _serve(user) == before
-    finally:
-        ray.kill(user)
 
 
 def _fields(meta: FrameMeta) -> dict:

@@ -12,6 +12,7 @@ vLLM engine of the trained weights serves, with ``/weight_info`` reporting the c
 from __future__ import annotations
 
 import raytools  # noqa: F401  (loopback environment before ray is imported)
+from raytools import local_ray  # noqa: F401  (module-scoped Ray fixture)
 
 import os
 import socket
@@ -108,13 +109,6 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    raytools.init_local_ray()
-    yield
-    ray.shutdown()
 
 
 def _fresh_engine_outputs(checkpoint: str) -> list[dict]:
