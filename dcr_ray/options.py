@@ -31,3 +31,27 @@ def actor_options(kind: str, name: str | None = None, *, resources: dict | None 
         opts["lifetime"] = "detached"
     opts.update(extra)
     return opts
+
+
+#: How long creating a named actor waits for the name of one that just died to be released.
+NAME_RELEASE_S = 10.0
+
+
+def create_named(make, name: str, *, wait_s: float = NAME_RELEASE_S):
+    """``make()`` (a named actor's ``.remote(...)``), retried while ``name`` is still taken: the name of an
+    actor that just died is released shortly after its death. A name still taken after ``wait_s``
+    belongs to a live actor of another topology: :class:`~dcr_ray.errors.ConfigError` says so."""
+    import time
+
+    from dcr_ray.errors import ConfigError
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return make()
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"an actor named {name!r} already runs in namespace {NAMESPACE!r}: another "
+                                  f"topology is running (reach it with dcr_ray.Refit.get(), shut it down, or "
+                                  f"launch(..., resume=True))") from None
+            time.sleep(0.2)

@@ -18,20 +18,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import time
-
 import ray
 
 from dcr_ray.actors import placement
 from dcr_ray.actors.engine import EngineActor
 from dcr_ray.config import ClusterSpec, RefitConfig
-from dcr_ray.errors import ConfigError
-from dcr_ray.options import NAMESPACE, actor_options
+from dcr_ray.options import NAMESPACE, actor_options, create_named
 from dcr_ray.relay.transport import Transport
-
-
-#: How long a re-created actor waits for the name of the one it replaces to be released.
-NAME_RELEASE_S = 10.0
 
 
 def engine_name(engine_id: str) -> str:
@@ -78,17 +71,8 @@ class Topology:
         c = self.clusters[cname]
         opts = actor_options("engine", engine_name(eid), detached=True,
                              **placement.engine_options(c, self.pgs.get(cname), bundle))
-        deadline = time.monotonic() + NAME_RELEASE_S
-        while True:  # the name of an engine that just died is released shortly after its death
-            try:
-                return ray.remote(EngineActor).options(**opts).remote(eid, cname, factory, config,
-                                                                      self.transport.reader(cname))
-            except ValueError:
-                if time.monotonic() > deadline:
-                    raise ConfigError(f"an engine named {engine_name(eid)!r} already runs in namespace "
-                                      f"{NAMESPACE!r}: another topology is running (reach it with "
-                                      f"dcr_ray.Refit.get(), shut it down, or launch(..., resume=True))") from None
-                time.sleep(0.2)
+        return create_named(lambda: ray.remote(EngineActor).options(**opts).remote(
+            eid, cname, factory, config, self.transport.reader(cname)), engine_name(eid))
 
     def start(self, backend_factory, config: RefitConfig) -> None:
         """Create every engine actor, then the transport's own actors."""

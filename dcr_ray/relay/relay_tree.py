@@ -8,13 +8,12 @@ ref argument that Ray resolves before ``deliver`` runs.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Mapping
 
 import ray
 
 from dcr_ray.codec import PayloadKey
-from dcr_ray.options import NAMESPACE, actor_options
+from dcr_ray.options import NAMESPACE, actor_options, create_named
 from dcr_ray.relay.backpressure import wait_bounded
 from dcr_ray.relay.relay import RelayActor
 from dcr_ray.relay.tree import plan_tree
@@ -47,16 +46,8 @@ class RelaySink:
         self._acks, self._refs = [], []
 
 
-def _create(cls, relay_id: str, cluster: str, head: bool, on_cross):
-    """Start a relay; the name of one that just died is released shortly after its death."""
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return cls.remote(relay_id, cluster, head=head, on_cross=on_cross)
-        except ValueError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+#: A relay re-created in place of a dead one waits this long for the old one's name.
+RELAY_NAME_RELEASE_S = 30.0
 
 
 class BytesReader:
@@ -128,9 +119,11 @@ class RelayTransport:
                         continue
                     except ValueError:
                         pass  # gone: create it again
-                made[node.relay_id] = _create(Relay.options(**actor_options(
-                    "relay", name, resources=c.resources, detached=True)), node.relay_id, c.name, head,
-                    self.on_cross.get(c.name) if head else None)
+                opts = actor_options("relay", name, resources=c.resources, detached=True)
+                cross = self.on_cross.get(c.name) if head else None
+                made[node.relay_id] = create_named(  # called at once: the loop variables are current
+                    lambda: Relay.options(**opts).remote(node.relay_id, c.name, head=head, on_cross=cross),
+                    name, wait_s=RELAY_NAME_RELEASE_S)
             for node in tree.walk():
                 kids = [("engine", engines[e], [e]) for e in node.engines]
                 kids += [("relay", made[s.relay_id], s.all_engines()) for s in node.subrelays]
