@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, get_args
 
+from dcr_ray.codec.format import MAX_BUCKET_BYTES
 from dcr_ray.errors import ConfigError
 
 __all__ = ["ApplyMode", "ClusterSpec", "CodecConfig", "CommitConfig", "EngineConfig", "Encodings", "OwnerConfig",
@@ -125,6 +126,10 @@ class CodecConfig:
     def __post_init__(self):
         if not 1 <= self.chunk_elems <= (1 << 31):
             raise ConfigError(f"CodecConfig.chunk_elems must be in 1..2**31, got {self.chunk_elems}")
+        if not 1 << 12 <= self.bucket_bytes <= MAX_BUCKET_BYTES:
+            raise ConfigError(
+                f"CodecConfig.bucket_bytes must be in 4 KiB..{MAX_BUCKET_BYTES >> 20} MiB (receivers refuse to "
+                f"inflate frames over two buckets of the largest size), got {self.bucket_bytes}")
         if self.chunk_elems * 8 > self.bucket_bytes:
             raise ConfigError(
                 f"CodecConfig.chunk_elems * 8 ({self.chunk_elems * 8}) must not exceed bucket_bytes "

@@ -156,7 +156,8 @@ class CoordinatorActor(Recovery):
             keys = [k for s in sums.values() for k in s["payloads"]]
             get_all({e: self.engines[e].flush.remote(transfer, 0, keys, t) for e in engine_ids}, t,
                       "bootstrap flush")
-            get_all({e: self.engines[e].activate.remote(self.version, transfer) for e in engine_ids}, t,
+            get_all({e: self.engines[e].activate.remote(self.version, transfer, self._last_transfer())
+                     for e in engine_ids}, t,
                       "bootstrap activate")
         except BaseException:
             # engines a failed bootstrap wrote into hold no version until a later bootstrap succeeds
@@ -252,14 +253,15 @@ class CoordinatorActor(Recovery):
     def _attempt(self, transfer: str, attempt: int, base: int, target: int, t_start: float) -> RefitReport:
         t = self.config.commit.timeout_s
         req = sorted(self.required)
+        base_id = self._last_transfer()  # frames are bound to the committed content, not only its number
         t0 = time.perf_counter()
         self._phase("prepare", transfer, attempt, target)
-        self._engines_answer({e: self.engines[e].prepare.remote(transfer, attempt, base, target) for e in req},
-                             "prepare")
+        self._engines_answer({e: self.engines[e].prepare.remote(transfer, attempt, base, target, base_id)
+                              for e in req}, "prepare")
         t1 = time.perf_counter()
         sink = self.transport.sink(None, req)
         self._phase("stream", transfer, attempt, target)
-        sums = get_all({o: h.dcr_stream.remote(transfer, attempt, base, target, sink)
+        sums = get_all({o: h.dcr_stream.remote(transfer, attempt, base, target, sink, base_id=base_id)
                           for o, h in self.owners.items()}, t, "stream")
         keys = [k for s in sums.values() for k in s["payloads"]]
         self._phase("flush", transfer, attempt, target)
@@ -269,7 +271,7 @@ class CoordinatorActor(Recovery):
         t2 = time.perf_counter()
         self._phase("commit", transfer, attempt, target)
         self.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer, epoch=self.epoch,
-                                                        baseline=self._last_transfer(), members=req))
+                                                        baseline=base_id, members=req))
         t_rec = time.perf_counter()
         # Committed: v+1 is durable. From here on roll forward (never retry, never abort): a failure
         # now takes the failing actor out of service and is reported, the version stays v+1.

@@ -54,6 +54,7 @@ class _Attempt(NamedTuple):
     attempt: int
     base: int
     target: int
+    base_id: str | None = None  #: content identity the frames must be built on (None: not checked)
 
 
 class EngineActor:
@@ -70,6 +71,9 @@ class EngineActor:
         self.backend = backend_factory()
         self.specs = self.backend.tensor_specs()
         self.version: int | None = None  # None until bootstrapped
+        #: identity of the content this engine holds: the transfer that produced ``version`` (the
+        #: commit record's ``transfer``); frames must name it as their ``base_id``
+        self.version_id: str | None = None
         self._cur: _Attempt | None = None
         self._applied: dict[PayloadKey, bytes] = {}
         self._error: DcrError | None = None
@@ -95,8 +99,10 @@ class EngineActor:
             return "EngineActor(starting)"
 
     # -- protocol -----------------------------------------------------------------------------------
-    def prepare(self, transfer: str, attempt: int, base: int, target: int) -> dict:
-        """Open attempt ``(transfer, attempt)``; checks that this engine holds ``base``."""
+    def prepare(self, transfer: str, attempt: int, base: int, target: int, base_id: str | None = None) -> dict:
+        """Open attempt ``(transfer, attempt)``; checks that this engine holds ``base`` and, when
+        ``base_id`` is given, that it holds that content (the transfer that produced ``base``): its
+        frames are then refused unless built on exactly that content."""
         with self._cv:
             if base != BOOTSTRAP_BASE and self._dirty is not None:
                 raise EngineStateError(f"engine {self.engine_id} holds no version ({self._dirty}); "
@@ -106,10 +112,16 @@ class EngineActor:
                     f"engine {self.engine_id} holds version {self.version}, the transfer needs {base}; "
                     f"it must be bootstrapped (dense) before it can take deltas"
                 )
+            if base != BOOTSTRAP_BASE and base_id is not None and self.version_id != base_id:
+                raise EngineStateError(
+                    f"engine {self.engine_id} holds version {base} of content {self.version_id!r}, the "
+                    f"transfer is built on {base_id!r}: another lineage with the same version number; it "
+                    f"must be bootstrapped (dense) before it can take deltas")
             if self._cur is None or (self._cur.transfer, self._cur.attempt) != (transfer, attempt):
                 if self._cur is None or self._cur.transfer != transfer:
                     self._applied.clear()
-                self._cur = _Attempt(transfer, attempt, base, target)
+                self._cur = _Attempt(transfer, attempt, base, target,
+                                     None if base == BOOTSTRAP_BASE else base_id)
                 self._staged = []
                 self._error = None
                 self._apply_s = 0.0
@@ -172,7 +184,7 @@ class EngineActor:
             return "rejected"
         t0 = time.perf_counter()
         try:
-            frame = self._decode(header, cur.base)
+            frame = self._decode(header, cur)
             if staging:
                 self._staged.append((key, bytes(data)))  # validated; applied at flush
             else:
@@ -212,7 +224,7 @@ class EngineActor:
             if self._staged:
                 self._touched = transfer
             for _key, data in sorted(self._staged, key=lambda kd: kd[0]):
-                self._apply(data, self._decode(open_frame(data, key=self.config.codec.key), self._cur.base))
+                self._apply(data, self._decode(open_frame(data, key=self.config.codec.key), self._cur))
             self._staged = []
             self.backend.flush()
             self._apply_s += time.perf_counter() - t0
@@ -232,8 +244,9 @@ class EngineActor:
                 self._undo.record(cur.transfer, frame, ts)
         self.backend.apply(frame)
 
-    def _decode(self, header, base: int):
-        return decode_frame(header, shapes=self.specs, expect_base=base,
+    def _decode(self, header, cur: _Attempt):
+        # a frame closes once its raw size reaches the bucket, so it holds under two buckets
+        return decode_frame(header, shapes=self.specs, expect_base=cur.base, expect_base_id=cur.base_id,
                             max_raw_bytes=max(self.config.codec.bucket_bytes * 2, 1 << 20))
 
     def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8,
@@ -257,11 +270,15 @@ class EngineActor:
             return {"engine": self.engine_id, "version": self.version,
                     "outputs": self.backend.generate(prompt_token_ids, max_tokens)}
 
-    def activate(self, version: int, transfer: str | None = None) -> int:
-        """Make ``version`` current (after the commit record is written). Idempotent."""
+    def activate(self, version: int, transfer: str | None = None, version_id: str | None = None) -> int:
+        """Make ``version`` current (after the commit record is written). Idempotent.
+
+        ``version_id`` names its content (the commit record's ``transfer``); it defaults to ``transfer``,
+        which is right for a delta transfer (a dense bootstrap passes the record's id)."""
         with self._cv:
             if transfer is None or (self._cur is not None and self._cur.transfer == transfer):
                 self.version = version
+                self.version_id = version_id if version_id is not None else transfer
                 self._cur = None
                 self._touched = self._dirty = None
                 self._applied.clear()
@@ -302,7 +319,7 @@ class EngineActor:
                     abandon()
                 self._dirty = (f"transfer {transfer} was abandoned after writing into this engine's "
                                f"weights in place")
-                self.version = None
+                self.version = self.version_id = None
             self._cv.notify_all()
             return {"engine": self.engine_id, "dirty": self._dirty is not None}
 
@@ -344,7 +361,7 @@ class EngineActor:
                 raise EngineStateError(f"engine {self.engine_id} holds no settled version to digest")
             return {"version": self.version, "digests": box_digests(self.backend.tensors(), boxes)}
 
-    def join_by_digest(self, version: int, digests: dict) -> bool:
+    def join_by_digest(self, version: int, digests: dict, version_id: str | None = None) -> bool:
         """Join at committed ``version`` without a dense bootstrap if the backend shows, by the owners'
         box ``digests``, that it already serves it (:meth:`EngineBackend.matches_digests`). False (the
         coordinator then bootstraps densely) when it does not, cannot tell, or a transfer is open."""
@@ -355,6 +372,7 @@ class EngineActor:
             if check(version, digests) is not True:
                 return False
             self.version = version
+            self.version_id = version_id
             self._dirty = None
             self._applied.clear()
             self._undo.clear()

@@ -121,8 +121,11 @@ class DeltaOwner:
 
     # -- one transfer -------------------------------------------------------------------------------
     def stream(self, tensors: Mapping[str, torch.Tensor], *, transfer: str, attempt: int, base: int,
-               target: int, sink) -> dict:
-        """Diff (attempt 0) or reuse the pending set (retries) and send every frame through ``sink``."""
+               target: int, sink, base_id: str = "") -> dict:
+        """Diff (attempt 0) or reuse the pending set (retries) and send every frame through ``sink``.
+
+        ``base_id`` names the committed content ``base`` (the commit record's transfer); every frame
+        carries it, so an engine holding other content with the same version number refuses them."""
         self.settle()
         if base != self.store.version:
             raise BaselineError(
@@ -142,7 +145,7 @@ class DeltaOwner:
         else:
             deltas = iter(self.store.pending())
         summary = self._send(deltas, transfer=transfer, attempt=attempt, base=base, target=target,
-                             mode=mode, sink=sink, t0=t0)
+                             mode=mode, sink=sink, t0=t0, base_id=base_id)
         summary["key"] = key
         summary["numel"] = sum(self._numel(n) for n in self.store.names())
         self._last_summary = summary
@@ -160,9 +163,9 @@ class DeltaOwner:
                 self.store.add_pending(td)
                 yield td
 
-    def _send(self, deltas, *, transfer, attempt, base, target, mode, sink, t0) -> dict:
+    def _send(self, deltas, *, transfer, attempt, base, target, mode, sink, t0, base_id: str = "") -> dict:
         meta = FrameMeta(transfer=transfer, attempt=attempt, producer=self.owner_id, payload=0,
-                         base=base, target=target)
+                         base=base, target=target, base_id=base_id)
         payloads: list[PayloadKey] = []
         wire = 0
         send_s = 0.0
@@ -298,9 +301,10 @@ class OwnerMixin:
             raise BaselineError("this owner was not attached: the coordinator calls dcr_attach() first")
         return self._dcr
 
-    def dcr_stream(self, transfer: str, attempt: int, base: int, target: int, sink: Sink) -> dict:
+    def dcr_stream(self, transfer: str, attempt: int, base: int, target: int, sink: Sink,
+                   base_id: str = "") -> dict:
         return self._dcr_owner().stream(self.dcr_tensors(), transfer=transfer, attempt=attempt,
-                                        base=base, target=target, sink=sink)
+                                        base=base, target=target, sink=sink, base_id=base_id)
 
     def dcr_bootstrap(self, transfer: str, sink: Sink) -> dict:
         return self._dcr_owner().bootstrap(transfer=transfer, sink=sink)

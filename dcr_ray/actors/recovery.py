@@ -184,7 +184,8 @@ class Recovery:
             for d in get_all({o: h.dcr_digests.remote() for o, h in self.owners.items()}, t,
                              "bootstrap digests").values():
                 digests.update(d)
-            joined = get_all({e: self.engines[e].join_by_digest.remote(self.version, digests) for e in adopted},
+            joined = get_all({e: self.engines[e].join_by_digest.remote(self.version, digests, self._last_transfer())
+                              for e in adopted},
                              t, "bootstrap digest check")
         except Exception as e:
             log.warning("dcr_ray: digest check of adopted engines %s failed (%r); bootstrapping densely", adopted, e)

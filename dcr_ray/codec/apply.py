@@ -66,8 +66,14 @@ def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> i
 
 
 def apply_frame(data, targets: Mapping[str, torch.Tensor], *, key: bytes | None = None,
-                expect_base: int | None = None, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES) -> DecodedFrame:
-    """Validate ``data`` completely, then apply it to ``targets`` in place. Returns the decoded frame."""
-    frame = read_frame(data, targets, key=key, expect_base=expect_base, max_raw_bytes=max_raw_bytes)
+                expect_base: int | None = None, expect_base_id: str | None = None,
+                max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES) -> DecodedFrame:
+    """Validate ``data`` completely, then apply it to ``targets`` in place. Returns the decoded frame.
+
+    Pass ``expect_base``/``expect_base_id`` (the version and content identity ``targets`` hold) so a
+    frame of another update is refused, and ``max_raw_bytes`` near the sender's bucket size (the
+    default, :data:`~dcr_ray.codec.format.DEFAULT_MAX_RAW_BYTES`, fits the default bucket)."""
+    frame = read_frame(data, targets, key=key, expect_base=expect_base, expect_base_id=expect_base_id,
+                       max_raw_bytes=max_raw_bytes)
     apply_decoded(frame, targets)
     return frame

@@ -107,15 +107,19 @@ def read_frame(
     expect_base: int | None = None,
     max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES,
     shapes: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
+    expect_base_id: str | None = None,
 ) -> DecodedFrame:
     """Validate and decode a frame. Writes nothing.
 
     ``targets`` (name -> tensor) or ``shapes`` (name -> (wire dtype, shape)) describe what the
     receiver holds; each item must name one of them with the same dtype and shape. ``expect_base``
-    is the version the receiver holds; a frame built on another base is rejected.
+    is the version the receiver holds and ``expect_base_id`` the identity of that content (the commit
+    record's transfer, :attr:`FrameMeta.base_id`); a frame built on another base is rejected.
+    ``max_raw_bytes`` bounds decompression (check it before inflating anything); keep it near the
+    sender's bucket size.
     """
     return decode_frame(open_frame(data, key=key), targets=targets, shapes=shapes, expect_base=expect_base,
-                        max_raw_bytes=max_raw_bytes)
+                        max_raw_bytes=max_raw_bytes, expect_base_id=expect_base_id)
 
 
 def decode_frame(
@@ -125,6 +129,7 @@ def decode_frame(
     shapes: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
     expect_base: int | None = None,
     max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES,
+    expect_base_id: str | None = None,
 ) -> DecodedFrame:
     """Validate and decode the sections and items of a frame opened by :func:`~dcr_ray.codec.header.open_frame`.
 
@@ -136,6 +141,13 @@ def decode_frame(
             f"payload {meta.producer}/{meta.payload} was built on version {meta.base} but this receiver "
             f"holds version {expect_base}; it must be rebuilt from the receiver's version (or the receiver "
             f"re-bootstrapped)"
+        )
+    if expect_base_id is not None and meta.base_id != expect_base_id:
+        raise BaseVersionMismatchError(
+            f"payload {meta.producer}/{meta.payload} was built on version {meta.base} of content "
+            f"{meta.base_id or '(unnamed)'!r} but this receiver holds version {expect_base} of content "
+            f"{expect_base_id!r}: a frame of another update with the same version number; it must be "
+            f"rebuilt from the receiver's content (or the receiver re-bootstrapped)"
         )
     sections = need(h, "sections", list)
     items = need(h, "items", list)

@@ -143,12 +143,11 @@ class FrameBuilder:
                 sec_meta.append([name, "raw", len(raw), len(raw)])
                 bodies.append(raw)
         m = self.meta
-        header = msgpack.packb(
-            {"fmt": FORMAT_VERSION, "transfer": m.transfer, "attempt": m.attempt, "producer": m.producer,
-             "payload": m.payload, "base": m.base, "target": m.target, "sections": sec_meta,
-             "items": self.items},
-            use_bin_type=True,
-        )
+        fields = {"fmt": FORMAT_VERSION, "transfer": m.transfer, "attempt": m.attempt, "producer": m.producer,
+                  "payload": m.payload, "base": m.base, "target": m.target}
+        if m.base_id:  # absent when empty: frames without a content id stay byte-identical to older ones
+            fields["base_id"] = m.base_id
+        header = msgpack.packb({**fields, "sections": sec_meta, "items": self.items}, use_bin_type=True)
         signed = b"".join([bytes([FORMAT_VERSION]), struct.pack("<I", len(header)), header, *bodies])
         return MAGIC + signed + digest(signed, self.key)
 

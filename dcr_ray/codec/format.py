@@ -49,8 +49,13 @@ DIGEST_SIZE = 16
 PREFIX = struct.Struct("<4sBI")
 #: How a section's body is stored.
 SECTION_CODECS = ("zstd", "raw")
-#: Default bound on the decompressed size of one frame (and on its header): 1 GiB / 16 MiB.
-DEFAULT_MAX_RAW_BYTES = 1 << 30
+#: The largest bucket (raw bytes of one frame's items) senders may use: ``CodecConfig.bucket_bytes``
+#: and ``encode_frames``' default stay at or below it.
+MAX_BUCKET_BYTES = 64 << 20
+#: Default bound on the decompressed size of one frame. A frame closes once its raw size reaches its
+#: bucket, so it holds under two buckets; receivers refuse to inflate more than this (a small hostile
+#: frame cannot make them allocate or spend time beyond it).
+DEFAULT_MAX_RAW_BYTES = 2 * MAX_BUCKET_BYTES
 MAX_HEADER_BYTES = 16 << 20
 #: Section of every sparse item's location symbols, and of their uint64 escapes.
 LOC_SECTION = "loc"
@@ -117,6 +122,11 @@ class FrameMeta:
     payload: int
     base: int
     target: int
+    base_id: str = ""
+    """Identity of the base content: the transfer that produced committed version ``base`` (the commit
+    record's ``transfer``). A receiver that knows which content it holds refuses a frame built on other
+    content with the same version number. Empty on bootstrap frames (absolute bits, any base) and in
+    frames written before the field existed (receivers that require an id refuse those)."""
 
     @property
     def key(self) -> PayloadKey:

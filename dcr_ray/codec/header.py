@@ -120,5 +120,6 @@ def _open(data: memoryview, key: bytes | None, verify: bool) -> FrameHeader:
         transfer=need(h, "transfer", str), attempt=need(h, "attempt", int),
         producer=need(h, "producer", str), payload=need(h, "payload", int),
         base=need(h, "base", int), target=need(h, "target", int),
+        base_id=need(h, "base_id", str) if "base_id" in h else "",
     )
     return FrameHeader(meta=meta, fields=h, body_offset=hend, data=data)

@@ -32,13 +32,14 @@ import torch
 
 from dcr_ray.codec import BOOTSTRAP_BASE, DecodedFrame, DecodedItem, apply_decoded, decode_frame, open_frame
 from dcr_ray.engines.vllm.capture import LoaderCapture
+from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
 from dcr_ray.engines.vllm.groups import fused_groups, reload_groups
 from dcr_ray.engines.vllm.storage import storage_digests
 from dcr_ray.errors import BackendError, ConfigError, EngineStateError
 
-#: Bound on one frame's decompressed size in a worker (frames are built in buckets far below this).
-MAX_FRAME_RAW_BYTES = 1 << 30
+#: Bound on one frame's decompressed size in a worker: two of the largest bucket a sender may use.
+MAX_FRAME_RAW_BYTES = DEFAULT_MAX_RAW_BYTES
 
 
 class MirrorReceiver:
