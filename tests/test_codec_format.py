@@ -40,8 +40,8 @@ def _frames(mode: str = "mixed"):
 
 
 def test_the_enums_are_their_wire_strings():
-    assert [e.value for e in Encoding] == ["xor", "ow", "dense"]
-    assert [m.value for m in LocationMode] == ["gaps", "runs"]
+    assert [e.value for e in Encoding] == ["xor", "ow", "dense", "add"]
+    assert [m.value for m in LocationMode] == ["gaps", "runs", "cgaps", "cruns"]
     for member in (*Encoding, *LocationMode):
         assert member == member.value and hash(member) == hash(member.value)
         assert str(member) == f"{member}" == member.value

@@ -145,7 +145,7 @@ def scenario():
     deltas = [diff_tensor(EMB, _bits(old[EMB]), new[EMB], chunk_elems=32),
               diff_tensor(NORM, _bits(old[NORM]), new[NORM], chunk_elems=1000),
               diff_tensor(MASK, _bits(old[MASK]), new[MASK], chunk_elems=40)]
-    (frame,) = encode_frames(deltas, meta(), key=KEY)
+    (frame,) = encode_frames(deltas, meta(), key=KEY, coding="plain")  # the first format's codings
     return old, new, frame, deltas
 
 
@@ -824,3 +824,164 @@ def test_arbitrary_bytes_are_rejected_as_a_frame_error(junk, with_prefix):
     assert_untouched(targets)
     with pytest.raises(FrameError):
         peek_meta(data)
+
+
+# --- the context codings: ADD values and class-order positions ----------------------------------------
+CW, CV, CI, CM = "ctx.bf16", "ctx.fp32", "ctx.int16", "ctx.mask"
+
+
+@functools.lru_cache(maxsize=None)
+def ctx_scenario():
+    """(old tensors, new tensors, one valid keyed context-coded frame).
+
+    Items, in order: bf16 [0,2048) ADD + class gaps; fp32 [0,600) ADD + class runs; int16 [0,300) ADD at
+    flat gaps; mask [0,40) XOR. As in :func:`scenario`, damage in a late item must not let an earlier
+    one be written.
+    """
+    g = torch.Generator().manual_seed(99)
+    old = {CW: (torch.randn(2048, generator=g) * 10.0 ** torch.randint(-6, 2, (2048,), generator=g)).to(torch.bfloat16),
+           CV: torch.randn(600, generator=g), CI: torch.randint(-1000, 1000, (300,), dtype=torch.int16, generator=g),
+           CM: torch.rand(40, generator=g) > 0.5}
+    new = {k: v.clone() for k, v in old.items()}
+    w = ints(new[CW])
+    small = (((w >> 7) & 0xFF) < 110).nonzero().view(-1)  # small magnitudes move (one ulp, either way)
+    w[small[::6]] += 1  # a third of them: class-order gaps, not runs
+    w[small[3::6]] -= 1
+    v = ints(new[CV])
+    v[((v >> 23) & 0xFF) == 126] += 1  # one whole exponent class
+    ints(new[CI])[::7] += 3
+    new[CM][[3, 20, 21]] = ~new[CM][[3, 20, 21]]
+    deltas = [diff_tensor(n, _bits(old[n]), new[n], chunk_elems=4096) for n in (CW, CV, CI, CM)]
+    (frame,) = encode_frames(deltas, meta(), key=KEY, coding="context")
+    return old, new, frame
+
+
+def ctx_receiver():
+    return {k: v.clone() for k, v in ctx_scenario()[0].items()}
+
+
+def ctx_rejects(frame, error: type[FrameError]) -> None:
+    """Apply ``frame`` to a fresh context receiver: exactly ``error``, and nothing written."""
+    targets = ctx_receiver()
+    with pytest.raises(error):
+        apply_frame(frame, targets, key=KEY, expect_base=BASE)
+    old = ctx_scenario()[0]
+    for name, t in targets.items():
+        assert torch.equal(ints(t), ints(old[name])), f"{name} was written by a rejected frame"
+
+
+def ctx_loc_span(h: dict, idx: int) -> slice:
+    return loc_span(h, idx)
+
+
+def test_the_context_scenario_frame_uses_every_new_coding_and_applies_exactly():
+    _, new, frame = ctx_scenario()
+    h, _ = explode(frame)
+    assert [(it["t"], it["e"], it["lm"]) for it in h["items"]] == [
+        (CW, "add", "cgaps"), (CV, "add", "cruns"), (CI, "add", "gaps"), (CM, "xor", "gaps")]
+    targets = ctx_receiver()
+    apply_frame(frame, targets, key=KEY, expect_base=BASE)
+    for name in new:
+        assert torch.equal(ints(targets[name]), ints(new[name]))
+
+
+def _ctx_edit(edit) -> bytes:
+    h, secs = explode(ctx_scenario()[2])
+    edit(h, secs)
+    return assemble(h, secs)
+
+
+def test_a_class_mode_on_a_dtype_without_an_exponent_is_rejected_without_writes():
+    ctx_rejects(_ctx_edit(lambda h, s: h["items"][2].update(lm="cgaps")), MalformedHeaderError)
+
+
+def test_a_class_mode_on_a_bool_tensor_is_rejected_without_writes():
+    ctx_rejects(_ctx_edit(lambda h, s: h["items"][3].update(lm="cgaps")), MalformedHeaderError)
+
+
+def test_an_unknown_class_like_location_mode_is_rejected_without_writes():
+    ctx_rejects(_ctx_edit(lambda h, s: h["items"][1].update(lm="cgap")), MalformedHeaderError)
+
+
+def test_a_class_rank_past_the_item_span_is_rejected_without_writes():
+    def edit(h, secs):
+        sp = ctx_loc_span(h, 1)  # cruns of the fp32 item: its first gap becomes an escape past the span
+        assert h["items"][1]["lw"] == 1 and h["items"][1]["le"] == 0
+        secs["loc"] = set_bytes(secs["loc"], slice(sp.start, sp.start + 1), b"\xff")
+        h["items"][1]["le"] = 1
+        secs["esc"] = secs.get("esc", b"") + (70000).to_bytes(8, "little")
+    ctx_rejects(_ctx_edit(edit), IndexOutOfRangeError)
+
+
+def test_class_ranks_adding_up_past_the_item_span_are_rejected_without_writes():
+    def edit(h, secs):
+        sp = ctx_loc_span(h, 0)
+        secs["loc"] = set_bytes(secs["loc"], sp, bytes([200]) * (sp.stop - sp.start))
+    ctx_rejects(_ctx_edit(edit), (IndexOutOfRangeError, MalformedHeaderError))
+
+
+def test_class_runs_that_cover_more_than_the_declared_changes_are_rejected_without_writes():
+    def edit(h, secs):
+        sp = ctx_loc_span(h, 1)
+        secs["loc"] = set_bytes(secs["loc"], slice(sp.stop - 1, sp.stop), bytes([secs["loc"][sp.stop - 1] + 1]))
+    ctx_rejects(_ctx_edit(edit), MalformedHeaderError)
+
+
+def test_an_add_item_on_a_bool_tensor_is_rejected_without_writes():
+    def edit(h, secs):
+        h["items"][3]["e"] = "add"
+        secs["add1.0"] = secs.pop("xor1.0")
+    ctx_rejects(_ctx_edit(edit), InvalidValueError)
+
+
+def test_add_values_that_run_short_of_the_declared_changes_are_rejected_without_writes():
+    def edit(h, secs):
+        secs["add4.3"] = secs["add4.3"][:-1]
+    ctx_rejects(_ctx_edit(edit), MalformedHeaderError)
+
+
+def test_a_context_frame_whose_last_item_is_damaged_writes_none_of_its_earlier_items():
+    def edit(h, secs):
+        secs["xor1.0"] = set_bytes(secs["xor1.0"], slice(0, 1), b"\x02")  # bool mask of 2, last item
+    ctx_rejects(_ctx_edit(edit), InvalidValueError)
+
+
+def _ctx_outcome(frame) -> str:
+    targets = ctx_receiver()
+    try:
+        apply_frame(frame, targets, key=KEY, expect_base=BASE)
+    except FrameError as e:
+        old = ctx_scenario()[0]
+        for name, t in targets.items():
+            assert torch.equal(ints(t), ints(old[name])), f"{name} was written by a rejected frame"
+        return type(e).__name__
+    except DcrError as e:  # pragma: no cover - a DcrError that is not a frame error is a bug here
+        raise AssertionError(f"{type(e).__name__} is not a FrameError: {e}") from e
+    return "applied"
+
+
+_CTX_VALUES = st.one_of(_VALUES, st.sampled_from(["add", "cgaps", "cruns", "float16", "bfloat16", "int16", CW, CV]))
+
+
+@settings(max_examples=120)
+@given(data=st.data())
+def test_any_re_signed_edit_of_a_context_frame_is_applied_or_rejected_as_a_frame_error_without_writes(data):
+    h, secs = explode(ctx_scenario()[2])
+    for _ in range(data.draw(st.integers(1, 3))):
+        if data.draw(st.booleans()):
+            it = h["items"][data.draw(st.integers(0, len(h["items"]) - 1))]
+            field = data.draw(st.sampled_from(_ITEM_FIELDS))
+            old = it.get(field)
+            if isinstance(old, int) and not isinstance(old, bool) and data.draw(st.booleans()):
+                it[field] = old + data.draw(st.integers(-3, 3))
+            else:
+                it[field] = data.draw(_CTX_VALUES)
+        else:
+            name = data.draw(st.sampled_from(sorted(secs)))
+            b = bytearray(secs[name])
+            if b and data.draw(st.booleans()):
+                b[data.draw(st.integers(0, len(b) - 1))] = data.draw(st.integers(0, 255))
+            elif b:
+                del b[data.draw(st.integers(0, len(b) - 1)):]
+            secs[name] = bytes(b)
+    event(_ctx_outcome(assemble(h, secs)))

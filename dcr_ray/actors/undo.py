@@ -1,8 +1,9 @@
 """In-place rollback: the inverse of every write a transfer made into an engine, in O(changes) memory.
 
 Before an engine applies a validated frame of a transfer, :meth:`UndoLog.record` keeps its inverse:
-an XOR item is its own inverse (the same masks again); an OVERWRITE or DENSE item keeps the bits it is
-about to replace. If the transfer is abandoned, :meth:`UndoLog.rollback` applies the inverses newest
+an XOR item is its own inverse (the same masks again); an OVERWRITE, ADD or DENSE item keeps the bits
+it is about to replace (the inverse of an ADD item is an OVERWRITE of those bits: as small as the
+negated difference in memory, and independent of how the difference was coded). If the transfer is abandoned, :meth:`UndoLog.rollback` applies the inverses newest
 first through the backend's own ``apply`` and ``flush`` (so a runtime that reloads touched tensors
 reloads them again), which returns every touched element to the committed version exactly; later
 attempts of the same transfer stack their own inverses on top, so any mix of partial attempts unwinds.
@@ -18,7 +19,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, bits_view
+from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, bits_view, context
 
 
 class UndoLog:
@@ -34,6 +35,7 @@ class UndoLog:
         if self.transfer != transfer:
             self.clear()
             self.transfer = transfer
+        context.resolve(frame.items, tensors)  # class-mode positions: from the bits about to be replaced
         items = []
         for it in frame.items:
             if it.encoding == Encoding.XOR:

@@ -12,7 +12,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from dcr_ray.codec import kernels, threads
+from dcr_ray.codec import context, kernels, threads
 from dcr_ray.codec.bits import bits_view
 from dcr_ray.codec.decode import DecodedFrame, read_frame
 from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES, Encoding
@@ -35,11 +35,24 @@ def _xor_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> No
         np.put(view, p, cur)
 
 
+def _add_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+    """``view[positions] += values`` modulo the word size (sorted, unique positions)."""
+    if kernels.ENABLED:
+        kernels.add_into(view, positions, values)
+        return
+    for a in range(0, len(positions), APPLY_BLOCK):
+        p = positions[a:a + APPLY_BLOCK]
+        cur = np.take(view, p)
+        cur += values[a:a + APPLY_BLOCK]  # unsigned: wraps
+        np.put(view, p, cur)
+
+
 def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> int:
     """Write a validated frame into ``targets`` in place; returns the number of elements written."""
     # Resolve every target's bit view before the first write: a target that cannot be viewed
     # (non-contiguous, not on the CPU) must fail the frame with nothing written, not half-way through.
     views = {it.name: bits_view(targets[it.name]) for it in frame.items}
+    context.resolve(frame.items, targets)  # class-mode positions, read from the old bits before any write
 
     def write(items) -> None:
         for it in items:
@@ -48,6 +61,8 @@ def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> i
                 view[it.lo:it.hi] = it.values
             elif it.encoding == Encoding.XOR:
                 _xor_into(view, it.positions, it.values)
+            elif it.encoding == Encoding.ADD:
+                _add_into(view, it.positions, it.values)
             elif kernels.ENABLED:
                 kernels.put_into(view, it.positions, it.values)
             else:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import zstandard
 
-from dcr_ray.codec import locations, planes, threads
+from dcr_ray.codec import context, intdiff, locations, planes, threads
 from dcr_ray.codec.bits import dtype_of, itemsize, np_uint
 from dcr_ray.codec.format import (
     DEFAULT_MAX_RAW_BYTES,
@@ -61,8 +61,9 @@ class DecodedItem:
     encoding: Encoding
     lo: int
     hi: int
-    positions: np.ndarray | None  # None for dense
-    values: np.ndarray  # unsigned ints of the tensor's element size
+    positions: np.ndarray | None  # None for dense (and for class modes until context.resolve)
+    values: np.ndarray  # unsigned ints of the tensor's element size (ADD: the differences, not zigzagged)
+    ranks: np.ndarray | None = None  # class-mode items: validated ranks in class order (codec.context)
 
 
 @dataclass(slots=True)
@@ -97,6 +98,7 @@ class _Job(NamedTuple):
     planes: list[np.ndarray]
     npdt: np.dtype
     is_bool: bool
+    dt: str = ""
 
 
 def read_frame(
@@ -304,17 +306,25 @@ def _item_jobs(items: list, sec: dict[str, memoryview], targets, shapes) -> list
                 mode, width, nsym, bytes(take(LOC_SECTION, nsym * width, what)), bytes(take(ESC_SECTION, le * 8, what)),
             )
         pl = [np.frombuffer(take(value_section(enc, w, j), n, what), np.uint8) for j in range(w)]
-        jobs.append(_Job(what, name, enc, lo, hi, n, loc, pl, np.dtype(np_uint(w)), dtype == torch.bool))
+        jobs.append(_Job(what, name, enc, lo, hi, n, loc, pl, np.dtype(np_uint(w)), dtype == torch.bool, dt_name))
     for name, used in cursor.items():
         if used != len(sec[name]):
             raise MalformedHeaderError(f"section {name!r} has {len(sec[name]) - used} bytes no item reads")
     return jobs
 
 
-def _decode_item(what, name, enc, lo, hi, n, loc, pl, npdt, is_bool) -> DecodedItem:
+def _decode_item(what, name, enc, lo, hi, n, loc, pl, npdt, is_bool, dt="") -> DecodedItem:
     """Positions (bounds-checked) and values of one item whose header has been validated."""
-    pos = None if loc is None else locations.decode(loc, lo, hi, n)
+    ranks = None
+    if loc is not None and loc.mode in context.MODES:  # positions resolved against the old bits at apply
+        pos, ranks = None, context.decode_ranks(loc, dt, lo, hi, n)
+    else:
+        pos = None if loc is None else locations.decode(loc, lo, hi, n)
     values = planes.join(pl, npdt) if n else np.empty(0, npdt)
+    if enc is Encoding.ADD:
+        if is_bool:
+            raise InvalidValueError(f"{what}: bool tensors take no ADD items (XOR or overwrite them)")
+        values = intdiff.unzigzag(values)
     if is_bool and len(values) and int(values.max()) > 1:
         raise InvalidValueError(f"{what}: bool values (and bool XOR masks) must be 0 or 1")
-    return DecodedItem(name, enc, lo, hi, pos, values)
+    return DecodedItem(name, enc, lo, hi, pos, values, ranks)

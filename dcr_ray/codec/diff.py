@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dcr_ray.codec import locations
+from dcr_ray.codec import context, locations
 from dcr_ray.codec.threads import codec_threads, run_all
 from dcr_ray.codec.bits import bits_view, wire_name
 
@@ -35,7 +35,9 @@ class ChunkDelta:
     """The changes of one chunk ``[lo, hi)`` of one tensor (flat element indices).
 
     Exactly one of ``dense`` (all new bits of the chunk) or the sparse triple (``loc``, ``xor``,
-    ``new``) is set.
+    ``new``) is set. A sparse chunk of a float tensor diffed against its old bits also carries ``ctx``,
+    its positions coded in the class order of those old bits (:mod:`~dcr_ray.codec.context`); the
+    frame builder uses whichever coding is smaller. Chunks made elsewhere (projections) may lack it.
     """
 
     lo: int
@@ -45,6 +47,7 @@ class ChunkDelta:
     xor: np.ndarray | None = None
     new: np.ndarray | None = None
     dense: np.ndarray | None = None
+    ctx: locations.EncodedLocations | None = None
 
     @property
     def is_dense(self) -> bool:
@@ -166,7 +169,7 @@ def changed_positions(old: np.ndarray, new: np.ndarray):
 
 
 def _diff_chunk(o: np.ndarray, w: np.ndarray, lo: int, dense_crossover: float,
-                threads: int | None) -> ChunkDelta | None:
+                threads: int | None, wire_dtype: str | None = None) -> ChunkDelta | None:
     """The :class:`ChunkDelta` of chunk ``[lo, lo + len(o))``, or None when it did not change."""
     rel, xor, nv = _scan(o, w, threads)
     if not len(rel):
@@ -181,7 +184,8 @@ def _diff_chunk(o: np.ndarray, w: np.ndarray, lo: int, dense_crossover: float,
         dense = loc.nbytes + len(rel) * itemsize >= dense_crossover * span * itemsize
     if dense:
         return ChunkDelta(lo, lo + span, span, dense=np.array(w, copy=True))
-    return ChunkDelta(lo, lo + span, len(rel), loc=loc, xor=xor, new=nv)
+    ctx = context.encode(o, rel, wire_dtype) if wire_dtype is not None and context.supports(wire_dtype) else None
+    return ChunkDelta(lo, lo + span, len(rel), loc=loc, xor=xor, new=nv, ctx=ctx)
 
 
 def diff_arrays(
@@ -190,8 +194,11 @@ def diff_arrays(
     *,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     dense_crossover: float = DEFAULT_DENSE_CROSSOVER,
+    wire_dtype: str | None = None,
 ):
     """Yield a :class:`ChunkDelta` for every chunk of the flat bit arrays that changed.
+
+    ``wire_dtype`` (the arrays' dtype on the wire) lets float chunks carry class-order positions too.
 
     With several codec threads and several chunks, each thread takes a whole chunk (scan, location
     coding and the dense decision), a window of one chunk per thread at a time, so memory stays
@@ -203,12 +210,13 @@ def diff_arrays(
     if n_threads > 1 and len(bounds) > 1 and n >= PARALLEL_MIN_ELEMS:
         for a in range(0, len(bounds), n_threads):
             window = bounds[a:a + n_threads]
-            done = run_all([lambda lo=lo, hi=hi: _diff_chunk(old[lo:hi], new[lo:hi], lo, dense_crossover, 1)
+            done = run_all([lambda lo=lo, hi=hi: _diff_chunk(old[lo:hi], new[lo:hi], lo, dense_crossover, 1,
+                                                             wire_dtype)
                             for lo, hi in window])
             yield from (c for c in done if c is not None)
         return
     for lo, hi in bounds:
-        c = _diff_chunk(old[lo:hi], new[lo:hi], lo, dense_crossover, None)
+        c = _diff_chunk(old[lo:hi], new[lo:hi], lo, dense_crossover, None, wire_dtype)
         if c is not None:
             yield c
 
@@ -227,7 +235,7 @@ def diff_tensor(
         raise ValueError(f"{name}: baseline has {old.shape}/{old.dtype}, tensor has {nv.shape}/{nv.dtype}")
     td = TensorDelta(name, wire_name(new.dtype), tuple(new.shape), len(nv))
     td.chunks.extend(
-        diff_arrays(old, nv, chunk_elems=chunk_elems, dense_crossover=dense_crossover)
+        diff_arrays(old, nv, chunk_elems=chunk_elems, dense_crossover=dense_crossover, wire_dtype=td.dtype)
     )
     return td
 

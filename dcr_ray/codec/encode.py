@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import zstandard
 
-from dcr_ray.codec import planes, threads
+from dcr_ray.codec import estimate, intdiff, planes, threads
 from dcr_ray.codec.bits import dtype_of, itemsize
 from dcr_ray.codec.diff import ChunkDelta, TensorDelta
 from dcr_ray.codec.format import (
@@ -33,6 +33,10 @@ from dcr_ray.codec.format import (
 )
 
 DEFAULT_ZSTD_LEVEL = 1
+#: How first attempts code their sparse chunks: ``"context"`` picks XOR or ADD values and flat or
+#: class-order positions per item; ``"plain"`` writes XOR masks at flat positions (earlier releases).
+CODINGS = ("context", "plain")
+DEFAULT_CODING = "context"
 #: zstd hash table size (log2) for every section. Location symbols and mask/value byte planes are close
 #: to memoryless: long matches are rare and short ones cost more bits than the literals they replace, so
 #: a small table (64 entries, zstd's minimum) that finds fewer of them gives smaller sections in less
@@ -74,17 +78,22 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 class FrameBuilder:
     """Accumulates chunk deltas as items of one frame; :meth:`finish` returns the frame bytes.
 
-    ``mode="mixed"`` writes sparse chunks as XOR masks where the tensor allows it (``xor_ok``) and as
-    absolute new bits otherwise; ``mode="overwrite"`` writes absolute bits everywhere (retries).
-    Dense chunks are always absolute.
+    ``mode="mixed"`` writes sparse chunks relative to the receiver's bits where the tensor allows it
+    (``xor_ok``: the path copies bits unchanged) and as absolute new bits otherwise; ``mode="overwrite"``
+    writes absolute bits at flat positions everywhere (retries). Dense chunks are always absolute.
+    ``coding`` says how relative chunks are written (see :meth:`_first_attempt`): ``"context"`` (the
+    default) or ``"plain"`` (XOR masks at flat positions, the frames of earlier releases).
     """
 
     def __init__(self, meta: FrameMeta, *, mode: str = "mixed", zstd_level: int = DEFAULT_ZSTD_LEVEL,
-                 key: bytes | None = None):
+                 key: bytes | None = None, coding: str = DEFAULT_CODING):
         if mode not in ("mixed", "overwrite"):
             raise ValueError(f"mode must be 'mixed' or 'overwrite', got {mode!r}")
+        if coding not in CODINGS:
+            raise ValueError(f"coding must be one of {CODINGS}, got {coding!r}")
         self.meta = meta
         self.mode = mode
+        self.coding = coding
         self.key = key
         self.zstd_level = zstd_level
         self.items: list[dict] = []
@@ -99,27 +108,47 @@ class FrameBuilder:
     def add(self, td: TensorDelta, chunk: ChunkDelta, *, xor_ok: bool = True) -> None:
         """Add one chunk of ``td`` as an item."""
         w = itemsize(dtype_of(td.dtype))
-        item = {"t": td.name, "dt": td.dtype, "sh": list(td.shape), "lo": chunk.lo, "hi": chunk.hi,
-                "n": chunk.count}
         if chunk.is_dense:
-            enc = Encoding.DENSE
-            item["e"] = enc
-            values = chunk.dense
-        else:
-            enc = Encoding.XOR if (self.mode == "mixed" and xor_ok) else Encoding.OVERWRITE
-            item["e"] = enc
-            values = chunk.xor if enc is Encoding.XOR else chunk.new
-            loc = chunk.loc
+            enc, loc, split = Encoding.DENSE, None, planes.split(chunk.dense)
+        elif self.mode == "mixed" and xor_ok:
+            enc, loc, split = self._first_attempt(td, chunk)
+        else:  # retries: absolute bits at flat positions, whatever the receiver holds by then
+            enc, loc, split = Encoding.OVERWRITE, chunk.loc, planes.split(chunk.new)
+        item = {"t": td.name, "dt": td.dtype, "sh": list(td.shape), "lo": chunk.lo, "hi": chunk.hi,
+                "n": chunk.count, "e": enc}
+        if loc is not None:
             item.update(lm=loc.mode, lw=loc.width, ls=loc.nsym, le=loc.nesc)
             self._sections[LOC_SECTION].append(loc.prim)
             self._sections[ESC_SECTION].append(loc.esc)
             self.raw_bytes += loc.nbytes
-        for j, plane in enumerate(planes.split(values)):
+        for j, plane in enumerate(split):
             self._sections.setdefault(value_section(enc, w, j), []).append(plane)
-        self.raw_bytes += values.nbytes
+        self.raw_bytes += chunk.count * w
         self.changed += chunk.count
         self.header_bytes += item_header_bound(td)
         self.items.append(item)
+
+    def _first_attempt(self, td: TensorDelta, chunk: ChunkDelta):
+        """(encoding, locations, value planes) of a sparse chunk on a first attempt.
+
+        ``coding="plain"``: XOR masks at flat positions (the only coding before ADD and the class modes).
+        ``coding="context"``: XOR masks or zigzagged differences, and flat or class-order positions (when
+        the chunk carries them), each pair chosen by the smaller estimated compressed size
+        (:mod:`~dcr_ray.codec.estimate`).
+        """
+        xor_planes = planes.split(chunk.xor)
+        if self.coding == "plain":
+            return Encoding.XOR, chunk.loc, xor_planes
+        loc = chunk.loc
+        if chunk.ctx is not None and (estimate.entropy_bytes(chunk.ctx.prim, chunk.ctx.esc)
+                                      < estimate.entropy_bytes(loc.prim, loc.esc)):
+            loc = chunk.ctx
+        if td.dtype == "bool":  # bool values must stay 0/1: XOR only
+            return Encoding.XOR, loc, xor_planes
+        add_planes = planes.split(intdiff.zigzag(intdiff.difference(chunk.new, chunk.xor)))
+        if estimate.planes_bytes(add_planes) < estimate.planes_bytes(xor_planes):
+            return Encoding.ADD, loc, add_planes
+        return Encoding.XOR, loc, xor_planes
 
     def finish(self) -> bytes:
         """Compress the sections, sign, and return the complete frame."""
@@ -162,6 +191,7 @@ def encode_frames(
     key: bytes | None = None,
     xor_ok: Mapping[str, bool] | None = None,
     header_bytes: int = HEADER_BUDGET_BYTES,
+    coding: str = DEFAULT_CODING,
 ) -> Iterable[bytes]:
     """Yield frames (payload ids from ``meta.payload`` on) holding every chunk of ``deltas``.
 
@@ -175,7 +205,7 @@ def encode_frames(
         for ch in td.chunks:
             if fb is None:
                 fb = FrameBuilder(dataclasses.replace(meta, payload=pid), mode=mode, zstd_level=zstd_level,
-                                  key=key)
+                                  key=key, coding=coding)
             fb.add(td, ch, xor_ok=True if xor_ok is None else xor_ok.get(td.name, True))
             if fb.raw_bytes >= bucket_bytes or fb.header_bytes >= header_bytes:
                 yield fb.finish()

@@ -18,10 +18,19 @@ storage) that its owners did not produce. The header is a msgpack map::
     sections  list  [[name, codec, raw_len, comp_len], ...] in body order; codec "zstd" or "raw"
     items     list  one map per (tensor, element range):
         t  str  canonical (Hugging Face) tensor name     dt str wire dtype   sh list shape
-        e  str  "xor" | "ow" | "dense"                   lo,hi int flat range [lo, hi)
+        e  str  "xor" | "add" | "ow" | "dense"           lo,hi int flat range [lo, hi)
         n  int  changed elements (hi - lo for dense)
-        lm str  location mode ("gaps" | "runs"), lw int width, ls int symbols, le int escapes
-                (sparse items only)
+        lm str  location mode ("gaps" | "runs" | "cgaps" | "cruns"), lw int width, ls int symbols,
+                le int escapes (sparse items only)
+
+Value codings of sparse items: ``xor`` (masks ``new ^ old``), ``add`` (``new - old`` modulo the word
+size, zigzagged: :mod:`~dcr_ray.codec.intdiff`) and ``ow`` (absolute new bits, every retry). A first
+attempt picks ``xor`` or ``add`` per item, whichever byte planes are estimated smaller. Location modes
+``gaps``/``runs`` code flat positions (:mod:`~dcr_ray.codec.locations`); ``cgaps``/``cruns`` code the
+changed elements' ranks in the order of the old values' exponents (:mod:`~dcr_ray.codec.context`),
+float dtypes only. ``add`` and the class modes came after the first frames were written: a frame
+without them reads exactly as before, and a receiver that predates them refuses them (unknown
+encoding or location mode) instead of misreading them.
 
 Sections: ``loc`` (location symbols of every sparse item, in item order), ``esc`` (uint64 escapes),
 and one section per (encoding, element width, byte plane), e.g. ``xor2.0`` / ``xor2.1`` hold the low
@@ -79,6 +88,8 @@ class Encoding(_WireStr):
     XOR = "xor"  #: sparse: ``new ^ old`` at the item's positions (the receiver holds ``old``)
     OVERWRITE = "ow"  #: sparse: the new bits at the item's positions
     DENSE = "dense"  #: every element of ``[lo, hi)``: its new bits, no positions
+    #: sparse: ``new - old`` modulo the word size, zigzagged (:mod:`~dcr_ray.codec.intdiff`); not for bool
+    ADD = "add"
 
 
 class LocationMode(_WireStr):
@@ -86,6 +97,9 @@ class LocationMode(_WireStr):
 
     GAPS = "gaps"  #: one gap symbol per position
     RUNS = "runs"  #: (gap, length - 1) per run of contiguous positions
+    #: gaps of the changed elements' ranks in the class order of the old bits (:mod:`~dcr_ray.codec.context`)
+    CLASS_GAPS = "cgaps"
+    CLASS_RUNS = "cruns"  #: runs of those ranks
 
 
 def value_section(encoding: Encoding, width: int, plane: int) -> str:

@@ -1,5 +1,5 @@
 """Compiled CPU kernels (numba) for the receiver's hot loops: decoding positions and values, and
-scattering them into a tensor.
+scattering them into a tensor; and the class-order walks of :mod:`~dcr_ray.codec.context`.
 
 numpy applies an XOR item as a take / xor / put round trip, three passes over the changed positions
 with two temporaries; :func:`xor_into` (``view[pos] ^= vals``) and :func:`put_into`
@@ -70,8 +70,70 @@ def _compiled() -> dict:
                     for i in range(len(out)):
                         out[i] = np.uint16(p0[i]) | (np.uint16(p1[i]) << np.uint16(8))
 
+                @jit
+                def add_into(view, pos, vals):  # pragma: no cover - compiled
+                    for i in range(len(pos)):  # stores truncate to the view's width: a wrapping add
+                        view[pos[i]] += vals[i]
+
+                @jit
+                def class_starts(old, shift, mask):  # pragma: no cover - compiled
+                    start = np.zeros(int(mask) + 2, np.int64)
+                    for i in range(len(old)):
+                        start[np.int64((old[i] >> shift) & mask) + 1] += 1
+                    for c in range(int(mask) + 1):
+                        start[c + 1] += start[c]
+                    return start
+
+                @jit
+                def class_ranks(old, pos, shift, mask):  # pragma: no cover - compiled
+                    # branch-free walk: every element bumps its class counter; a changed one also
+                    # records it (pos has a sentinel past the end, so pos[j] is always readable)
+                    cnt = class_starts(old, shift, mask)  # cnt[c]: rank of the next class-c element
+                    n = len(pos)
+                    p = np.empty(n + 1, np.int64)
+                    p[:n] = pos
+                    p[n] = -1
+                    out = np.empty(n + 1, np.int64)
+                    j = 0
+                    stop = p[n - 1] + 1 if n else 0
+                    for i in range(stop):
+                        c = np.int64((old[i] >> shift) & mask)
+                        out[j] = cnt[c]
+                        j += np.int64(p[j] == i)
+                        cnt[c] += 1
+                    return out[:n]
+
+                @jit
+                def class_positions(old, ranks, shift, mask):  # pragma: no cover - compiled
+                    # branch-free walk: element i is the next wanted one of its class when the class's
+                    # next wanted rank equals its running count. Past a class's last wanted rank the
+                    # next rank belongs to a later class (>= its start, above any count of this class),
+                    # and a sentinel ends the list, so the comparison is always safe.
+                    start = class_starts(old, shift, mask)
+                    ncls = int(mask) + 1
+                    n = len(ranks)
+                    r = np.empty(n + 1, np.int64)
+                    r[:n] = ranks
+                    r[n] = -1
+                    ptr = np.searchsorted(r[:n], start[:ncls])  # next wanted rank of each class
+                    cnt = start[:ncls].copy()
+                    out = np.empty(n + 1, np.int64)
+                    k = 0
+                    for i in range(len(old)):
+                        if k == n:
+                            break
+                        c = np.int64((old[i] >> shift) & mask)
+                        q = ptr[c]
+                        hit = np.int64(r[q] == cnt[c])
+                        out[k] = i
+                        k += hit
+                        ptr[c] = q + hit
+                        cnt[c] += 1
+                    return out[:n]
+
                 _fns = {"xor_into": xor_into, "put_into": put_into, "gap_positions": gap_positions,
-                        "join2": join2}
+                        "join2": join2, "add_into": add_into, "class_ranks": class_ranks,
+                        "class_positions": class_positions}
     return _fns
 
 
@@ -83,6 +145,24 @@ def xor_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> Non
 def put_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
     """``view[positions] = values`` for validated, in-bounds positions."""
     _compiled()["put_into"](view, positions, values)
+
+
+def add_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+    """``view[positions] += values`` modulo the word size, for validated, in-bounds positions."""
+    _compiled()["add_into"](view, positions, values)
+
+
+def class_ranks(old: np.ndarray, positions: np.ndarray, shift: int, mask: int) -> np.ndarray:
+    """Rank of each of the sorted ``positions`` in the class order of ``old`` (see
+    :mod:`~dcr_ray.codec.context`): elements sorted stably by ``(old >> shift) & mask``."""
+    t = old.dtype.type
+    return _compiled()["class_ranks"](old, positions, t(shift), t(mask))
+
+
+def class_positions(old: np.ndarray, ranks: np.ndarray, shift: int, mask: int) -> np.ndarray:
+    """Inverse of :func:`class_ranks`: sorted positions of the sorted, unique, in-range ``ranks``."""
+    t = old.dtype.type
+    return _compiled()["class_positions"](old, ranks, t(shift), t(mask))
 
 
 def gap_positions(symbols: np.ndarray, lo: int) -> np.ndarray:
@@ -119,9 +199,15 @@ def warm_up(background: bool = True) -> None:
                 vals.setflags(write=writable)
                 xor_into(view, pos, vals)
                 put_into(view, pos, vals)
+                add_into(view, pos, vals)
                 gap_positions(vals, 0)
         b = np.frombuffer(bytes(2), np.uint8)
         join2(b, b)
+        for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
+            old = np.zeros(4, dt)
+            for writable in (True, False):  # old bits may be a read-only view
+                old.setflags(write=writable)
+                class_positions(old, class_ranks(old, pos, 1, 1), 1, 1)
 
     if background:
         threading.Thread(target=run, name="dcr-kernels-warm-up", daemon=True).start()

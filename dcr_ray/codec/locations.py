@@ -27,8 +27,8 @@ from dcr_ray.codec.bits import np_uint
 from dcr_ray.codec.format import LocationMode
 from dcr_ray.errors import IndexOutOfRangeError, MalformedHeaderError
 
-#: Wire strings of the location modes.
-MODES = tuple(m.value for m in LocationMode)
+#: Wire strings of the flat location modes (the class modes are :mod:`~dcr_ray.codec.context`'s).
+MODES = (LocationMode.GAPS.value, LocationMode.RUNS.value)
 #: Symbol widths in bytes.
 WIDTHS = (1, 2, 4, 8)
 #: Largest item span a location stream may address (keeps every cumulative sum inside int64).

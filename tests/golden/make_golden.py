@@ -95,6 +95,30 @@ def _bool_flips(seed, count):
     return change
 
 
+def _small_steps(seed, every, shift, cap):
+    """An optimizer-like step: a quarter of the elements whose exponent field (bits ``shift`` up) is below
+    ``cap`` move by one unit in the last place (up or down, by the seed); every ``every``-th moves too."""
+    def change(b):
+        t = b.dtype.type
+        exp = (b >> t(shift)) & t(0xFF if shift != 10 else 0x1F)
+        sign = pseudo_bits(f"sign:{seed}", len(b), torch.uint8) & 1
+        coin = pseudo_bits(f"coin:{seed}", len(b), torch.uint8) & 3
+        moved = ((exp < cap) & (coin == 0)) | (np.arange(len(b)) % every == 0)
+        step = np.where(sign == 1, t(1), np.array(-1).astype(b.dtype))  # -1 wraps: one ulp down
+        b[moved] += step[moved]  # unsigned: wraps, across mantissa carries into the exponent
+        return b
+    return change
+
+
+def _class_block(shift, cls):
+    """Every element whose exponent field is ``cls`` moves up by one unit in the last place."""
+    def change(b):
+        t = b.dtype.type
+        b[((b >> t(shift)) & t(0xFF)) == cls] += t(1)
+        return b
+    return change
+
+
 def build_inputs(name: str):
     """The (name, old, new) tensors of golden case ``name``."""
     if name == "bf16_xor_gaps":
@@ -115,6 +139,18 @@ def build_inputs(name: str):
             _pair("q.uint8", torch.uint8, (7,), _flip_low("k6", 1, 0xFF)),
             _pair("q.int16", torch.int16, (9,), _flip_low("k7", 2, 0x7FFF)),
             _pair("q.int32", torch.int32, (3, 3), _flip_low("k8", 4, 0x1)),
+        ]
+    if name == "bf16_add_class_gaps":
+        return [_pair("model.layers.1.self_attn.o_proj.weight", torch.bfloat16, (64, 64),
+                      _small_steps("a1", 97, 7, 100))]
+    if name == "fp32_add_class_runs":
+        return [_pair("model.layers.1.mlp.up_proj.weight", torch.float32, (40, 50), _class_block(23, 128))]
+    if name == "context_multi_dtype":
+        return [
+            _pair("c.int16", torch.int16, (300,), _small_steps("c1", 7, 15, 0)),
+            _pair("c.fp16", torch.float16, (500,), _small_steps("c2", 53, 10, 12)),
+            _pair("c.bool", torch.bool, (64,), _bool_flips("c3", 9)),
+            _pair("c.bf16_sign", torch.bfloat16, (200,), _at([3, 50, 51, 120], 0x8000)),
         ]
     if name == "bool_masks":
         return [_pair("attn.mask", torch.bool, (300,), _bool_flips("b1", 12)),
@@ -141,6 +177,20 @@ CASE_SETTINGS = {
     "bool_masks": dict(description="bool tensors: XOR flips and (xor_ok=False) overwrite values",
                        chunk_elems=512, mode="mixed", xor_ok={"attn.mask_ow": False},
                        must_contain=[{"e": "xor", "dt": "bool"}, {"e": "ow", "dt": "bool"}]),
+    # context coding (the default since ADD and the class modes): the cases above pin coding="plain"
+    "bf16_add_class_gaps": dict(description="BF16 one-ulp steps where the exponent is small (and every 97th "
+                                            "element): zigzagged differences, gaps in class order",
+                                chunk_elems=4096, mode="mixed", coding="context",
+                                must_contain=[{"e": "add", "lm": "cgaps"}]),
+    "fp32_add_class_runs": dict(description="FP32: every element of one exponent class moves one ulp up: "
+                                            "differences, one run in class order",
+                                chunk_elems=2000, mode="mixed", coding="context",
+                                must_contain=[{"e": "add", "lm": "cruns"}]),
+    "context_multi_dtype": dict(description="context coding across dtypes: int16 differences at flat "
+                                            "positions, FP16 class order, bool and sign flips as XOR",
+                                chunk_elems=512, mode="mixed", coding="context",
+                                must_contain=[{"e": "add", "dt": "int16", "lm": "gaps"}, {"e": "add", "dt": "float16"},
+                                              {"e": "xor", "dt": "bool"}, {"e": "xor", "dt": "bfloat16"}]),
 }
 DEFAULT_META = dict(transfer="golden", attempt=0, producer="owner-0", payload=0, base=1, target=2)
 
@@ -152,7 +202,8 @@ def encode_case(case: dict, tensors: list[tuple[str, torch.Tensor, torch.Tensor]
               for name, old, new in tensors]
     key = case["key"].encode() if case.get("key") else None
     return list(encode_frames(deltas, FrameMeta(**case["meta"]), mode=case["mode"], bucket_bytes=case["bucket_bytes"],
-                              zstd_level=case["zstd_level"], key=key, xor_ok=case.get("xor_ok")))
+                              zstd_level=case["zstd_level"], key=key, xor_ok=case.get("xor_ok"),
+                              coding=case.get("coding", "plain")))
 
 
 def tensors_of(case: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -192,7 +243,7 @@ def main() -> int:
     cases = []
     for name, settings in CASE_SETTINGS.items():
         case = {"name": name, "description": settings["description"], "chunk_elems": settings["chunk_elems"],
-                "mode": settings["mode"], "bucket_bytes": settings.get("bucket_bytes", 64 << 20), "zstd_level": 1,
+                "mode": settings["mode"], "coding": settings.get("coding", "plain"), "bucket_bytes": settings.get("bucket_bytes", 64 << 20), "zstd_level": 1,
                 "key": settings.get("key"), "xor_ok": settings.get("xor_ok"),
                 "meta": settings.get("meta", DEFAULT_META), "must_contain": settings["must_contain"],
                 "must_have_codec": settings.get("must_have_codec")}
