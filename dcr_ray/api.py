@@ -31,7 +31,7 @@ from dcr_ray.actors.coordinator import CoordinatorActor
 from dcr_ray.actors.owner import StandaloneOwner
 from dcr_ray.config import ClusterSpec, RefitConfig, validate
 from dcr_ray.engines.base import EngineBackend
-from dcr_ray.errors import ConfigError
+from dcr_ray.errors import ConfigError, RefitTimeoutError
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, actor_options
 from dcr_ray.relay.transport import Transport
 from dcr_ray.report import RefitReport
@@ -152,6 +152,7 @@ def launch(
     coordinator_resources: dict | None = None,
     transport: Transport | None = None,
     resume: bool = False,
+    timeout_s: float | None = None,
 ) -> Refit:
     """Start a topology: coordinator, engines per cluster, the transport; attach owners; bootstrap.
 
@@ -170,6 +171,10 @@ def launch(
     the commit record, finds the live engines and relays by name, settles the open transition and
     continues at the committed version. (A coordinator that merely crashed is restarted by Ray and
     resumes by itself.)
+
+    ``timeout_s`` bounds the whole launch (placement, start-up, attach, dense bootstrap); default
+    ``config.commit.start_timeout_s``. Past it, or on any failure, launch removes everything it
+    created and raises (:class:`~dcr_ray.errors.RefitTimeoutError` for the timeout).
     """
     if not ray.is_initialized():
         raise ConfigError("call ray.init() first (dcr_ray runs in your Ray cluster)")
@@ -182,8 +187,11 @@ def launch(
     if resume and (config is None or config.commit.dir is None or owner_tensors is not None):
         raise ConfigError("resume=True needs the running owners (owners=...) and the commit directory of the "
                           "topology to resume: RefitConfig(commit=CommitConfig(dir=...))")
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
+        raise ConfigError(f"launch(timeout_s=...) must be a positive number of seconds, got {timeout_s!r}")
     planned = owners if owners is not None else {f"owner{i}": StandaloneOwner for i in range(len(owner_tensors))}
     config = validate(config or RefitConfig(), clusters, planned, engine)
+    _check_placeable(coordinator_resources)
     if _coordinator_exists():
         raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in this Ray cluster; "
                           "use dcr_ray.Refit.get() to reach it, or its shutdown() first")
@@ -201,8 +209,16 @@ def launch(
     log.info("starting %d engines in %d clusters, %d owners, transport=%s; dense bootstrap...", n_eng,
              len(clusters), len(owners), config.transport.kind)
     refit = Refit(actor, owns_owners=own_owners)
+    limit = timeout_s if timeout_s is not None else config.commit.start_timeout_s
     try:
-        ray.get(actor.start.remote(resume))
+        try:
+            ray.get(actor.start.remote(resume), timeout=limit)
+        except ray.exceptions.GetTimeoutError:
+            raise RefitTimeoutError(
+                f"launch did not finish within {limit:.0f} s (placement, start-up and dense bootstrap); "
+                f"everything it created was removed. Check that the cluster can place the coordinator, "
+                f"engines and relays (`ray status`), or raise launch(timeout_s=...) / "
+                f"CommitConfig.start_timeout_s for a large model") from None
     except BaseException:
         if resume:  # the topology keeps running as it was; only this coordinator goes
             ray.kill(actor, no_restart=True)
@@ -225,6 +241,18 @@ def _kill_named(prefixes: tuple[str, ...]) -> None:
                 ray.kill(ray.get_actor(a["name"], namespace=NAMESPACE), no_restart=True)
             except (ValueError, ray.exceptions.RayActorError):
                 pass  # died meanwhile
+
+
+def _check_placeable(resources: dict | None) -> None:
+    """Refuse, before anything is spawned, coordinator resources that no alive node offers (the actor
+    would wait for placement forever)."""
+    if not resources:
+        return
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if not any(all(r.get(k, 0) >= v for k, v in resources.items()) for r in nodes):
+        have = sorted({k for r in nodes for k in r if not k.startswith("node:")})
+        raise ConfigError(f"no alive node offers coordinator_resources={resources} (resources in this cluster: "
+                          f"{have}); give resources a node has, or start a node with them")
 
 
 def _coordinator_exists() -> bool:

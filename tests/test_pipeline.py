@@ -247,6 +247,10 @@ def test_bad_set_ups_are_refused_before_any_actor_is_spawned(local_ray):
         (dict(owner_tensors=[], clusters=[dcr_ray.ClusterSpec(name="a")]), "at least one owner"),
         (dict(owners=[], clusters=[dcr_ray.ClusterSpec(name="a")]), "at least one owner"),
         (dict(owners=[plain], clusters=[dcr_ray.ClusterSpec(name="a")]), "mix in dcr_ray.OwnerMixin"),
+        (dict(owner_tensors=[sd], clusters=[dcr_ray.ClusterSpec(name="a")], coordinator_resources={"TPU": 1}),
+         r"no alive node offers coordinator_resources=\{'TPU': 1\}"),
+        (dict(owner_tensors=[sd], clusters=[dcr_ray.ClusterSpec(name="a")], timeout_s=float("nan")),
+         "positive number of seconds"),
     ]
     for kw, msg in bad:
         with pytest.raises(dcr_ray.errors.ConfigError, match=msg):
@@ -294,6 +298,26 @@ def test_engines_of_a_cluster_with_placement_run_in_one_placement_group_and_refi
         _assert_engines_hold(refit, trainers)
     finally:
         refit.shutdown()
+
+
+def test_a_launch_that_outlasts_its_timeout_removes_everything_it_created_and_a_later_launch_works(local_ray):
+    from dcr_ray.testing.faults import SlowStartEngine
+
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainers = [Trainer.remote(SPEC, lr=1e-4)]
+    clusters = [dcr_ray.ClusterSpec(name="a")]
+    with pytest.raises(dcr_ray.errors.RefitTimeoutError, match="launch did not finish within 2 s"):
+        dcr_ray.launch(owners=trainers, clusters=clusters, engine=SlowStartEngine(dcr_ray.HFEngine(SPEC), 60),
+                       timeout_s=2)
+    assert _alive(*LAUNCH_NAMES) == set()
+    refit = dcr_ray.launch(owners=trainers, clusters=clusters, engine=dcr_ray.HFEngine(SPEC.with_seed(3)))
+    try:
+        ray.get(trainers[0].step.remote(seed=1))
+        assert refit.run().version == 1
+        _assert_engines_hold(refit, trainers)
+    finally:
+        refit.shutdown()
+        ray.kill(trainers[0])
 
 
 def test_a_placement_ray_cannot_satisfy_fails_launch_with_a_clear_error_instead_of_hanging(local_ray):

@@ -7,6 +7,9 @@ XOR delta, which is exactly the state a retry must repair.
 ``StallingEngine(inner, stall_s)`` builds the ``inner`` backend and makes its first flush after the
 bootstrap sleep ``stall_s`` seconds (an engine that is alive but hung, holding its lock).
 
+``SlowStartEngine(inner, delay_s)`` builds the ``inner`` backend ``delay_s`` seconds late (an engine
+whose start-up outlasts a launch's timeout).
+
 ``TrainerThatFailsToPromoteOnce`` is a real :class:`~dcr_ray.testing.trainer.TinyTrainer` owner whose first
 promote fails: the failure lands right after the commit record is written, a moment a test cannot hit
 by killing an actor from outside.
@@ -98,6 +101,20 @@ class StallingEngine:
             if not (ray.get_runtime_context().get_actor_name() or "").endswith(self.only):
                 return self.inner()
         return _StallingBackend(self.inner(), self.stall_s)
+
+
+class SlowStartEngine:
+    """Engine factory: ``inner()``, built after sleeping ``delay_s`` seconds."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner = inner
+        self.delay_s = delay_s
+
+    def __call__(self) -> EngineBackend:
+        import time
+
+        time.sleep(self.delay_s)
+        return self.inner()
 
 
 class TrainerThatFailsToPromoteOnce(TinyTrainer):
