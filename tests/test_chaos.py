@@ -1,4 +1,5 @@
-"""``dcr-ray chaos``, short seed: every fault kind once on a multi-node cluster; nothing mismatched,
+"""``dcr-ray chaos``, short seed: every fault kind once on a multi-node cluster (actor deaths, hostile
+frames, dropped / duplicated / reordered / delayed payloads, a stalled engine); nothing mismatched,
 nothing hostile applied, the fleet back at its configured size (the README names the longer soak)."""
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ def test_the_schedule_covers_every_fault_kind_before_repeating_any():
 
 
 def test_a_short_chaos_run_survives_every_fault_kind_bit_exactly():
-    out = run_chaos(len(FAULT_KINDS), seed=1)
+    out = run_chaos(len(FAULT_KINDS) + 1, seed=1)  # every kind once, then a quiet refit
     assert out["faults_by_kind"] == {k: 1 for k in FAULT_KINDS}
     assert out["mismatched_engines"] == 0 and out["bad_frames_applied"] == 0 and out["hung_waits"] == 0
-    assert out["committed"] == len(FAULT_KINDS)  # a dead owner's refit commits after replace_owner
+    assert out["committed"] == len(FAULT_KINDS) + 1  # a dead owner's refit commits after replace_owner
     assert out["bad_frames_rejected"] >= 3  # flipped, wrong-key and truncated frames (stale ones are ignored)
     assert out["engines_at_end"] == out["engines_configured"]
+    # only engines re-created after a death are bootstrapped densely (a stalled one is activated)
+    assert out["dense_rebootstraps"] == out["recreated_engines"]
     # (in-place rollbacks depend on whether frames landed before a fault; tests/test_recovery.py pins them)

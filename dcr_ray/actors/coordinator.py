@@ -196,6 +196,8 @@ class CoordinatorActor(Recovery):
             transfer = f"v{target}-{uuid.uuid4().hex[:8]}"
             last: Exception | None = None
             dropped: list[str] = []
+            rejoined: list[str] = []
+            self._readmit(rejoined)  # hung engines that answer again take part in this refit
             for attempt in range(self.config.commit.max_attempts):
                 if not self.required:
                     last = RefitError("no required engine is alive")
@@ -204,7 +206,8 @@ class CoordinatorActor(Recovery):
                     report = self._attempt(transfer, attempt, base, target, t_start)
                     report.dropped_engines = dropped
                     self._heal(dropped, report)
-                    self._readmit(report)
+                    report.warnings += rejoined
+                    self._readmit(report.warnings)
                     report.warnings += [f"engine {e} did not answer and is evicted; it rejoins when it answers"
                                         for e in sorted(self.evicted)]
                     return report

@@ -89,6 +89,8 @@ class EngineActor:
         self._dirty: str | None = None
         #: inverse of the in-place writes of the transfer in flight (in-place rollback)
         self._undo = UndoLog()
+        #: the attempt whose flush completed (every payload applied): activating it is exact
+        self._flushed: tuple[str, int] | None = None
         kernels.warm_up()  # load the apply kernels while the dense bootstrap runs
 
     def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
@@ -227,6 +229,7 @@ class EngineActor:
                 self._apply(data, self._decode(open_frame(data, key=self.config.codec.key), self._cur))
             self._staged = []
             self.backend.flush()
+            self._flushed = (transfer, attempt)
             self._apply_s += time.perf_counter() - t0
             return {"engine": self.engine_id, "cluster": self.cluster, "applied": len(want),
                     "apply_s": self._apply_s, "bytes": self._bytes}
@@ -332,8 +335,10 @@ class EngineActor:
 
     def state(self) -> dict:
         """Where this engine stands: its version, the transfer it is in or wrote into, dirty or not, and
-        ``phase`` (``ready`` / ``receiving`` / ``staging`` / ``dirty``). A resumed coordinator settles
-        an open transfer from this (activate it if the record committed it, else roll it back)."""
+        ``phase`` (``ready`` / ``receiving`` / ``staging`` / ``dirty``), and ``flushed`` (every payload
+        of the open attempt applied). A resumed coordinator settles an open transfer from this (activate
+        it if the record committed it, else roll it back); an engine evicted as hung that flushed the
+        transfer the record committed is activated instead of bootstrapped."""
         with self._cv:
             cur = self._cur
             phase = ("dirty" if self._dirty is not None or self.version is None else
@@ -341,7 +346,8 @@ class EngineActor:
                      "staging" if self.config.engines.apply == "staged" and self._touched is None else "receiving")
             return {"engine": self.engine_id, "cluster": self.cluster, "version": self.version, "phase": phase,
                     "transfer": cur.transfer if cur else self._touched,
-                    "target": cur.target if cur else None, "dirty": self._dirty is not None}
+                    "target": cur.target if cur else None, "dirty": self._dirty is not None,
+                    "flushed": cur is not None and self._flushed == (cur.transfer, cur.attempt)}
 
     def get_version(self) -> int | None:
         return self.version

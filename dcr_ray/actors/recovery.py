@@ -122,17 +122,29 @@ class Recovery:
                                        f"Refit.rejoin({e!r}) retries")
                 log.warning("dcr_ray: re-creating engine %s failed: %r", e, err)
 
-    def _readmit(self, report: RefitReport) -> None:
-        """Engines evicted as hung that answer again rejoin by dense bootstrap."""
+    def _readmit(self, warnings: list[str]) -> None:
+        """Engines evicted as hung that answer again rejoin: activated if they took the whole transfer
+        the record committed (they hung in its flush), else by dense bootstrap."""
         for e in sorted(self.evicted):
             try:
-                ray.get(self.engines[e].state.remote(), timeout=READMIT_PROBE_S)  # waits for the engine's lock
+                st = ray.get(self.engines[e].state.remote(), timeout=READMIT_PROBE_S)  # waits for the engine's lock
             except Exception:
                 continue  # still hung (or dead: the next prepare drops it)
             try:
-                self._bootstrap([e])
+                rec = self.commits.read()
+                t = self.config.commit.timeout_s
+                if (rec is not None and st.get("flushed") and st["transfer"] == rec.transfer
+                        and st["target"] == rec.version == self.version):
+                    ray.get(self.engines[e].activate.remote(rec.version, rec.transfer), timeout=t)
+                    self.required.add(e)
+                    how = "it had applied the committed transfer: activated, no dense bootstrap"
+                else:
+                    if st["transfer"] is not None:  # close what it holds open before the dense frames
+                        ray.get(self.engines[e].abort.remote(st["transfer"], True), timeout=t)
+                    self._bootstrap([e])
+                    how = "dense bootstrap"
                 self.evicted.discard(e)
-                report.warnings.append(f"engine {e} answers again and rejoined at version {self.version}")
+                warnings.append(f"engine {e} answers again and rejoined at version {self.version} ({how})")
             except Exception as err:
                 log.warning("dcr_ray: readmitting engine %s failed: %r", e, err)
 

@@ -12,12 +12,21 @@ during the refit:
   steps (so it holds the committed bits) takes its place through ``Refit.replace_owner``;
 * ``flip_bytes`` / ``wrong_key`` / ``truncate`` / ``stale_replay``: a hostile frame delivered straight to
   a random engine during the refit (one bit flipped, signed with another key, cut short, or a validly
-  signed frame of another transfer).
+  signed frame of another transfer);
+* ``drop`` / ``duplicate`` / ``reorder`` / ``delay``: a random owner's first frame of the refit's first
+  attempt is lost, sent twice, sent after the next one, or held :data:`~dcr_ray.testing.payload_faults.
+  DELAY_S` (:class:`~dcr_ray.testing.payload_faults.PayloadFaults` wraps the real relay transport);
+* ``stall_engine``: a random engine's flush hangs past the stage timeout (it is evicted, the others
+  commit, and it rejoins when it answers).
+
+The last refit of a run longer than one pass over the kinds is quiet, so the fleet shows whether it
+healed.
 
 After every committed version every required engine is compared bit for bit (integer views) with the
 owners. The JSON has the fields of the issue's chaos suite: refits, committed, faults_injected,
 faults_by_kind, faults_survived, mismatched_engines, bad_frames_rejected, bad_frames_applied,
-hung_waits, engines_at_end, engines_configured, dense_rebootstraps, in_place_rollbacks.
+hung_waits, engines_at_end, engines_configured, dense_rebootstraps (with recreated_engines: how many of
+them were engines re-created after a death), in_place_rollbacks.
 """
 
 from __future__ import annotations
@@ -32,7 +41,11 @@ import time
 from collections import Counter
 
 FAULT_KINDS = ("kill_engine", "kill_relay", "kill_coordinator", "kill_owner", "flip_bytes", "wrong_key",
-               "truncate", "stale_replay")
+               "truncate", "stale_replay", "drop", "duplicate", "reorder", "delay", "stall_engine")
+PAYLOAD_KINDS = ("drop", "duplicate", "reorder", "delay")
+#: Stage timeout of the chaos topology, and how long a stalled engine hangs (past it).
+STAGE_TIMEOUT_S = 10.0
+STALL_S = STAGE_TIMEOUT_S + 4
 #: Probability of a refit without a fault, after every kind ran once.
 QUIET_P = 0.3
 #: The frame key of the chaos topology (hostile frames sign with another one).
@@ -44,7 +57,8 @@ def add_parser(groups) -> None:
     """Register ``chaos`` on the ``dcr-ray`` command's subparsers."""
     p = groups.add_parser("chaos", help="seeded faults against a multi-node topology; checks every refit",
                           description=__doc__.split("\n\n")[1])
-    p.add_argument("--refits", type=int, default=30, help="refits to run (default 30; CI runs 8)")
+    p.add_argument("--refits", type=int, default=30,
+                   help=f"refits to run (default 30; CI runs {len(FAULT_KINDS) + 1}: every kind once, then a quiet one)")
     p.add_argument("--seed", type=int, default=20137, help="fault schedule seed")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=run)
@@ -64,12 +78,16 @@ def run(args) -> int:
 
 
 def schedule(refits: int, seed: int) -> list[str | None]:
-    """The fault of each refit: every kind once (seeded order), then random kinds or none."""
+    """The fault of each refit: every kind once (seeded order), then random kinds or none; the last
+    refit of a run longer than one pass is quiet."""
     rng = random.Random(seed)
     first = list(FAULT_KINDS)
     rng.shuffle(first)
     rest = [None if rng.random() < QUIET_P else rng.choice(FAULT_KINDS) for _ in range(max(0, refits - len(first)))]
-    return (first + rest)[:refits]
+    out = (first + rest)[:refits]
+    if refits > len(FAULT_KINDS):
+        out[-1] = None
+    return out
 
 
 def _hostile_frame(kind: str, name: str, shape: tuple, base: int) -> bytes:
@@ -97,6 +115,8 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
     from ray.cluster_utils import Cluster
 
     import dcr_ray
+    from dcr_ray.testing import payload_faults
+    from dcr_ray.testing.faults import StallOnSignal
     from dcr_ray.testing.models import ModelSpec
     from dcr_ray.testing.trainer import TinyTrainer
 
@@ -122,15 +142,21 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
     owners = [trainer(r, 0) for r in range(2)]
     clusters = [dcr_ray.ClusterSpec(name="a", engines=2, resources={"cluster-a": 0.01}),
                 dcr_ray.ClusterSpec(name="b", engines=2, fanout=2, resources={"cluster-b": 0.01})]
+    work = tempfile.mkdtemp(prefix="dcr_chaos_")
     config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(key=KEY, bucket_bytes=1 << 17, chunk_elems=1 << 13),
-                                 commit=dcr_ray.CommitConfig(dir=tempfile.mkdtemp(prefix="dcr_chaos_"), timeout_s=30))
-    refit = dcr_ray.launch(owners=owners, clusters=clusters, engine=dcr_ray.HFEngine(spec), config=config,
-                           coordinator_resources={"train": 0.01})
+                                 commit=dcr_ray.CommitConfig(dir=os.path.join(work, "commit"),
+                                                             timeout_s=STAGE_TIMEOUT_S))
+    # signal files armed per refit: all "nodes" of this cluster share this machine's file system
+    payload_signal, stall_signal = os.path.join(work, "payload_fault"), os.path.join(work, "stall")
+    refit = dcr_ray.launch(owners=owners, clusters=clusters, config=config, coordinator_resources={"train": 0.01},
+                           engine=StallOnSignal(dcr_ray.HFEngine(spec), stall_signal, STALL_S),
+                           transport=payload_faults.PayloadFaults(config, payload_signal))
     configured = sum(c.engines for c in clusters)
     rng = random.Random(seed + 1)
     stats = Counter()
     by_kind, survived = Counter(), Counter()
-    mismatched, recreated, t0 = 0, 0, time.monotonic()
+    mismatched, recreated, dense, t0 = 0, 0, 0, time.monotonic()
+    failures: list[str] = []  # messages of refits that failed (they name engines restored densely)
     try:
         for i, kind in enumerate(schedule(refits, seed)):
             s = len(steps)
@@ -147,6 +173,11 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
                 _wait(lambda: refit.status()["epoch"] > epoch)
             elif kind == "kill_owner":
                 ray.kill(owners[1])
+            elif kind in PAYLOAD_KINDS:
+                payload_faults.arm(payload_signal, kind, rng.choice(["owner0", "owner1"]))
+            elif kind == "stall_engine":
+                with open(stall_signal, "w") as f:
+                    f.write(rng.choice(sorted(handles["engines"])))
             elif kind in ("kill_engine", "kill_relay"):
                 pool = handles["engines"] if kind == "kill_engine" else handles["relays"]
                 victim = pool[rng.choice(sorted(pool))]
@@ -160,15 +191,18 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
             for th in threads:
                 th.start()
             start = time.monotonic()
-            ok = _try_refit(refit, say)
+            ok = _try_refit(refit, say, failures)
             if not ok and kind == "kill_owner":
                 owners[1] = trainer(1, committed_steps)  # restored to the committed version...
                 refit.replace_owner("owner1", owners[1])
                 for s in steps[committed_steps:]:  # ...then it catches up with the other rank
                     ray.get(owners[1].step.remote(seed=s))
-                ok = _try_refit(refit, say)
+                ok = _try_refit(refit, say, failures)
             for th in threads:
                 th.join()
+            payload_faults.disarm(payload_signal)
+            if os.path.exists(stall_signal):
+                os.remove(stall_signal)
             if time.monotonic() - start > 2 * config.commit.timeout_s * config.commit.max_attempts:
                 stats["hung_waits"] += 1
             stats["bad_frames_rejected"] += sum(b in ("rejected", "stale") for b in bad)
@@ -176,7 +210,8 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
             if ok:
                 stats["committed"] += 1
                 committed_steps = len(steps)
-                recreated += sum("re-created" in w for w in ok.warnings)
+                recreated += sum("was re-created" in w for w in ok.warnings)
+                dense += sum("was re-created" in w or "(dense bootstrap)" in w for w in ok.warnings)
                 bad_engines = _check(refit, owners[0])
                 mismatched += len(bad_engines)
                 if kind is not None and not bad_engines:
@@ -196,19 +231,27 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
             "faults_survived": sum(survived.values()), "mismatched_engines": mismatched,
             "bad_frames_rejected": stats["bad_frames_rejected"], "bad_frames_applied": stats["bad_frames_applied"],
             "hung_waits": stats["hung_waits"], "engines_at_end": at_end, "engines_configured": configured,
-            "dense_rebootstraps": recreated, "in_place_rollbacks": rollbacks,
+            "dense_rebootstraps": dense + sum(_restored(m) for m in failures),
+            "recreated_engines": recreated, "in_place_rollbacks": rollbacks,
             "seconds": round(time.monotonic() - t0, 1)}
 
 
-def _try_refit(refit, say=None):
+def _try_refit(refit, say, failures: list[str]):
     import dcr_ray
 
     try:
         return refit.run()
     except dcr_ray.DcrError as e:
-        if say is not None:
-            say(f"  refit failed: {str(e)[-400:]}")
+        failures.append(str(e))
+        say(f"  refit failed: {str(e)[-400:]}")
         return None
+
+
+def _restored(message: str) -> int:
+    """Engines a failed refit's message says were re-bootstrapped densely."""
+    import re
+
+    return sum(len(re.findall(r"'[^']+'", m)) for m in re.findall(r"(\[[^\]]*\]) were re-bootstrapped densely", message))
 
 
 def _deliver(engine, frame: bytes) -> str:

@@ -7,6 +7,10 @@ XOR delta, which is exactly the state a retry must repair.
 ``StallingEngine(inner, stall_s)`` builds the ``inner`` backend and makes its first flush after the
 bootstrap sleep ``stall_s`` seconds (an engine that is alive but hung, holding its lock).
 
+``StallOnSignal(inner, signal, stall_s)`` builds the ``inner`` backend; a flush hangs for ``stall_s``
+seconds when the file ``signal`` names this engine (the file is consumed): a stall armed from outside
+at a chosen refit.
+
 ``SlowStartEngine(inner, delay_s)`` builds the ``inner`` backend ``delay_s`` seconds late (an engine
 whose start-up outlasts a launch's timeout).
 
@@ -101,6 +105,46 @@ class StallingEngine:
             if not (ray.get_runtime_context().get_actor_name() or "").endswith(self.only):
                 return self.inner()
         return _StallingBackend(self.inner(), self.stall_s)
+
+
+class _SignalledStallBackend(_FlakyBackend):
+    def __init__(self, inner: EngineBackend, signal: str, stall_s: float):
+        super().__init__(inner, fail_after=1 << 30)  # never fails an apply
+        self.signal = signal
+        self.stall_s = stall_s
+
+    def flush(self) -> None:
+        import os
+        import time
+
+        import ray
+
+        me = ray.get_runtime_context().get_actor_name() or ""
+        try:
+            with open(self.signal) as f:
+                target = f.read().strip()
+        except FileNotFoundError:
+            target = ""
+        if target and me.endswith(target):
+            try:
+                os.remove(self.signal)
+            except FileNotFoundError:
+                return self.inner.flush()  # another flush of this engine took it
+            time.sleep(self.stall_s)
+        self.inner.flush()
+
+
+class StallOnSignal:
+    """Engine factory: ``inner()`` whose flush hangs ``stall_s`` seconds when the file ``signal``
+    holds this engine's id (e.g. ``a/e1``); the stall consumes the file."""
+
+    def __init__(self, inner, signal: str, stall_s: float):
+        self.inner = inner
+        self.signal = signal
+        self.stall_s = stall_s
+
+    def __call__(self) -> EngineBackend:
+        return _SignalledStallBackend(self.inner(), self.signal, self.stall_s)
 
 
 class SlowStartEngine:
