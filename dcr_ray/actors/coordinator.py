@@ -316,6 +316,9 @@ class CoordinatorActor(Recovery):
         metrics.record("refit_wire", report.wire_bytes)
         metrics.record("refit_changed", report.changed)
         metrics.record("version", target)
+        metrics.record("required_engines", len(self.required))
+        for cluster, nbytes in link.items():
+            metrics.record("link_bytes", nbytes, tags={"cluster": cluster})
         return report
 
     def _last_transfer(self) -> str:

@@ -91,6 +91,7 @@ class EngineActor:
         self._undo = UndoLog()
         #: the attempt whose flush completed (every payload applied): activating it is exact
         self._flushed: tuple[str, int] | None = None
+        self._tags = {"cluster": cluster, "engine": engine_id}  # of every metric this engine records
         kernels.warm_up()  # load the apply kernels while the dense bootstrap runs
 
     def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
@@ -151,7 +152,7 @@ class EngineActor:
             self._stats[status] += 1
             self._cv.notify_all()
         if status in ("applied", "rejected"):
-            metrics.record(f"engine_{status}", tags={"engine": self.engine_id})
+            metrics.record(f"engine_{status}", tags=self._tags)
         return status
 
     def _deliver_locked(self, data: bytes) -> str:
@@ -231,6 +232,7 @@ class EngineActor:
             self.backend.flush()
             self._flushed = (transfer, attempt)
             self._apply_s += time.perf_counter() - t0
+            metrics.record("engine_apply_seconds", self._apply_s, tags=self._tags)
             return {"engine": self.engine_id, "cluster": self.cluster, "applied": len(want),
                     "apply_s": self._apply_s, "bytes": self._bytes}
 
@@ -288,6 +290,7 @@ class EngineActor:
                 self._undo.clear()
                 if hasattr(self.backend, "activate"):
                     self.backend.activate(version)  # backends that tag their outputs with a version
+                metrics.record("engine_version", version, tags=self._tags)
                 self._cv.notify_all()
             return self.version
 

@@ -39,6 +39,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from dcr_ray import metrics
 from dcr_ray.codec.baseline import BaselineStore
 from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec.diff import TensorDelta, full_delta
@@ -149,6 +150,8 @@ class DeltaOwner:
         summary["key"] = key
         summary["numel"] = sum(self._numel(n) for n in self.store.names())
         self._last_summary = summary
+        metrics.record("owner_wire", summary["wire_bytes"], tags={"owner": self.owner_id})
+        metrics.record("owner_seconds", time.perf_counter() - t0, tags={"owner": self.owner_id})
         return summary
 
     def _numel(self, name: str) -> int:

@@ -64,7 +64,7 @@ class RelayActor:
             self._held[transfer].append(own)
             self._bytes_in[transfer] += len(data)
             self._payloads_in[transfer].add(key)
-        metrics.record("relay_bytes", len(data), tags={"cluster": self.cluster})
+        metrics.record("relay_bytes", len(data), tags={"cluster": self.cluster, "relay": self.relay_id})
         self._forward(key, own, targets)
         return len(data)
 
