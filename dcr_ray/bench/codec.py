@@ -11,9 +11,15 @@ Cases (all measured in one run, on the same data for every encoder):
   elements, chosen uniformly, changes by a relative ``1e-2 * randn`` (an element that rounding leaves
   unchanged is nudged by one ulp, so exactly that fraction changes its bits).
 
-For every case: changed elements, dcr_ray wire bytes (mixed mode: XOR masks) and overwrite-only bytes,
-the entropy bound (positions: ``n * H(p)`` bits with ``p`` the change rate; masks: the empirical entropy
-of the 16-bit XOR values times their count), encode GB/s (diff + frame encoding, per canonical byte
+For every case: changed elements, dcr_ray wire bytes (mixed mode with the default ``context`` coding:
+XOR or ADD values, flat or class-order positions), the same changed set in *today's* coding (``plain``:
+XOR masks at flat positions, what the codec wrote before ADD and the class modes; measured in the same
+run, ``--coding`` picks what the throughput columns time) and overwrite-only bytes; three zero-order
+bounds: the *global* entropy bound (positions: ``n * H(p)`` bits with ``p`` the change rate of the
+whole step; masks: the empirical entropy of the 16-bit XOR values times their count), the *per-tensor*
+bound (each tensor's ``n_t * H(p_t)``, and the empirical entropy of the zigzagged integer differences
+instead of the XOR masks) and the *class* bound (the per-tensor bound with each tensor's rate taken per
+exponent class of the old values, what class-order positions aim at); encode GB/s (diff + frame encoding, per canonical byte
 scanned) and decode+apply GB/s (``read_frame`` + ``apply_decoded``, per canonical byte), the bytes of two
 peer encodings (:mod:`dcr_ray.bench.peers`), and a bit-exactness check of every decode (integer views).
 A memory-bandwidth reference (numpy copy) and a zstd level sweep on the 3% stress case come from the
@@ -38,6 +44,7 @@ TARGETS = {
     "mixed_saving_min": 0.35,
     "encode_gbps_min": 1.5,
     "apply_gbps_min": 3.0,
+    "new_over_today_adamw_max": 0.85,
 }
 STRESS_RATES = (0.01, 0.03, 0.05)
 REAL_LRS = (1e-6, 1e-5)
@@ -56,12 +63,13 @@ class Settings:
     steps: int
     batch: tuple[int, int]
     memcpy_bytes: int
+    coding: str = "context"
 
     @classmethod
-    def make(cls, quick: bool, seed: int = 0, repeats: int | None = None) -> Settings:
+    def make(cls, quick: bool, seed: int = 0, repeats: int | None = None, coding: str = "context") -> Settings:
         if quick:
-            return cls(quick, seed, repeats or 7, 16 << 20, 1, 2, (2, 64), 128 << 20)
-        return cls(quick, seed, repeats or 9, 64 << 20, 2, 5, (4, 128), 512 << 20)
+            return cls(quick, seed, repeats or 7, 16 << 20, 1, 2, (2, 64), 128 << 20, coding)
+        return cls(quick, seed, repeats or 9, 64 << 20, 2, 5, (4, 128), 512 << 20, coding)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -81,12 +89,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the model, batches and stress data")
     p.add_argument("--repeats", type=int, default=None,
                    help="timing repeats per case (best is reported; default 7 quick, 9 full)")
+    p.add_argument("--coding", choices=("context", "plain"), default="context",
+                   help="first-attempt coding the throughput columns time (default: context, the codec's "
+                        "default; plain = XOR masks at flat positions, today's frames). Wire bytes of both "
+                        "codings are always measured")
     p.set_defaults(func=_run_from_args)
     return p
 
 
 def _run_from_args(args: argparse.Namespace) -> int:
-    settings = Settings.make(args.quick, args.seed, args.repeats)
+    settings = Settings.make(args.quick, args.seed, args.repeats, args.coding)
     result = run(settings)
     print(format_table(result))
     if args.json:
@@ -127,9 +139,13 @@ class Acc:
     canon_bytes: int = 0
     changed: int = 0
     wire: int = 0
+    wire_plain: int = 0
     overwrite: int = 0
     pos_bits: float = 0.0
     mask_bits: float = 0.0
+    pt_pos_bits: float = 0.0
+    class_pos_bits: float = 0.0
+    diff_bits: float = 0.0
     encode_s: float = 0.0
     encode_cpu_s: float = 0.0
     apply_cpu_s: float = 0.0
@@ -179,13 +195,13 @@ def _best(fn, repeats: int, setup=None, cpu: list | None = None):
     return best, out
 
 
-def _encode(step: Step, *, mode="mixed", zstd_level=None):
+def _encode(step: Step, *, mode="mixed", zstd_level=None, coding="context"):
     """(deltas, frames) of ``step``: the owner's encode path (diff every tensor, then frames)."""
     from dcr_ray.codec import diff_tensor, encode_frames
     from dcr_ray.codec.encode import DEFAULT_ZSTD_LEVEL
 
     deltas = [diff_tensor(n, step.old[n], t) for n, t in step.new.items()]
-    frames = list(encode_frames(deltas, _meta(), mode=mode,
+    frames = list(encode_frames(deltas, _meta(), mode=mode, coding=coding,
                                 zstd_level=DEFAULT_ZSTD_LEVEL if zstd_level is None else zstd_level))
     return deltas, frames
 
@@ -220,15 +236,33 @@ def _exact(targets: dict, step: Step) -> bool:
     return all(np.array_equal(bits_view(targets[n]), bits_view(t)) for n, t in step.new.items())
 
 
-def measure_step(step: Step, acc: Acc, repeats: int) -> None:
-    """Measure one step of a case into ``acc``."""
+def _class_pos_bits(old, pos, dtype: str) -> float:
+    """``sum over exponent classes c of n_c * H(p_c)`` for one tensor: positions coded knowing each old
+    value's class (:mod:`dcr_ray.codec.context`), zero-order within a class."""
+    import numpy as np
+
+    from dcr_ray.codec.context import EXPONENT_FIELDS
+
+    if dtype not in EXPONENT_FIELDS:
+        return len(old) * _h2(len(pos) / max(len(old), 1))
+    shift, nbits = EXPONENT_FIELDS[dtype]
+    cls = (old >> old.dtype.type(shift)) & old.dtype.type((1 << nbits) - 1)
+    tot = np.bincount(cls, minlength=1 << nbits)
+    hit = np.bincount(cls[pos], minlength=1 << nbits)
+    return float(sum(int(tot[c]) * _h2(hit[c] / tot[c]) for c in np.flatnonzero(tot)))
+
+
+def measure_step(step: Step, acc: Acc, repeats: int, coding: str = "context") -> None:
+    """Measure one step of a case into ``acc`` (``coding`` is what the throughput columns time)."""
     import numpy as np
 
     from dcr_ray.bench import peers
-    from dcr_ray.codec import bits_view, diff_tensor
+    from dcr_ray.codec import bits_view, diff_tensor, intdiff
+    from dcr_ray.codec.bits import wire_name
 
     # independent ground truth (naive numpy): positions, new bits and XOR values per tensor
     changes, hist, changed, elems, canon = {}, np.zeros(1 << 16, np.int64), 0, 0, 0
+    dhist = np.zeros(1 << 16, np.int64)
     for n, t in step.new.items():
         nb = bits_view(t)
         x = np.bitwise_xor(step.old[n], nb)
@@ -236,6 +270,9 @@ def measure_step(step: Step, acc: Acc, repeats: int) -> None:
         changes[n] = (pos, nb)
         if nb.dtype.itemsize == 2:
             hist += np.bincount(x[pos], minlength=1 << 16)
+            dhist += np.bincount(intdiff.zigzag(nb[pos] - step.old[n][pos]), minlength=1 << 16)
+        acc.pt_pos_bits += len(nb) * _h2(len(pos) / max(len(nb), 1))
+        acc.class_pos_bits += _class_pos_bits(step.old[n], pos, wire_name(t.dtype))
         changed += len(pos)
         elems += len(nb)
         canon += nb.nbytes
@@ -246,10 +283,11 @@ def measure_step(step: Step, acc: Acc, repeats: int) -> None:
     acc.rates.append(p)
     acc.pos_bits += elems * _h2(p)
     acc.mask_bits += changed * _entropy_bits(hist) if changed else 0.0
+    acc.diff_bits += changed * _entropy_bits(dhist) if changed else 0.0
 
     # encode: diff + frames (best of repeats), and diff alone for the breakdown
     cpu: list[float] = []
-    t_enc, (deltas, frames) = _best(lambda: _encode(step), repeats, cpu=cpu)
+    t_enc, (deltas, frames) = _best(lambda: _encode(step, coding=coding), repeats, cpu=cpu)
     t_diff, _ = _best(lambda: [diff_tensor(n, step.old[n], t) for n, t in step.new.items()], repeats)
     got = {d.name: d for d in deltas}
     for n, (pos, _nb) in changes.items():
@@ -272,8 +310,18 @@ def measure_step(step: Step, acc: Acc, repeats: int) -> None:
     _decode_apply(frames, tg)
     acc.exact &= _exact(tg, step)
 
-    # overwrite-only (what a retry sends) from the same changed set
+    # the same changed set in the other coding (bytes on the wire, and bit-exact too)
     from dcr_ray.codec import encode_frames
+
+    other = list(encode_frames(deltas, _meta(), coding="plain" if coding == "context" else "context"))
+    tg = _fresh_targets(step)
+    _decode_apply(other, tg)
+    acc.exact &= _exact(tg, step)
+    ctx_frames, plain_frames = (frames, other) if coding == "context" else (other, frames)
+    acc.wire = acc.wire - sum(map(len, frames)) + sum(map(len, ctx_frames))
+    acc.wire_plain += sum(map(len, plain_frames))
+
+    # overwrite-only (what a retry sends) from the same changed set
 
     ow = list(encode_frames(deltas, _meta(), mode="overwrite"))
     acc.overwrite += sum(map(len, ow))
@@ -293,6 +341,8 @@ def measure_step(step: Step, acc: Acc, repeats: int) -> None:
 
 def case_result(name: str, source: str, acc: Acc, **extra) -> dict:
     bound = (acc.pos_bits + acc.mask_bits) / 8
+    pt_bound = (acc.pt_pos_bits + acc.diff_bits) / 8
+    class_bound = (acc.class_pos_bits + acc.diff_bits) / 8
     c = max(acc.changed, 1)
     return {
         "name": name,
@@ -306,6 +356,16 @@ def case_result(name: str, source: str, acc: Acc, **extra) -> dict:
         "entropy_bound_positions_bytes": acc.pos_bits / 8,
         "entropy_bound_masks_bytes": acc.mask_bits / 8,
         "wire_over_bound": acc.wire / bound if bound else None,
+        "today_wire_bytes": acc.wire_plain,
+        "today_bytes_per_change": acc.wire_plain / c,
+        "new_over_today": acc.wire / acc.wire_plain if acc.wire_plain else None,
+        "today_over_bound": acc.wire_plain / bound if bound else None,
+        "per_tensor_bound_bytes": pt_bound,
+        "per_tensor_bound_positions_bytes": acc.pt_pos_bits / 8,
+        "per_tensor_bound_values_bytes": acc.diff_bits / 8,
+        "wire_over_per_tensor_bound": acc.wire / pt_bound if pt_bound else None,
+        "class_bound_bytes": class_bound,
+        "class_bound_positions_bytes": acc.class_pos_bits / 8,
         "overwrite_only_bytes": acc.overwrite,
         "mixed_saving": 1 - acc.wire / acc.overwrite if acc.overwrite else None,
         "encode_gbps": acc.canon_bytes / acc.encode_s / 1e9,
@@ -326,6 +386,61 @@ def case_result(name: str, source: str, acc: Acc, **extra) -> dict:
 # ---------------------------------------------------------------------------------------------------
 # data
 # ---------------------------------------------------------------------------------------------------
+#: The MoE-shaped many-tensor case: tensors, elements per tensor, change rate.
+MOE_TENSORS = 100_000
+MOE_SHAPE = (16, 32)
+MOE_RATE = 0.01
+#: Per-tensor fixed cost the issue asks for: 10**5 tensors in <= 0.5 s per refit per owner and per engine.
+FIXED_COST_MAX_S = 0.5
+
+
+def moe_step(n_tensors: int, shape: tuple[int, int], rate: float, seed: int) -> Step:
+    """``n_tensors`` small BF16 tensors named like the experts of an MoE model (gate/up/down per expert,
+    128 experts per layer), with the stress case's uniform changes at ``rate`` across all of them."""
+    import torch
+
+    per = shape[0] * shape[1]
+    big = stress_step(n_tensors * per, rate, seed)
+    (old_all,), (new_all,) = big.old.values(), big.new.values()
+    old, new = {}, {}
+    for i in range(n_tensors):
+        layer, rest = divmod(i, 3 * 128)
+        name = f"model.layers.{layer}.mlp.experts.{rest // 3}.{('gate_proj', 'up_proj', 'down_proj')[rest % 3]}.weight"
+        old[name] = old_all[i * per:(i + 1) * per]
+        new[name] = new_all[i * per:(i + 1) * per].view(torch.bfloat16).reshape(shape)
+    return Step(old=old, new=new)
+
+
+def measure_fixed_cost(step: Step, coding: str) -> dict:
+    """One refit of a many-tensor step, timed once (the cost is per tensor, not per byte): the owner's
+    encode (diff + frames) and the engine's decode (against a shapes table, as engines do) + apply;
+    wire bytes of both codings; bit-exact check."""
+    from dcr_ray.codec import apply_decoded, decode_frame, encode_frames, open_frame
+    from dcr_ray.codec.bits import wire_name
+
+    t0 = time.perf_counter()
+    deltas, frames = _encode(step, coding=coding)
+    t_enc = time.perf_counter() - t0
+    plain = list(encode_frames(deltas, _meta(), coding="plain")) if coding == "context" else frames
+    shapes = {n: (wire_name(t.dtype), tuple(t.shape)) for n, t in step.new.items()}
+    tg = _fresh_targets(step)
+    t0 = time.perf_counter()
+    decoded = [decode_frame(open_frame(f, key=None), shapes=shapes) for f in frames]
+    t_dec = time.perf_counter() - t0
+    for d in decoded:
+        apply_decoded(d, tg)
+    t_app = time.perf_counter() - t0
+    changed = sum(d.changed for d in deltas)
+    wire = sum(map(len, frames))
+    return {"tensors": len(step.new), "elements": sum(t.numel() for t in step.new.values()), "changed": changed,
+            "frames": len(frames), "wire_bytes": wire, "bytes_per_change": wire / max(changed, 1),
+            "today_bytes_per_change": sum(map(len, plain)) / max(changed, 1),
+            "encode_s": t_enc, "decode_s": t_dec, "decode_apply_s": t_app,
+            "encode_us_per_tensor": t_enc / len(step.new) * 1e6,
+            "decode_apply_us_per_tensor": t_app / len(step.new) * 1e6,
+            "bit_exact": _exact(tg, step)}
+
+
 def stress_step(n: int, rate: float, seed: int) -> Step:
     """A BF16 tensor of ``randn * 0.02`` with exactly ``round(rate * n)`` elements changed (relative 1e-2)."""
     import numpy as np
@@ -449,7 +564,7 @@ def run(s: Settings) -> dict:
         _log(f"real updates: AdamW lr={lr:g}, small model, {s.warm_steps} warm-up + {s.steps} measured steps")
         acc = Acc()
         for step in real_steps(s, lr):
-            measure_step(step, acc, s.repeats)
+            measure_step(step, acc, s.repeats, s.coding)
             _log(f"    change rate {acc.rates[-1]:.3%}")
         cases.append(case_result(f"adamw-lr{lr:g}", "adamw", acc, lr=lr, steps=s.steps,
                                  step_change_rates=acc.rates))
@@ -459,29 +574,36 @@ def run(s: Settings) -> dict:
         _log(f"stress: {rate:.0%} uniform changes in {s.stress_elems / 2**20:.0f} Mi BF16 elements")
         step = stress_step(s.stress_elems, rate, s.seed)
         acc = Acc()
-        measure_step(step, acc, s.repeats)
+        measure_step(step, acc, s.repeats, s.coding)
         cases.append(case_result(f"stress-{rate:.0%}", "stress", acc))
         _log(f"  done: {_short(cases[-1])}")
         if rate == 0.03:
             _log("  zstd level sweep on stress-3%")
             sweep = zstd_sweep(step, s.repeats)
         del step
+    _log(f"many tensors: {MOE_TENSORS:,} MoE-shaped BF16 tensors of {MOE_SHAPE}, {MOE_RATE:.0%} changed")
+    step = moe_step(MOE_TENSORS, MOE_SHAPE, MOE_RATE, s.seed)
+    moe = measure_fixed_cost(step, s.coding)
+    del step
+    _log(f"  encode {moe['encode_s']:.2f}s, decode+apply {moe['decode_apply_s']:.2f}s, "
+         f"{moe['bytes_per_change']:.2f} B/change (today {moe['today_bytes_per_change']:.2f})")
     result = {
         "bench": "codec",
         "quick": s.quick,
         "memcpy_gbps": mem,
         "cases": cases,
+        "many_tensors": moe,
         "zstd_sweep": {"case": "stress-3%", "default_level": DEFAULT_ZSTD_LEVEL, "hash_log": ZSTD_HASH_LOG,
                        "levels": sweep},
         "targets": TARGETS,
-        "checks": checks(cases),
+        "checks": {**checks(cases), **fixed_cost_checks(moe)},
         "machine": {
             "cpus": os.cpu_count(), "codec_threads": threads_mod.codec_threads(), "platform": platform.platform(),
             "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
             "zstandard": zstandard.__version__, "loadavg_start": load0,
             "loadavg_end": _loadavg(),
         },
-        "settings": {"seed": s.seed, "repeats": s.repeats, "stress_elems": s.stress_elems,
+        "settings": {"seed": s.seed, "repeats": s.repeats, "coding": s.coding, "stress_elems": s.stress_elems,
                      "warm_steps": s.warm_steps, "steps": s.steps, "batch": list(s.batch)},
         "elapsed_s": time.perf_counter() - t_start,
     }
@@ -504,11 +626,23 @@ def checks(cases: list[dict]) -> dict:
         "apply>=3GB/s": {c["name"]: c["apply_gbps"] >= t["apply_gbps_min"] for c in cases},
         "bit_exact": {c["name"]: c["bit_exact"] for c in cases},
     }
+    out["wire<=0.85x today's (adamw)"] = {
+        c["name"]: _le(c["new_over_today"], t["new_over_today_adamw_max"]) for c in cases if c["source"] == "adamw"}
     out["bytes_per_change(stress-3%)<=1.35"] = {
         c["name"]: c["bytes_per_change"] <= t["bytes_per_change_stress3_max"] for c in cases
         if c["name"] == "stress-3%"
     }
     return out
+
+
+def fixed_cost_checks(moe: dict | None) -> dict:
+    """The 10**5-tensor targets: owner encode and engine decode+apply each within FIXED_COST_MAX_S."""
+    if not moe:
+        return {}
+    return {f"10^5 tensors: encode<={FIXED_COST_MAX_S}s": {"many-tensors": moe["encode_s"] <= FIXED_COST_MAX_S},
+            f"10^5 tensors: decode+apply<={FIXED_COST_MAX_S}s": {
+                "many-tensors": moe["decode_apply_s"] <= FIXED_COST_MAX_S},
+            "10^5 tensors: bit_exact": {"many-tensors": moe["bit_exact"]}}
 
 
 def _le(a, b) -> bool:
@@ -539,16 +673,20 @@ def format_table(r: dict) -> str:
     lines = ["dcr_ray codec benchmark" + (" (quick)" if r["quick"] else ""),
              f"memory bandwidth reference (numpy copy): {r['memcpy_gbps']:.2f} GB/s; codec threads "
              f"{m['codec_threads']}; load average at start {m['loadavg_start']}", "",
-             "wire bytes (B/chg = bytes per changed element; bound = entropy bound; w/bnd = wire / bound; "
-             "ow = overwrite-only; mixed- = mixed-mode saving vs overwrite-only; areal, slime = peers):"]
+             "wire bytes (B/chg = bytes per changed element, context coding; today = plain coding (XOR at "
+             "flat positions) on the same changes; new/td = ratio; bound = global entropy bound; pt bnd = "
+             "per-tensor bound (integer differences); cls bnd = class bound; ow = overwrite-only; mixed- = "
+             "saving vs overwrite-only; areal, slime = peers):"]
     cols = [("case", 14, "{}"), ("rate", 7, "{:.2%}"), ("changed", 11, "{:,}"), ("wire MB", 8, "{:.3f}"),
-            ("B/chg", 6, "{:.3f}"), ("bound", 6, "{:.3f}"), ("w/bnd", 6, "{:.3f}"), ("ow B/chg", 8, "{:.3f}"),
+            ("B/chg", 6, "{:.3f}"), ("today", 6, "{:.3f}"), ("new/td", 6, "{:.3f}"), ("bound", 6, "{:.3f}"),
+            ("pt bnd", 6, "{:.3f}"), ("cls bnd", 7, "{:.3f}"), ("ow B/chg", 8, "{:.3f}"),
             ("mixed-", 6, "{:.1%}"), ("areal", 6, "{:.3f}"), ("slime", 6, "{:.3f}"), ("exact", 5, "{}")]
     rows = []
     for c in r["cases"]:
         n = max(c["changed"], 1)
         rows.append([c["name"], c["change_rate"], c["changed"], c["wire_bytes"] / 1e6, c["bytes_per_change"],
-                     c["entropy_bound_bytes"] / n, c["wire_over_bound"], c["overwrite_only_bytes"] / n,
+                     c["today_bytes_per_change"], c["new_over_today"], c["entropy_bound_bytes"] / n,
+                     c["per_tensor_bound_bytes"] / n, c["class_bound_bytes"] / n, c["overwrite_only_bytes"] / n,
                      c["mixed_saving"], c["peers_bytes_per_change"]["areal"],
                      c["peers_bytes_per_change"]["slime"],
                      "yes" if c["bit_exact"] and c.get("peers_bit_exact", True) else "NO"])
@@ -564,6 +702,13 @@ def format_table(r: dict) -> str:
     lines += _rows(cols, [[c["name"], c["encode_gbps"], c["diff_gbps"], c["apply_gbps"],
                            c.get("encode_cpu_gbps", float("nan")), c.get("apply_cpu_gbps", float("nan"))]
                           for c in r["cases"]])
+    mt = r.get("many_tensors")
+    if mt:
+        lines += ["", f"many small tensors (fixed cost per tensor): {mt['tensors']:,} tensors, {mt['elements']:,} "
+                      f"elements, {mt['changed']:,} changed, {mt['frames']} frames: owner encode {mt['encode_s']:.2f} s "
+                      f"({mt['encode_us_per_tensor']:.0f} us/tensor), engine decode+apply {mt['decode_apply_s']:.2f} s "
+                      f"({mt['decode_apply_us_per_tensor']:.0f} us/tensor); {mt['bytes_per_change']:.2f} B/change "
+                      f"(today's coding {mt['today_bytes_per_change']:.2f}); exact={mt['bit_exact']}"]
     sw = r.get("zstd_sweep") or {}
     if sw.get("levels"):
         lines += ["", f"zstd level sweep on {sw['case']} (default level {sw['default_level']}; "
@@ -594,21 +739,24 @@ def plot(r: dict, path: str) -> None:
     cases = r["cases"]
     names = [c["name"] for c in cases]
     series = {
-        "dcr_ray mixed": [c["bytes_per_change"] for c in cases],
+        "dcr_ray (context coding)": [c["bytes_per_change"] for c in cases],
+        "dcr_ray today (plain coding)": [c["today_bytes_per_change"] for c in cases],
         "dcr_ray overwrite": [c["overwrite_only_bytes"] / max(c["changed"], 1) for c in cases],
         **{f"{k} (peer)": [c["peers_bytes_per_change"][k] for c in cases] for k in cases[0]["peers"]},
-        "entropy bound": [c["entropy_bound_bytes"] / max(c["changed"], 1) for c in cases],
+        "global bound": [c["entropy_bound_bytes"] / max(c["changed"], 1) for c in cases],
+        "per-tensor bound": [c["per_tensor_bound_bytes"] / max(c["changed"], 1) for c in cases],
+        "class bound": [c["class_bound_bytes"] / max(c["changed"], 1) for c in cases],
     }
     x = np.arange(len(names))
     wdt = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(10, 4.8))
+    fig, ax = plt.subplots(figsize=(12, 5.2))
     for i, (label, ys) in enumerate(series.items()):
         bars = ax.bar(x + (i - (len(series) - 1) / 2) * wdt, ys, wdt, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=6, rotation=90, padding=2)
     ax.set_xticks(x, [f"{n}\n{c['change_rate']:.2%}" for n, c in zip(names, cases)])
     ax.set_ylabel("wire bytes per changed BF16 element")
-    fig.suptitle("dcr_ray codec vs peers vs entropy bound" + (" (quick)" if r["quick"] else ""))
-    ax.legend(fontsize=8, ncol=len(series), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    fig.suptitle("dcr_ray codec (context and today's plain coding) vs peers vs bounds" + (" (quick)" if r["quick"] else ""))
+    ax.legend(fontsize=8, ncol=(len(series) + 1) // 2, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     ax.margins(y=0.12)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

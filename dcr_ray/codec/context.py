@@ -57,6 +57,9 @@ BASE_MODE = {LocationMode.CLASS_GAPS: LocationMode.GAPS, LocationMode.CLASS_RUNS
 _CLASS_OF = {v: k for k, v in BASE_MODE.items()}
 #: Wire strings of the class modes.
 MODES = tuple(m.value for m in BASE_MODE)
+#: Old elements sampled by :func:`promising`, and the share of the flat estimate class order must beat.
+SAMPLE_ELEMS = 4096
+PROMISE = 0.9
 #: Frames whose class-mode items span at least this many elements resolve them on several threads.
 PARALLEL_MIN_SPAN = 1 << 20
 
@@ -101,6 +104,27 @@ def _classes(old: np.ndarray, shift: int, mask: int) -> np.ndarray:
     # uint16 keys: numpy's stable sort of 16-bit integers is a radix sort
     t = old.dtype.type
     return np.bitwise_and(np.right_shift(old, t(shift)), t(mask)).astype(np.uint16)
+
+
+def promising(old: np.ndarray, rel: np.ndarray, dtype: str) -> bool:
+    """Whether class order is likely to code ``rel`` in clearly fewer bits than flat order: a zero-order
+    estimate from the classes of the changed elements (exact) and of a strided sample of
+    :data:`SAMPLE_ELEMS` old elements (scaled), so a sender skips the full class walk where changes do
+    not depend on magnitude (uniform noise, integer-like tensors). Cost O(changes + sample)."""
+    n, k = len(old), len(rel)
+    if not supports(dtype) or k == 0 or k == n:
+        return False
+    shift, mask = _field(dtype)
+    sample = old[::max(1, n // SAMPLE_ELEMS)]
+    share = np.bincount(_classes(sample, shift, mask), minlength=mask + 1) * (n / len(sample))
+    hits = np.bincount(_classes(old[rel], shift, mask), minlength=mask + 1).astype(np.float64)
+    size = np.maximum(share, hits)
+    live = size > 0
+    p = np.clip(hits[live] / size[live], 1e-12, 1 - 1e-12)
+    class_bits = float((size[live] * -(p * np.log2(p) + (1 - p) * np.log2(1 - p))).sum())
+    q = k / n
+    flat_bits = n * -(q * np.log2(q) + (1 - q) * np.log2(1 - q))
+    return class_bits < PROMISE * flat_bits
 
 
 def encode(old: np.ndarray, rel: np.ndarray, dtype: str) -> locations.EncodedLocations:

@@ -184,7 +184,8 @@ def _diff_chunk(o: np.ndarray, w: np.ndarray, lo: int, dense_crossover: float,
         dense = loc.nbytes + len(rel) * itemsize >= dense_crossover * span * itemsize
     if dense:
         return ChunkDelta(lo, lo + span, span, dense=np.array(w, copy=True))
-    ctx = context.encode(o, rel, wire_dtype) if wire_dtype is not None and context.supports(wire_dtype) else None
+    ctx = context.encode(o, rel, wire_dtype) if wire_dtype is not None and context.promising(o, rel, wire_dtype) \
+        else None
     return ChunkDelta(lo, lo + span, len(rel), loc=loc, xor=xor, new=nv, ctx=ctx)
 
 

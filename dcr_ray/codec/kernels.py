@@ -77,31 +77,46 @@ def _compiled() -> dict:
 
                 @jit
                 def class_starts(old, shift, mask):  # pragma: no cover - compiled
-                    start = np.zeros(int(mask) + 2, np.int64)
-                    for i in range(len(old)):
-                        start[np.int64((old[i] >> shift) & mask) + 1] += 1
-                    for c in range(int(mask) + 1):
-                        start[c + 1] += start[c]
+                    # start[c]: rank of the first class-c element. Four interleaved histograms, so that
+                    # runs of one class do not chain every increment through one counter.
+                    ncls = np.int64(mask) + 1
+                    h = np.zeros((4, ncls), np.int64)
+                    n = len(old)
+                    m = n - n % 4
+                    for i in range(0, m, 4):
+                        h[0, np.int64((old[i] >> shift) & mask)] += 1
+                        h[1, np.int64((old[i + 1] >> shift) & mask)] += 1
+                        h[2, np.int64((old[i + 2] >> shift) & mask)] += 1
+                        h[3, np.int64((old[i + 3] >> shift) & mask)] += 1
+                    for i in range(m, n):
+                        h[0, np.int64((old[i] >> shift) & mask)] += 1
+                    start = np.zeros(ncls + 1, np.int64)
+                    for c in range(ncls):
+                        start[c + 1] = start[c] + h[0, c] + h[1, c] + h[2, c] + h[3, c]
                     return start
 
                 @jit
                 def class_ranks(old, pos, shift, mask):  # pragma: no cover - compiled
-                    # branch-free walk: every element bumps its class counter; a changed one also
-                    # records it (pos has a sentinel past the end, so pos[j] is always readable)
-                    cnt = class_starts(old, shift, mask)  # cnt[c]: rank of the next class-c element
-                    n = len(pos)
-                    p = np.empty(n + 1, np.int64)
-                    p[:n] = pos
-                    p[n] = -1
-                    out = np.empty(n + 1, np.int64)
-                    j = 0
-                    stop = p[n - 1] + 1 if n else 0
-                    for i in range(stop):
-                        c = np.int64((old[i] >> shift) & mask)
-                        out[j] = cnt[c]
-                        j += np.int64(p[j] == i)
-                        cnt[c] += 1
-                    return out[:n]
+                    # count the elements between two changes into four interleaved counters (no branch,
+                    # no chained increments), then read the changed element's rank from their sum
+                    start = class_starts(old, shift, mask)
+                    cnt = np.zeros((4, np.int64(mask) + 1), np.int64)
+                    out = np.empty(len(pos), np.int64)
+                    i = 0
+                    for j in range(len(pos)):
+                        p = pos[j]
+                        while i + 4 <= p:
+                            cnt[0, np.int64((old[i] >> shift) & mask)] += 1
+                            cnt[1, np.int64((old[i + 1] >> shift) & mask)] += 1
+                            cnt[2, np.int64((old[i + 2] >> shift) & mask)] += 1
+                            cnt[3, np.int64((old[i + 3] >> shift) & mask)] += 1
+                            i += 4
+                        while i < p:
+                            cnt[0, np.int64((old[i] >> shift) & mask)] += 1
+                            i += 1
+                        c = np.int64((old[p] >> shift) & mask)
+                        out[j] = start[c] + cnt[0, c] + cnt[1, c] + cnt[2, c] + cnt[3, c]
+                    return out
 
                 @jit
                 def class_positions(old, ranks, shift, mask):  # pragma: no cover - compiled
@@ -110,7 +125,7 @@ def _compiled() -> dict:
                     # next rank belongs to a later class (>= its start, above any count of this class),
                     # and a sentinel ends the list, so the comparison is always safe.
                     start = class_starts(old, shift, mask)
-                    ncls = int(mask) + 1
+                    ncls = np.int64(mask) + 1
                     n = len(ranks)
                     r = np.empty(n + 1, np.int64)
                     r[:n] = ranks
