@@ -9,10 +9,24 @@ committed bits, which is what makes a retry recompute the same changed set).
 The default store keeps each tensor's bits in a memory-mapped file (``directory``, a private temporary
 directory unless given), so the page cache, not the owner's heap, holds the copy and host RAM is not
 doubled by accident; ``in_memory=True`` keeps numpy arrays instead.
+
+Promote is O(changes) and leaves every page that holds no change clean:
+
+* only changed positions are written: a sparse chunk scatters its new bits at its decoded positions; a
+  DENSE chunk (kept whole because sparse coding would not be smaller) is compared with the committed bits
+  and only the elements that differ are written, so equal bits are never rewritten;
+* the mappings are advised ``MADV_RANDOM`` before they are first filled, so the page cache holds them in
+  4 KiB folios. Without it the kernel's readahead builds large folios (up to 2 MiB, PMD-mapped on ext4),
+  and the dirty bit is per folio: one changed element then marks its whole folio dirty and writeback
+  rewrites all of it. Measured on ext4 (Linux 6.18), 64 Mi BF16 elements, 0.001% changed at random:
+  663 pages hold a change; dirty after the scatter 25,876 pages without the advice, 663 with it
+  (``/proc/self/smaps`` ``Private_Dirty`` after an ``msync``; ``dcr-ray bench refit`` reports the same
+  count per refit as ``dirty_pages`` vs ``changed_pages``).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import tempfile
@@ -63,6 +77,7 @@ class BaselineStore:
             fname = os.path.join(self.directory, f"{self._nfiles:06d}.bits")
             self._nfiles += 1
             arr = np.memmap(fname, dtype=src.dtype, mode="w+", shape=src.shape) if len(src) else src.copy()
+            _advise_small_folios(arr)
             arr[:] = src
         self._bits[name] = arr
         self._meta[name] = (wire_name(tensor.dtype), tuple(tensor.shape))
@@ -140,11 +155,7 @@ class BaselineStore:
         for td in self._pending.values():
             arr = self._bits[td.name]
             for ch in td.chunks:
-                if ch.is_dense:
-                    arr[ch.lo:ch.hi] = ch.dense
-                else:
-                    arr[ch.positions()] = ch.new
-                n += ch.count
+                n += write_changes(arr, ch)
         # No msync here: the memory-mapped files are private scratch space of this process (nothing
         # re-opens them), so forcing dirty pages to disk would buy no durability. It would cost time on
         # every commit: each flush writes the dirty pages out and write-protects them, so the next
@@ -153,6 +164,16 @@ class BaselineStore:
         self._pending = None
         self._pending_version = None
         return n
+
+    def pending_pages(self, page_bytes: int = mmap.PAGESIZE) -> int:
+        """Pages of the baseline files that hold at least one pending change (positions decoded here:
+        O(changes); for measurements, not on the refit's path)."""
+        total = 0
+        for td in (self._pending or {}).values():
+            itemsize = self._bits[td.name].dtype.itemsize
+            pages = [chunk_changes(self._bits[td.name], ch) * itemsize // page_bytes for ch in td.chunks]
+            total += len(np.unique(np.concatenate(pages))) if pages else 0
+        return total
 
     def discard(self) -> None:
         """Drop the pending set; the committed baseline is unchanged."""
@@ -168,4 +189,38 @@ class BaselineStore:
         try:
             self.close()
         except Exception:
+            pass
+
+
+def chunk_changes(arr: np.ndarray, ch) -> np.ndarray:
+    """Absolute positions where ``ch`` changes ``arr``: a sparse chunk's decoded positions; for a DENSE
+    chunk the positions where its new bits differ from the committed ones (read, never written)."""
+    if ch.is_dense:
+        rel = np.flatnonzero(arr[ch.lo:ch.hi] != ch.dense)
+        return rel + ch.lo
+    return ch.positions()
+
+
+def write_changes(arr: np.ndarray, ch) -> int:
+    """Write chunk ``ch``'s new bits into ``arr`` at the changed positions only; returns the elements
+    the chunk covers (its ``count``). Bit-identical to rewriting the chunk densely: an element that is
+    not written already holds its new bits."""
+    if ch.is_dense:
+        rel = np.flatnonzero(arr[ch.lo:ch.hi] != ch.dense)
+        if len(rel):
+            arr[ch.lo + rel] = ch.dense[rel]
+    elif ch.count:
+        arr[ch.positions()] = ch.new
+    return ch.count
+
+
+def _advise_small_folios(arr: np.ndarray) -> None:
+    """Ask for 4 KiB page-cache folios under a fresh memory map (``MADV_RANDOM``: no readahead, so no
+    large folios whose single dirty bit would cover up to 2 MiB); a no-op where madvise is missing."""
+    mm = getattr(arr, "_mmap", None)
+    advice = getattr(mmap, "MADV_RANDOM", None)
+    if mm is not None and advice is not None and hasattr(mm, "madvise"):
+        try:
+            mm.madvise(advice)
+        except OSError:  # advice only: the store works without it, with coarser dirty tracking
             pass

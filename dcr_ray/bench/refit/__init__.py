@@ -1,4 +1,4 @@
-"""``dcr-ray bench refit``: end-to-end refit time against a full-checkpoint reference over the same link.
+"""``dcr-ray bench refit``: end-to-end refit time against full-checkpoint references measured over the same link.
 
 What runs (real Ray on this machine, loopback only):
 
@@ -8,7 +8,12 @@ What runs (real Ray on this machine, loopback only):
   ``--engines`` engines. ``object_store``: owners write frames to object storage (a local directory in
   the training region) and every engine reads them across its own node link (the same model, per node).
   Two owners (one per half of the canonical names). The link is switched on *after* the dense bootstrap,
-  so only refits are timed.
+  so only refits are timed. The owners' ``RefitConfig`` is the library's default codec (16 MiB buckets,
+  1 Mi-element diff chunks) unless ``--bucket-mib`` says otherwise.
+- **Links.** The headline link (``--link-mbps``, default 1 Gbit/s: a cross-region link on which the CPU,
+  not only the link, decides) carries every case; the 3% relay case is also measured at ``--links``
+  (default 100 Mbit/s, 10 Gbit/s and no link emulation), each with its own measured references
+  (:mod:`.sweep`). Nothing in the link table is modelled.
 - **Cases.** ``adamw``: a real ``small`` model (:class:`~dcr_ray.testing.trainer.TinyTrainer`, FP32 master
   weights, ``torch.optim.AdamW``, constant LR) refitted after real optimizer steps; its measured change
   rate is reported. ``stress-1%/3%/5%``: synthetic BF16 tensors with the canonical names and shapes of
@@ -21,9 +26,17 @@ What runs (real Ray on this machine, loopback only):
   (:class:`~dcr_ray.engines.vllm.VllmEngine`, mirror mode: frames into the host mirror, touched fused groups
   through vLLM's ``reload_weights``). ``--receivers hf,vllm`` picks the receivers of the real-update cases
   (default both; ``hf`` alone with ``--quick``: vLLM engines take about half a minute each to start here).
-- **Reference.** Transport-only full checkpoint: every canonical byte crosses each link once, with no
-  encoding or apply cost, timed by the same link model (``bytes * 8 / bw + latency``). The model is
-  checked against a measured push of the whole checkpoint through a relay head (``reference_check``).
+- **References, measured** (:mod:`.reference`) through the same system and link, at every link:
+  ``measured_reference_seconds`` = the uncompressed canonical checkpoint delivered into every engine
+  (dcr_ray's dense path with raw frame sections), ``measured_dense_refit_seconds`` = dcr_ray's own dense
+  refit (zstd frames). ``reference_seconds`` is the link-model formula (``bytes * 8 / bw + latency``),
+  kept beside them; speedups against all three are reported (``speedup_vs_measured_reference``,
+  ``speedup_vs_measured_dense_refit``, ``speedup``), targets use the measured reference.
+- **Promote.** ``promote_seconds`` (the slowest owner's promote itself), ``ready_for_next_seconds`` (until
+  every owner's background promote has finished: when the next refit could start, beside ``dcr_seconds``,
+  when engines serve v+1), ``dirty_pages`` (baseline pages the promote dirtied: ``/proc/self/smaps`` of the
+  baseline files after an ``msync`` before the refit, :mod:`.pages`) vs ``changed_pages`` (pages holding a
+  change) and ``baseline_pages``, and ``tensors`` (tensors with a change) of ``tensors_total``.
 - **Peers** on the same link and data: ``dense`` (per-tensor streaming of raw bits; apply = copy),
   ``areal`` (AReaL-DTE style: int32 index + raw value, dense fallback at 0.9x) and ``slime``
   (uint16 gaps + zstd, overwrite values) from :mod:`dcr_ray.bench.peers`. Their construction (bitwise
@@ -43,9 +56,6 @@ What runs (real Ray on this machine, loopback only):
   compared with a fresh vLLM engine started from a checkpoint of the trainer's current BF16 weights:
   digests of every live parameter and buffer, greedy token ids and logprobs, all with ``==``
   (``served``, folded into ``bit_exact``).
-- **Sweep** over link bandwidth (10 Mbit/s .. 10 Gbit/s) at 3%: a *model* (measured compute-bound
-  refit time with no link, measured overhead outside the link at the headline link, the link model)
-  and a few measured points.
 - **Projection** to 30B/120B/235B/1T from the measured per-byte costs and the link model at 5 Gbit/s,
   beside NeMo-DCR's published numbers. A projection, labelled as such.
 
@@ -58,10 +68,12 @@ Modules, one idea each:
 - :mod:`.topology`      launching a stress or AdamW topology (transformers or vLLM engines); switching its
   emulated link
 - :mod:`.memory`        peak RSS of the actor processes during a refit
-- :mod:`.measure`       one measured refit, bit-exactness checks, the reference model and its check
+- :mod:`.measure`       one measured refit (with its promote), bit-exactness checks, the reference formula
+- :mod:`.reference`     the full-checkpoint references measured through the same system and link
+- :mod:`.pages`         dirtied and changed baseline pages of a promote
 - :mod:`.served`        what vLLM engines serve vs a fresh dense vLLM engine (live storage, greedy outputs)
 - :mod:`.runner`        the whole run (:func:`run_bench`): every case, then the derived results
-- :mod:`.sweep`         the link-bandwidth sweep model
+- :mod:`.sweep`         the link table: the 3% refit measured at every link
 - :mod:`.large_models`  the projection to large models
 - :mod:`.targets`       the targets at the headline link and their checks
 - :mod:`.report`        text table, Markdown tables, PNG plot
@@ -75,25 +87,26 @@ from dcr_ray.bench.refit.actors import (BenchOwner, BenchTrainer, SyntheticBacke
 from dcr_ray.bench.refit.cli import add_parser, run
 from dcr_ray.bench.refit.large_models import (NEMO, PROJECTION_APPLIERS, PROJECTION_LINK_MBPS, PROJECTION_MODELS,
                                               PROJECTION_OWNERS, projection)
-from dcr_ray.bench.refit.measure import (check_exact, check_exact_elementwise, measure_refit, reference_check,
-                                         reference_seconds)
+from dcr_ray.bench.refit.measure import check_exact, check_exact_elementwise, measure_refit, reference_seconds
 from dcr_ray.bench.refit.memory import MemorySampler
 from dcr_ray.bench.refit.report import format_table, markdown, plot, receivers_markdown
-from dcr_ray.bench.refit.runner import run_adamw, run_bench, run_stress, summarise
+from dcr_ray.bench.refit.pages import count_pages, dirty_pages, write_back
+from dcr_ray.bench.refit.reference import attach_references, measure_references
+from dcr_ray.bench.refit.runner import case_label, run_adamw, run_bench, run_stress, summarise
 from dcr_ray.bench.refit.served import DenseVllmReference, check_served, engine_served
-from dcr_ray.bench.refit.settings import (DEFAULT_BUCKET_MIB, DEFAULT_LATENCY_MS, DEFAULT_LINK_MBPS, PEERS,
-                                          RECEIVER_CASE, RECEIVERS, STRESS_RATES, TRANSPORTS, Settings)
-from dcr_ray.bench.refit.sweep import SWEEP_MBPS, SWEEP_MEASURED_FACTORS, sweep_model
+from dcr_ray.bench.refit.settings import (DEFAULT_BUCKET_MIB, DEFAULT_LATENCY_MS, DEFAULT_LINK_MBPS, DEFAULT_LINKS,
+                                          PEERS, RECEIVER_CASE, RECEIVERS, STRESS_RATES, TRANSPORTS, Settings)
+from dcr_ray.bench.refit.sweep import link_table
 from dcr_ray.bench.refit.targets import TARGETS, checks
 from dcr_ray.bench.refit.topology import Topology, launch_adamw, launch_stress
 
 __all__ = [
-    "BenchOwner", "BenchTrainer", "DEFAULT_BUCKET_MIB", "DEFAULT_LATENCY_MS", "DEFAULT_LINK_MBPS",
+    "BenchOwner", "BenchTrainer", "DEFAULT_BUCKET_MIB", "DEFAULT_LATENCY_MS", "DEFAULT_LINKS", "DEFAULT_LINK_MBPS",
     "DenseVllmReference", "MemorySampler", "NEMO", "PEERS", "PROJECTION_APPLIERS", "PROJECTION_LINK_MBPS",
-    "PROJECTION_MODELS", "PROJECTION_OWNERS", "RECEIVERS", "RECEIVER_CASE", "STRESS_RATES", "SWEEP_MBPS",
-    "SWEEP_MEASURED_FACTORS", "Settings", "SyntheticBackend", "SyntheticEngine", "TARGETS", "TRANSPORTS",
-    "Topology", "add_parser", "canonical_shapes", "check_exact", "check_exact_elementwise", "check_served",
-    "checks", "engine_served", "format_table", "launch_adamw", "launch_stress", "markdown", "measure_refit", "plot",
-    "projection", "receivers_markdown", "reference_check", "reference_seconds", "run", "run_adamw", "run_bench",
-    "run_stress", "summarise", "sweep_model",
+    "PROJECTION_MODELS", "PROJECTION_OWNERS", "RECEIVERS", "RECEIVER_CASE", "STRESS_RATES", "Settings",
+    "SyntheticBackend", "SyntheticEngine", "TARGETS", "TRANSPORTS", "Topology", "add_parser", "attach_references",
+    "canonical_shapes", "case_label", "check_exact", "check_exact_elementwise", "check_served", "checks",
+    "count_pages", "dirty_pages", "engine_served", "format_table", "launch_adamw", "launch_stress", "link_table",
+    "markdown", "measure_references", "measure_refit", "plot", "projection", "receivers_markdown",
+    "reference_seconds", "run", "run_adamw", "run_bench", "run_stress", "summarise", "write_back",
 ]

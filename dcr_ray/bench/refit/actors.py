@@ -71,10 +71,20 @@ def time_backend_flush(self) -> None:
     backend.flush = flush
 
 
+class _RawSections:
+    """Stands in for the frame encoder's zstd compressor while the uncompressed reference is measured:
+    it returns each section as it is, so the encoder stores it raw (its "not smaller" rule)."""
+
+    @staticmethod
+    def compress(raw: bytes) -> bytes:
+        return raw
+
+
 class _Probe:
     """Benchmark methods mixed into the owner actors (they run in the owner's process)."""
 
     _bench_in_memory = False
+    _bench_saved_compressor = None
 
     def bench_set_baseline(self, kind: str) -> None:
         """``"memory"``: keep the baseline in in-memory arrays instead of memory-mapped files."""
@@ -85,6 +95,48 @@ class _Probe:
 
     def bench_digests(self) -> dict[str, str]:
         return _digests(self.dcr_tensors())
+
+    def bench_uncompressed_frames(self, on: bool) -> None:
+        """Frames built in this owner carry raw (uncompressed) sections while ``on``: the measured
+        full-checkpoint reference sends the canonical bytes themselves (see :mod:`.reference`)."""
+        from dcr_ray.codec import encode
+
+        if on and self._bench_saved_compressor is None:
+            self._bench_saved_compressor = encode._compressor
+            encode._compressor = lambda level: _RawSections
+        elif not on and self._bench_saved_compressor is not None:
+            encode._compressor = self._bench_saved_compressor
+            self._bench_saved_compressor = None
+
+    def bench_before_refit(self) -> None:
+        """Write the memory-mapped baseline back (every page clean, as after the kernel's writeback) and
+        record what this refit's promote writes (:mod:`.pages`)."""
+        from dcr_ray.bench.refit.pages import write_back
+
+        owner = self._dcr_owner()
+        owner.settle()
+        store = owner.store
+        if getattr(store, "_bench_inner_promote", None) is None:
+            store._bench_inner_promote = store.promote
+            store.promote = lambda version: _timed_promote(store, version)
+        write_back(store.bits(n) for n in store.names())
+        store._bench_promote_s = None
+        store._bench_changes = []
+
+    def bench_after_refit(self) -> dict:
+        """What the last promote did: its seconds, the pages that held a change, the pages it dirtied
+        (None for in-memory baselines) and the tensors it touched."""
+        from dcr_ray.bench.refit.pages import count_pages, dirty_pages
+
+        owner = self._dcr_owner()
+        owner.settle()
+        store = owner.store
+        changes = getattr(store, "_bench_changes", None) or []
+        return {"promote_s": getattr(store, "_bench_promote_s", None),
+                "changed_pages": count_pages(changes),
+                "dirty_pages": None if store.in_memory else dirty_pages(store.directory),
+                "tensors": len({name for name, _, _ in changes}),
+                "baseline_pages": sum(-(-store.bits(n).nbytes // 4096) for n in store.names())}
 
     def bench_tensors(self, names: list[str]) -> dict:
         ts = self.dcr_tensors()
@@ -134,6 +186,28 @@ class _Probe:
                 out[p]["apply_s"] += time.perf_counter() - t
                 out[p]["exact"] &= bool(np.array_equal(tgt, new))
         return out
+
+
+def _timed_promote(store, version: int) -> int:
+    """``store.promote`` timed, keeping for :meth:`_Probe.bench_after_refit` where its changes were: the
+    sparse chunks themselves (positions decoded later, off the refit's path) and, for the rare DENSE
+    chunk, the positions that differ from the committed bits (compared before they are overwritten)."""
+    from dcr_ray.codec.baseline import chunk_changes
+
+    changes = []
+    for td in store.pending():
+        arr = store.bits(td.name)
+        for ch in td.chunks:
+            if ch.is_dense:
+                pos = chunk_changes(arr, ch)
+                changes.append((td.name, arr.dtype.itemsize, lambda pos=pos: pos))
+            else:
+                changes.append((td.name, arr.dtype.itemsize, ch.positions))
+    t = time.perf_counter()
+    n = store._bench_inner_promote(version)
+    store._bench_promote_s = time.perf_counter() - t
+    store._bench_changes = changes
+    return n
 
 
 class BenchOwner(_Probe, StandaloneOwner):

@@ -9,17 +9,18 @@ import os
 from dcr_ray.bench.refit.progress import log
 from dcr_ray.bench.refit.report import format_table, markdown, plot
 from dcr_ray.bench.refit.runner import run_bench
-from dcr_ray.bench.refit.settings import (DEFAULT_BUCKET_MIB, DEFAULT_LATENCY_MS, DEFAULT_LINK_MBPS, TRANSPORTS,
-                                          Settings)
+from dcr_ray.bench.refit.settings import (DEFAULT_BUCKET_MIB, DEFAULT_LATENCY_MS, DEFAULT_LINK_MBPS, DEFAULT_LINKS,
+                                          STRESS_RATES, TRANSPORTS, Settings)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``refit`` to the ``bench`` subcommands."""
     p = subparsers.add_parser(
-        "refit", help="end-to-end refit time vs a full-checkpoint reference over an emulated link",
+        "refit", help="end-to-end refit time vs measured full-checkpoint references over an emulated link",
         description="End-to-end refits on a local Ray (relay tree and object storage) over an emulated "
-                    "cross-cluster link, against a transport-only full-checkpoint reference and peers. "
-                    "Table on stdout, progress on stderr.",
+                    "cross-cluster link, against full-checkpoint references measured through the same system "
+                    "and link (uncompressed checkpoint, and dcr_ray's compressed dense refit) and peers; "
+                    "promote time and dirtied baseline pages per refit. Table on stdout, progress on stderr.",
     )
     p.add_argument("--quick", action="store_true", help="a few minutes: the medium model instead of large")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
@@ -27,6 +28,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--markdown", metavar="PATH", help="write the result tables as Markdown (for BENCHMARKS.md)")
     p.add_argument("--link-mbps", type=float, default=DEFAULT_LINK_MBPS,
                    help=f"headline link bandwidth in Mbit/s (default {DEFAULT_LINK_MBPS:g})")
+    p.add_argument("--links", default=None,
+                   help="other links of the 3%% relay case, Mbit/s, comma-separated, 0 = no link emulation "
+                        f"(default {','.join(f'{x:g}' for x in DEFAULT_LINKS)}); each with its measured references")
     p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS,
                    help=f"one-way link latency in ms (default {DEFAULT_LATENCY_MS:g})")
     p.add_argument("--size", choices=["tiny", "small", "medium", "large"], default=None,
@@ -36,8 +40,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--real-steps", type=int, default=None, help="measured AdamW steps (default 3; 2 quick)")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of the real case (default 1e-6)")
     p.add_argument("--bucket-mib", type=int, default=DEFAULT_BUCKET_MIB,
-                   help=f"payload bucket in MiB of raw bytes (default {DEFAULT_BUCKET_MIB})")
-    p.add_argument("--rates", default="1,3,5", help="stress change rates in %% (default 1,3,5)")
+                   help="payload bucket in MiB of raw bytes, diff chunk = bucket / 8 (default: the library's "
+                        "CodecConfig defaults, 16 MiB and 1 Mi elements)")
+    p.add_argument("--rates", default=",".join(f"{100 * r:g}" for r in STRESS_RATES),
+                   help="stress change rates in %% (default %(default)s)")
     p.add_argument("--cases", default="stress,adamw", help="stress, adamw or both (default: both)")
     p.add_argument("--receivers", default=None,
                    help="engines of the adamw cases: hf (transformers; case adamw), vllm (dcr_ray-started vLLM "
@@ -45,8 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--baseline", choices=["mmap", "memory"], default="mmap",
                    help="owners' baseline store: memory-mapped files (dcr_ray's default) or in-memory arrays")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-sweep", action="store_true", help="skip the measured points of the link sweep")
-    p.add_argument("--no-reference-check", action="store_true", help="skip the measured reference push")
+    p.add_argument("--no-sweep", action="store_true", help="skip the other links (--links)")
+    p.add_argument("--no-reference-check", action="store_true",
+                   help="skip the measured references (speedups then only against the formula)")
     p.set_defaults(func=run)
     return p
 

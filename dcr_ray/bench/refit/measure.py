@@ -1,7 +1,13 @@
-"""Measuring on a running topology: one refit against the reference, bit-exactness, and the reference itself.
+"""Measuring on a running topology: one refit, its promote, and bit-exactness.
 
-The reference is the link model's time for every canonical byte (:func:`reference_seconds`);
-:func:`reference_check` pushes a whole checkpoint through a relay head to check that model.
+:func:`reference_seconds` is the link-model *formula* for every canonical byte, kept in the JSON as
+``reference_seconds`` beside the measured references of :mod:`.reference`.
+
+Two clocks per refit: ``dcr_seconds`` (the coordinator's prepare -> commit record -> activate: engines
+serve v+1) and ``ready_for_next_seconds`` (that, plus the wait after the refit returned until every
+owner's background promote finished: the next refit's diff cannot start earlier). ``promote_seconds`` is
+the slowest owner's promote itself; ``dirty_pages`` / ``changed_pages`` are summed over owners
+(:mod:`.pages`).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import time
 from dcr_ray.bench.refit.actors import engine_apply_stats, engine_digests
 from dcr_ray.bench.refit.memory import MemorySampler
 from dcr_ray.bench.refit.progress import log
-from dcr_ray.bench.refit.settings import PEERS, Settings
+from dcr_ray.bench.refit.settings import PEERS
 from dcr_ray.bench.refit.topology import Topology
 
 
@@ -66,12 +72,17 @@ def measure_refit(topo: Topology, *, with_peers: bool = True) -> dict:
                     "bytes": sum(o[p]["bytes"] for o in per_owner),
                     "exact": all(o[p]["exact"] for o in per_owner)} for p in PEERS}
         log(f"    peers measured in {time.perf_counter() - t:.1f}s")
+    owners = list(topo.owners.values())
+    ray.get([h.bench_before_refit.remote() for h in owners])
     before = topo.link_busy()
     with MemorySampler(topo.owner_pids + topo.engine_pids) as mem:
         t = time.perf_counter()
         rep = topo.refit.run()
         wall = time.perf_counter() - t
+        ray.get([h.dcr_version.remote() for h in owners])  # waits for every owner's promote
+        settle_wait = time.perf_counter() - t - wall
     after = topo.link_busy()
+    promotes = ray.get([h.bench_after_refit.remote() for h in owners])
     owner_peak = max(mem.peak[p] for p in topo.owner_pids)
     engine_peak = max(mem.peak[p] for p in topo.engine_pids)
     per_engine = dict(zip(topo.engines, ray.get([e.__ray_call__.remote(engine_apply_stats)
@@ -115,6 +126,14 @@ def measure_refit(topo: Topology, *, with_peers: bool = True) -> dict:
         "engine_flush": {k: v["flush"] for k, v in per_engine.items() if v["flush"]},
         "model": topo.model, "canonical_bytes": topo.canonical_bytes, "engines": len(topo.engines),
         "owners": len(topo.owners), "seconds": dict(sec), "mode": rep.mode, "retries": rep.retries, "check_s": t_check,
+        # promote: its own seconds (slowest owner), and when the next refit could start
+        "promote_seconds": max((p["promote_s"] for p in promotes if p["promote_s"] is not None), default=None),
+        "ready_for_next_seconds": dcr_s + settle_wait, "serve_seconds": dcr_s,
+        "dirty_pages": (None if any(p["dirty_pages"] is None for p in promotes)
+                        else sum(p["dirty_pages"] for p in promotes)),
+        "changed_pages": sum(p["changed_pages"] for p in promotes),
+        "baseline_pages": sum(p["baseline_pages"] for p in promotes),
+        "tensors": sum(p["tensors"] for p in promotes), "tensors_total": topo.tensors,
     }
     if peer is not None:
         link_s = {p: reference_seconds(v["bytes"], topo.link_mbps, lat) for p, v in peer.items()}
@@ -126,33 +145,3 @@ def measure_refit(topo: Topology, *, with_peers: bool = True) -> dict:
         out["peers_bit_exact"] = all(v["exact"] for v in peer.values())
         out["peers_speedup"] = {p: ref_s / v for p, v in out["peers"].items()} if ref_s else {}
     return out
-
-
-def reference_check(topo: Topology, s: Settings) -> dict:
-    """Push the whole checkpoint (raw canonical bytes, 64 MiB chunks) through the relay head's link.
-
-    Transport only: the head pulls each chunk across the emulated link, re-owns it and forwards it to
-    nobody. Done at a link fast enough to take ~10 s; compared with the model's prediction.
-    """
-    import numpy as np
-    import ray
-
-    mbps = max(s.link_mbps, topo.canonical_bytes * 8 / 10.0 / 1e6)
-    topo.set_link(mbps, s.latency_s)
-    head = topo.heads[0]
-    chunk = 64 << 20
-    buf = ray.put(np.zeros(chunk, np.uint8).tobytes())
-    n = -(-topo.canonical_bytes // chunk)
-    last = topo.canonical_bytes - (n - 1) * chunk
-    tail = ray.put(bytes(last)) if last != chunk else buf
-    log(f"  reference check: {topo.canonical_bytes / 1e9:.2f} GB through the relay head at {mbps:g} Mbit/s")
-    t = time.perf_counter()
-    acks = [head.push.remote(("reference", 0, "ref", i), [tail if i == n - 1 else buf], []) for i in range(n)]
-    ray.get(acks)
-    measured = time.perf_counter() - t
-    ray.get(head.release.remote("reference"))
-    model = reference_seconds(topo.canonical_bytes, mbps, s.latency_s)
-    topo.set_link(s.link_mbps, s.latency_s)
-    log(f"    measured {measured:.2f}s, model {model:.2f}s (ratio {measured / model:.3f})")
-    return {"link_mbps": mbps, "bytes": topo.canonical_bytes, "chunks": n, "measured_s": measured,
-            "model_s": model, "ratio": measured / model}

@@ -7,10 +7,11 @@ import platform
 import time
 
 from dcr_ray.bench.refit.large_models import projection
-from dcr_ray.bench.refit.measure import check_exact_elementwise, measure_refit, reference_check
+from dcr_ray.bench.refit.measure import check_exact_elementwise, measure_refit
 from dcr_ray.bench.refit.progress import log
+from dcr_ray.bench.refit.reference import attach_references, measure_references
 from dcr_ray.bench.refit.settings import RECEIVER_CASE, TRANSPORTS, Settings
-from dcr_ray.bench.refit.sweep import SWEEP_MEASURED_FACTORS, sweep_model
+from dcr_ray.bench.refit.sweep import link_table
 from dcr_ray.bench.refit.targets import TARGETS, checks
 from dcr_ray.bench.refit.topology import launch_adamw, launch_stress
 
@@ -36,10 +37,10 @@ def run_bench(s: Settings) -> dict:
             cases += run_adamw(s, transport, receiver, result)
     result["cases"] = cases
     result["summary"] = summarise(cases)
-    result["sweep"] = sweep_model(result, s)
+    result["sweep"] = link_table(result, s)
     result["projection"] = projection(cases)
     result["targets"] = TARGETS
-    result["checks"] = checks(cases, s)
+    result["checks"] = checks(cases, s, result.get("link_cases"))
     result["settings"] = {k: getattr(s, k) for k in Settings.__dataclass_fields__}
     result["machine"] = {
         "cpus": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_model(),
@@ -52,9 +53,15 @@ def run_bench(s: Settings) -> dict:
     return result
 
 
+def case_label(rate: float) -> str:
+    """``stress-3%``, ``stress-0.01%``: a stress case's name from its change rate."""
+    return f"stress-{100 * rate:g}%"
+
+
 def run_stress(s: Settings, transport: str, result: dict) -> list[dict]:
-    """The stress cases, one per rate; on the relay transport also the sweep points and the reference check
-    (into ``result``)."""
+    """The stress cases at the headline link, one per rate, and their measured references; on the relay
+    transport also the 3% case at every other link with its own measured references (into
+    ``result["link_cases"]``)."""
     import ray
 
     topo = launch_stress(s, transport)
@@ -67,32 +74,37 @@ def run_stress(s: Settings, transport: str, result: dict) -> list[dict]:
             r = ray.get([h.perturb.remote(rate, seed) for h in topo.owners.values()])
             return sum(x["changed"] for x in r) / sum(x["numel"] for x in r)
 
+        perturb(0.01)  # warm-up refit, not reported: the first apply compiles the engines' scatter kernels
+        measure_refit(topo, with_peers=False)
         for rate in s.rates:
             got = perturb(rate)
-            log(f"  stress {rate:.0%} (exact rate {got:.3%})")
+            log(f"  stress {100 * rate:g}% (exact rate {got:.3%})")
             c = measure_refit(topo)
-            c["name"] = f"stress-{rate:.0%}-{s.size}-{transport}"
-            c["case"] = f"stress-{rate:.0%}"
+            c["name"] = f"{case_label(rate)}-{s.size}-{transport}"
+            c["case"] = case_label(rate)
             cases.append(c)
             log(f"    {_short(c)}")
+        if s.reference_check:
+            attach_references(cases, measure_references(topo))
+            for c in cases:
+                log(f"    {c['case']}: {_vs(c)}")
+        links = []
         if s.sweep and transport == "relay":
-            pts = []
-            for f in (*SWEEP_MEASURED_FACTORS, None):
-                mbps = s.link_mbps * f if f else None
-                topo.set_link(mbps, s.latency_s)
+            for mbps in s.links:
+                topo.set_link(mbps or None, s.latency_s)
                 perturb(0.03)
                 c = measure_refit(topo, with_peers=False)
-                pts.append(c)
-                log(f"  sweep point {('%g Mbit/s' % mbps) if mbps else 'no link'}: refit {c['dcr_seconds']:.2f}s"
-                    + (f", {c['speedup']:.1f}x, LB {c['lower_bound_fraction']:.0%}" if mbps else "")
-                    + f", exact={c['bit_exact']}")
-            result["sweep_measured"] = pts
+                c["name"] = f"{case_label(0.03)}-{s.size}-{transport}-{f'{mbps:g}Mbps' if mbps else 'nolink'}"
+                c["case"] = case_label(0.03)
+                if s.reference_check:
+                    attach_references([c], measure_references(topo))
+                links.append(c)
+                log(f"  link {('%g Mbit/s' % mbps) if mbps else 'none'}: {_short(c)}; {_vs(c)}")
             topo.set_link(s.link_mbps, s.latency_s)
-        if s.reference_check and transport == "relay":
-            result["reference_check"] = reference_check(topo, s)
+            result["link_cases"] = links
         ok = check_exact_elementwise(topo)
         log(f"  element-wise integer-view check: {'ok' if ok else 'MISMATCH'}")
-        for c in cases + result.get("sweep_measured", []) * (transport == "relay"):
+        for c in cases + links:
             c["bit_exact"] = c["bit_exact"] and ok
     finally:
         topo.shutdown()
@@ -122,6 +134,8 @@ def run_adamw(s: Settings, transport: str, receiver: str = "hf", result: dict | 
             c["loss"] = loss
             cases.append(c)
             log(f"  step {step}: {_short(c)}")
+        if s.reference_check:
+            attach_references(cases, measure_references(topo))
         ok = check_exact_elementwise(topo)
         log(f"  element-wise integer-view check: {'ok' if ok else 'MISMATCH'}")
         if receiver == "vllm":
@@ -157,7 +171,9 @@ def summarise(cases: list[dict]) -> list[dict]:
                 continue
             keys = ("change_rate", "dcr_seconds", "reference_seconds", "speedup", "wire_bytes", "byte_ratio",
                     "efficiency", "lower_bound_fraction", "construct_s", "apply_s", "apply_seconds",
-                    "engine_peak_bytes")
+                    "engine_peak_bytes", "measured_reference_seconds", "measured_dense_refit_seconds",
+                    "speedup_vs_measured_reference", "speedup_vs_measured_dense_refit", "promote_seconds",
+                    "ready_for_next_seconds")
             avg = {k: sum(r[k] for r in rows) / len(rows) for k in keys if all(r.get(k) is not None for r in rows)}
             engines = sorted(rows[0].get("engine_apply_s", {}))
             flush = [r.get("engine_flush_s", {}) for r in rows]
@@ -204,12 +220,22 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def _vs(c: dict) -> str:
+    """The speedups of a case against the measured references and the formula."""
+    def x(k):
+        return f"{c[k]:.1f}x" if c.get(k) else "-"
+    return (f"speedup {x('speedup_vs_measured_reference')} vs measured reference, "
+            f"{x('speedup_vs_measured_dense_refit')} vs measured dense refit, {x('speedup')} vs formula")
+
+
 def _short(c: dict) -> str:
     """One progress line for a measured case."""
-    sp = f"{c['speedup']:.1f}x" if c.get("speedup") else "-"
+    sp = f"{c['speedup']:.1f}x (formula)" if c.get("speedup") else "-"
     lb = f"{c['lower_bound_fraction']:.0%}" if c.get("lower_bound_fraction") is not None else "-"
     eff = f"{c['efficiency']:.2f}" if c.get("efficiency") else "-"
     return (f"rate {c['change_rate']:.2%}: refit {c['dcr_seconds']:.2f}s vs reference {c['reference_seconds']:.1f}s "
             f"= {sp} (byte ratio {c['byte_ratio'] or 0:.1f}, eff {eff}), wire {c['wire_bytes'] / 1e6:.2f} MB, "
             f"construct {c['construct_s']:.2f}s apply {c['apply_s']:.2f}s commit {c['commit_s']:.2f}s, "
+            f"promote {c['promote_seconds'] or 0:.2f}s, ready for next {c['ready_for_next_seconds']:.2f}s, "
+            f"dirty pages {c['dirty_pages']} / changed {c['changed_pages']} of {c['baseline_pages']}, "
             f"LB {lb}, exact={c['bit_exact']}")

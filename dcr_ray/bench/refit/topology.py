@@ -40,6 +40,7 @@ class Topology:
     owner_share_bytes: int = 0
     engine_kind: str = "synthetic"  # "synthetic" (stress), "hf" or "vllm"
     spec: object = None  # the ModelSpec of the adamw cases
+    tensors: int = 0  # canonical tensors of the model
     cleanup: list = None  # directories to remove at shutdown (vLLM engines' starting checkpoint)
 
     @property
@@ -92,9 +93,9 @@ def _link_busy(actor_self) -> tuple[float, int]:
 def _config(s: Settings, transport: str):
     from dcr_ray.config import CodecConfig, CommitConfig, RefitConfig, TransportConfig
 
-    return RefitConfig(transport=TransportConfig(kind=transport),
-                       codec=CodecConfig(bucket_bytes=s.bucket_bytes, chunk_elems=s.bucket_bytes // 8),
-                       commit=CommitConfig(timeout_s=900.0))
+    codec = (CodecConfig() if s.bucket_bytes is None  # the library's defaults, as a user gets them
+             else CodecConfig(bucket_bytes=s.bucket_bytes, chunk_elems=s.bucket_bytes // 8))
+    return RefitConfig(transport=TransportConfig(kind=transport), codec=codec, commit=CommitConfig(timeout_s=900.0))
 
 
 def _launch(s: Settings, transport: str, **kw):
@@ -145,7 +146,9 @@ def launch_stress(s: Settings, transport: str) -> Topology:
     t = time.perf_counter()
     refit = _launch(s, transport, owners=owners, engine=SyntheticEngine(shapes))
     log(f"  up in {time.perf_counter() - t:.1f}s")
-    return _finish_launch("stress", transport, refit, owners, 2 * numel, numel, s.size, s, share)
+    topo = _finish_launch("stress", transport, refit, owners, 2 * numel, numel, s.size, s, share)
+    topo.tensors = len(shapes)
+    return topo
 
 
 def launch_adamw(s: Settings, transport: str, receiver: str = "hf") -> Topology:
@@ -183,9 +186,10 @@ def launch_adamw(s: Settings, transport: str, receiver: str = "hf") -> Topology:
         for d in cleanup:
             shutil.rmtree(d, ignore_errors=True)
         raise
-    numel = sum(ray.get(trainer.__ray_call__.remote(lambda self: [t.numel() for t in self.dcr_tensors().values()])))
+    sizes = ray.get(trainer.__ray_call__.remote(lambda self: [t.numel() for t in self.dcr_tensors().values()]))
+    numel = sum(sizes)
     log(f"  up in {time.perf_counter() - t:.1f}s ({numel / 1e6:.1f} M parameters)")
     topo = _finish_launch("adamw", transport, refit, owners, 2 * numel, numel, "small", s, 2 * numel)
-    topo.engine_kind, topo.spec, topo.cleanup = receiver, spec, cleanup
+    topo.engine_kind, topo.spec, topo.cleanup, topo.tensors = receiver, spec, cleanup, len(sizes)
     ray.get([e.__ray_call__.remote(time_backend_flush) for e in topo.engines.values()])
     return topo
