@@ -60,6 +60,8 @@ MODES = tuple(m.value for m in BASE_MODE)
 #: Old elements sampled by :func:`promising`, and the share of the flat estimate class order must beat.
 SAMPLE_ELEMS = 4096
 PROMISE = 0.9
+#: Items of at most this many elements always get class-order positions computed (cheaper than judging).
+ALWAYS_ELEMS = 1 << 14
 #: Frames whose class-mode items span at least this many elements resolve them on several threads.
 PARALLEL_MIN_SPAN = 1 << 20
 
@@ -114,6 +116,8 @@ def promising(old: np.ndarray, rel: np.ndarray, dtype: str) -> bool:
     n, k = len(old), len(rel)
     if not supports(dtype) or k == 0 or k == n:
         return False
+    if n <= ALWAYS_ELEMS:  # the walk itself costs less than this estimate
+        return True
     shift, mask = _field(dtype)
     sample = old[::max(1, n // SAMPLE_ELEMS)]
     share = np.bincount(_classes(sample, shift, mask), minlength=mask + 1) * (n / len(sample))
@@ -130,7 +134,7 @@ def promising(old: np.ndarray, rel: np.ndarray, dtype: str) -> bool:
 def encode(old: np.ndarray, rel: np.ndarray, dtype: str) -> locations.EncodedLocations:
     """Class-mode coding of the sorted relative positions ``rel`` of an item whose old bits are ``old``."""
     enc = locations.encode(ranks(old, rel, dtype), 0)
-    return dataclasses.replace(enc, mode=_CLASS_OF[LocationMode(enc.mode)])
+    return dataclasses.replace(enc, mode=_CLASS_OF[enc.mode])
 
 
 def decode_ranks(enc: locations.EncodedLocations, dtype: str, lo: int, hi: int, count: int) -> np.ndarray:

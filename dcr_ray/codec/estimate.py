@@ -12,8 +12,13 @@ positions).
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import numpy as np
 
+#: Streams of at most this many bytes are counted in Python.
+SMALL_BYTES = 64
 #: Streams longer than this are estimated from a strided sample of about this many bytes.
 SAMPLE_BYTES = 1 << 16
 
@@ -27,6 +32,9 @@ def entropy_bytes(*streams) -> float:
         n = len(b)
         if n < 2:
             total += n
+            continue
+        if n <= SMALL_BYTES:  # a few bytes: counting in Python beats numpy's per-call cost
+            total += sum(-c * math.log2(c / n) for c in Counter(b.tobytes()).values()) / 8
             continue
         sample = b[::n // SAMPLE_BYTES] if n > 2 * SAMPLE_BYTES else b
         c = np.bincount(sample, minlength=256)

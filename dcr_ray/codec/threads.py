@@ -23,13 +23,21 @@ _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
 
 
+_n_threads: int | None = None
+
+
 def codec_threads() -> int:
-    """Threads the codec uses: the CPUs this process may run on, at most :data:`MAX_THREADS`."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, n))
+    """Threads the codec uses: the CPUs this process may run on, at most :data:`MAX_THREADS`.
+
+    Read once per process (asking the kernel costs more than a small tensor's whole diff)."""
+    global _n_threads
+    if _n_threads is None:
+        try:
+            n = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            n = os.cpu_count() or 1
+        _n_threads = max(1, min(MAX_THREADS, n))
+    return _n_threads
 
 
 def pool() -> ThreadPoolExecutor:
@@ -63,8 +71,8 @@ def balance(things: Iterable[T], size: Callable[[T], int], n: int) -> list[list[
 
 
 def _reset_in_child() -> None:  # a forked child must not wait on its parent's threads
-    global _pool, _lock
-    _pool, _lock = None, threading.Lock()
+    global _pool, _lock, _n_threads
+    _pool, _lock, _n_threads = None, threading.Lock(), None
 
 
 if hasattr(os, "register_at_fork"):
