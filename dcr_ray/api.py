@@ -31,6 +31,7 @@ from dcr_ray.actors.coordinator import CoordinatorActor
 from dcr_ray.actors.owner import StandaloneOwner
 from dcr_ray.config import ClusterSpec, RefitConfig, validate
 from dcr_ray.engines.base import EngineBackend
+from dcr_ray import progress
 from dcr_ray.errors import ConfigError, RefitTimeoutError
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, actor_options
 from dcr_ray.relay.transport import Transport
@@ -95,8 +96,8 @@ class Refit:
         return self._actor
 
     def run(self, timeout: float | None = None) -> RefitReport:
-        """Refit now and wait for the report."""
-        return ray.get(self.remote(), timeout=timeout)
+        """Refit now and wait for the report (with a progress bar on a terminal, see :mod:`dcr_ray.progress`)."""
+        return progress.wait(self.remote(), self._actor, desc="dcr_ray refit", timeout=timeout)
 
     def status(self, detail: bool = False) -> dict:
         """The committed version and record, required engines and the refit in flight (``phase``); with
@@ -212,7 +213,7 @@ def launch(
     limit = timeout_s if timeout_s is not None else config.commit.start_timeout_s
     try:
         try:
-            ray.get(actor.start.remote(resume), timeout=limit)
+            progress.wait(actor.start.remote(resume), actor, desc="dcr_ray launch", timeout=limit)
         except ray.exceptions.GetTimeoutError:
             raise RefitTimeoutError(
                 f"launch did not finish within {limit:.0f} s (placement, start-up and dense bootstrap); "

@@ -54,3 +54,30 @@ def test_status_lists_versions_engine_states_relays_and_the_last_refits_and_the_
     out = subprocess.run([sys.executable, "-m", "dcr_ray.cli", "status"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1 and "no dcr_ray topology runs" in out.stderr
+
+
+def test_a_refit_drawn_with_a_progress_bar_reports_bytes_and_returns_the_same_report(local_ray, monkeypatch, capsys):
+    monkeypatch.setenv("DCR_PROGRESS", "1")
+    trainer = ray.remote(num_cpus=0)(TinyTrainer).remote(SPEC, lr=1e-3)
+    refit = dcr_ray.launch(owners=[trainer], engine=dcr_ray.HFEngine(SPEC),
+                           clusters=[dcr_ray.ClusterSpec(name="a", engines=2)])
+    try:
+        assert "dcr_ray launch" in capsys.readouterr().err
+        ray.get(trainer.step.remote(seed=0))
+        report = refit.run()
+        assert report.version == 1 and "dcr_ray refit" in capsys.readouterr().err
+        p = ray.get(refit.actor.progress.remote())
+        assert p == {"phase": p["phase"], "bytes": 0, "total": None} and p["phase"]["phase"] == "idle"
+    finally:
+        refit.shutdown()
+
+
+def test_progress_bars_follow_the_terminal_unless_dcr_progress_says_otherwise(monkeypatch):
+    from dcr_ray import progress
+
+    monkeypatch.setenv("DCR_PROGRESS", "0")
+    assert not progress.enabled()
+    monkeypatch.setenv("DCR_PROGRESS", "1")
+    assert progress.enabled()
+    monkeypatch.delenv("DCR_PROGRESS")
+    assert progress.enabled() == sys.stderr.isatty()

@@ -36,6 +36,7 @@ carries on at the committed version.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -51,6 +52,7 @@ from dcr_ray.actors.coverage import check_coverage
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.actors.recovery import Recovery
 from dcr_ray.actors.topology import Topology
+from dcr_ray.codec.bits import dtype_of, itemsize
 from dcr_ray.config import ClusterSpec, RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError, DcrError, RefitError
 from dcr_ray.relay.transport import Transport, make_transport
@@ -60,6 +62,8 @@ log = logging.getLogger("dcr_ray")
 
 #: ``status(detail=True)`` waits this long for each engine's state, and lists this many past refits.
 STATUS_TIMEOUT_S = 10.0
+#: How long a progress poll waits for the engines' counters.
+PROGRESS_TIMEOUT_S = 2.0
 STATUS_HISTORY = 10
 
 
@@ -79,6 +83,8 @@ class CoordinatorActor(Recovery):
         self._owner_specs: dict[str, dict] = {}
         self.evicted: set[str] = set()  # engines that stopped answering (hung); readmitted when they answer
         self.phase = {"phase": "idle", "transfer": None, "attempt": None, "target": None, "since": time.time()}
+        self._model_bytes = 0  # canonical bytes of one engine's tensors (known after attach)
+        self._progress_total: int | None = None  # bytes the phase in flight delivers, when known
         self._resume_error: Exception | None = None
         if ray.get_runtime_context().was_current_actor_reconstructed:
             try:
@@ -110,6 +116,12 @@ class CoordinatorActor(Recovery):
     def start(self, resume: bool = False) -> dict:
         """Create engines and the transport, attach owners, write record v0, bootstrap every engine; with
         ``resume``, carry on from the commit record of an earlier coordinator instead."""
+        try:
+            return self._start(resume)
+        finally:
+            self._phase("idle")
+
+    def _start(self, resume: bool) -> dict:
         with self._lock:
             if self._started:
                 return self.status()
@@ -125,10 +137,14 @@ class CoordinatorActor(Recovery):
                     f"at version 0: use a fresh CommitConfig.dir, or launch(..., resume=True) to carry on "
                     f"with the running topology"
                 )
+            self._phase("start engines")
             self.topology.start(self.backend_factory, cfg)
             t = cfg.commit.start_timeout_s
+            self._phase("attach")
             specs = get_all({o: h.dcr_attach.remote(o, cfg) for o, h in self.owners.items()}, t, "attach")
-            check_coverage(specs, self.topology.engine_specs(t))
+            engine_specs = self.topology.engine_specs(t)
+            check_coverage(specs, engine_specs)
+            self._model_bytes = sum(math.prod(shape) * itemsize(dtype_of(dt)) for dt, shape in engine_specs.values())
             self._owner_specs = specs
             self._save_owners()  # a restarted coordinator checks replacements against these specs
             if rec is None:
@@ -147,6 +163,8 @@ class CoordinatorActor(Recovery):
             return
         t = self.config.commit.start_timeout_s
         transfer = f"boot{self.version}-{uuid.uuid4().hex[:8]}"
+        self._phase("bootstrap", transfer, 0, self.version)
+        self._progress_total = self._model_bytes * len(engine_ids) if self._model_bytes else None
         try:
             get_all({e: self.engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, self.version)
                        for e in engine_ids}, t, "bootstrap prepare")
@@ -166,6 +184,7 @@ class CoordinatorActor(Recovery):
             self.transport.release(transfer)
             raise
         self.transport.release(transfer)
+        self._progress_total = None
         self.required |= set(engine_ids)
         log.info("dcr_ray: bootstrapped %d engines densely at version %d", len(engine_ids), self.version)
 
@@ -341,6 +360,18 @@ class CoordinatorActor(Recovery):
     def teardown(self) -> None:
         """Kill the engines and relays and remove the placement groups (``Refit.shutdown``)."""
         self.topology.teardown()
+
+    def progress(self) -> dict:
+        """Lock-free: the phase in flight, and the decompressed bytes the engines in it validated so
+        far with the total expected (``None`` when unknown, e.g. a delta refit before owners diffed).
+        The driver's progress bar polls it (:mod:`dcr_ray.progress`)."""
+        phase = dict(self.phase)
+        done = 0
+        if phase.get("transfer"):
+            got, _, _ = gather({e: h.progress.remote() for e, h in self.engines.items()}, PROGRESS_TIMEOUT_S,
+                               "progress")
+            done = sum(p["raw_bytes"] for p in got.values() if p["transfer"] == phase["transfer"])
+        return {"phase": phase, "bytes": done, "total": self._progress_total}
 
     def status(self, detail: bool = False) -> dict:
         """The committed version and record, the required engines, the refit in flight (``phase``) and,

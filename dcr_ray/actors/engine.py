@@ -80,6 +80,7 @@ class EngineActor:
         self._cv = threading.Condition()
         self._apply_s = 0.0
         self._bytes = 0
+        self._raw = 0  # decompressed bytes of the frames validated in this attempt (progress)
         self._stats = {"applied": 0, "duplicate": 0, "stale": 0, "rejected": 0, "rollbacks": 0}
         self.reader = reader
         self._staged: list[tuple[PayloadKey, bytes]] = []
@@ -129,6 +130,7 @@ class EngineActor:
                 self._error = None
                 self._apply_s = 0.0
                 self._bytes = 0
+                self._raw = 0
             return {"engine": self.engine_id, "version": self.version}
 
     def deliver(self, payload, targets: list[str] | None = None) -> str:
@@ -201,6 +203,7 @@ class EngineActor:
             return "rejected"
         self._apply_s += time.perf_counter() - t0
         self._bytes += len(data)
+        self._raw += frame.raw_bytes
         self._applied[key] = dg
         return "applied"
 
@@ -351,6 +354,12 @@ class EngineActor:
                     "transfer": cur.transfer if cur else self._touched,
                     "target": cur.target if cur else None, "dirty": self._dirty is not None,
                     "flushed": cur is not None and self._flushed == (cur.transfer, cur.attempt)}
+
+    def progress(self) -> dict:
+        """Lock-free counters of the open attempt (for progress bars; may be a moment stale): its
+        transfer, the payloads applied and their decompressed bytes."""
+        cur = self._cur
+        return {"transfer": cur.transfer if cur else None, "payloads": len(self._applied), "raw_bytes": self._raw}
 
     def get_version(self) -> int | None:
         return self.version

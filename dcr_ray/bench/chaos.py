@@ -120,7 +120,11 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
     from dcr_ray.testing.models import ModelSpec
     from dcr_ray.testing.trainer import TinyTrainer
 
-    say = (lambda m: print(f"[chaos] {m}", file=progress, flush=True)) if progress else (lambda m: None)
+    from tqdm.auto import tqdm
+
+    from dcr_ray import progress as bars
+
+    say = (lambda m: tqdm.write(f"[chaos] {m}", file=progress)) if progress else (lambda m: None)
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"train": 10}})
@@ -158,7 +162,9 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
     mismatched, recreated, dense, t0 = 0, 0, 0, time.monotonic()
     failures: list[str] = []  # messages of refits that failed (they name engines restored densely)
     try:
-        for i, kind in enumerate(schedule(refits, seed)):
+        plan = schedule(refits, seed)
+        for i, kind in enumerate(tqdm(plan, desc="chaos", unit="refit", disable=not (progress and bars.enabled()),
+                                      file=progress or sys.stderr)):
             s = len(steps)
             steps.append(s)
             ray.get([o.step.remote(seed=s) for o in owners])
