@@ -120,6 +120,11 @@ class CodecConfig:
     encodings: Encodings = "mixed"
     """``"mixed"``: XOR masks where allowed, absolute bits elsewhere (every retry sends ``"overwrite"``
     anyway). ``"overwrite"``: absolute new bits only."""
+    coding: Literal["context", "plain"] = "context"
+    """How ``"mixed"`` first attempts code their relative chunks: ``"context"`` picks XOR masks or
+    integer differences and flat or class-order positions per item (smallest; the receiver reads its old
+    bits to place them); ``"plain"`` sends XOR masks at flat positions (the frames of earlier releases,
+    for receivers that apply only those, such as vLLM's capture mode on GPU)."""
     key: bytes | None = None
     """Shared secret for keyed BLAKE2b frame digests; receivers reject frames not signed with it."""
 
@@ -138,6 +143,7 @@ class CodecConfig:
         if not 1 <= self.zstd_level <= 22:
             raise ConfigError(f"CodecConfig.zstd_level must be in 1..22 (1 is fastest), got {self.zstd_level}")
         _choice("CodecConfig", "encodings", self.encodings, get_args(Encodings))
+        _choice("CodecConfig", "coding", self.coding, ("context", "plain"))
         if self.key is not None and not (isinstance(self.key, bytes) and 1 <= len(self.key) <= 64):
             raise ConfigError("CodecConfig.key must be bytes of length 1..64 (a BLAKE2b key) or None")
 

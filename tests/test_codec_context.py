@@ -241,3 +241,12 @@ def test_a_partly_applied_first_attempt_rolls_back_exactly_and_a_retry_overwrite
         apply_decoded(read_frame(f, shapes=shapes), live)
     for n in new:
         assert torch.equal(ints(live[n]), ints(new[n]))
+
+
+def test_owners_code_first_attempts_in_context_unless_told_plain():
+    from dcr_ray.config import CodecConfig
+    from dcr_ray.errors import ConfigError
+
+    assert CodecConfig().coding == "context" and CodecConfig(coding="plain").coding == "plain"
+    with pytest.raises(ConfigError):
+        CodecConfig(coding="zigzag")

@@ -178,7 +178,7 @@ class DeltaOwner:
         overwrite_only = {n: False for s in self.specs.values() if s.overwrite_only for n in s.names}
         for frame in encode_frames(canonical, meta, mode=mode, bucket_bytes=self.config.codec.bucket_bytes,
                                    zstd_level=self.config.codec.zstd_level, key=self.config.codec.key,
-                                   xor_ok=overwrite_only):
+                                   xor_ok=overwrite_only, coding=self.config.codec.coding):
             key = PayloadKey(transfer, attempt, self.owner_id, len(payloads))
             ts = time.perf_counter()
             sink.send(frame, key)

@@ -3,6 +3,9 @@
 - :mod:`~dcr_ray.codec.bits`      dtypes on the wire and integer views
 - :mod:`~dcr_ray.codec.diff`      chunked change detection -> changed sets
 - :mod:`~dcr_ray.codec.locations` position coding (gaps / runs, narrow widths with escapes)
+- :mod:`~dcr_ray.codec.context`   positions in the class order of the old values (exponents)
+- :mod:`~dcr_ray.codec.intdiff`   ADD values: integer differences, zigzagged
+- :mod:`~dcr_ray.codec.estimate`  size estimates that pick each item's coding
 - :mod:`~dcr_ray.codec.planes`    byte planes for value compression
 - :mod:`~dcr_ray.codec.format`    the signed wire frame: layout, names, limits, digest, identity
 - :mod:`~dcr_ray.codec.encode`    changed sets -> frames (builder, section compression)
