@@ -99,3 +99,22 @@ def test_decompression_is_bounded_by_two_of_the_largest_bucket_a_sender_may_use(
     with pytest.raises(ConfigError, match="bucket_bytes must be in"):
         dcr_ray.CodecConfig(bucket_bytes=MAX_BUCKET_BYTES * 2)
     dcr_ray.CodecConfig(bucket_bytes=MAX_BUCKET_BYTES)
+
+
+def test_peek_meta_walks_past_a_hostile_header_without_building_it():
+    import struct
+    import tracemalloc
+
+    import msgpack
+
+    from dcr_ray.codec.format import DIGEST_SIZE, FORMAT_VERSION, MAGIC
+
+    header = msgpack.packb({"fmt": FORMAT_VERSION, "transfer": "T", "attempt": 0, "producer": "p", "payload": 0,
+                            "base": 0, "target": 1, "items": [{}] * 1_000_000, "sections": []})
+    data = MAGIC + bytes([FORMAT_VERSION]) + struct.pack("<I", len(header)) + header + bytes(DIGEST_SIZE)
+    tracemalloc.start()
+    meta = peek_meta(data)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert meta.transfer == "T" and meta.base_id == ""
+    assert peak < 4 << 20  # a million empty maps would take ~100 MB as Python objects

@@ -7,7 +7,8 @@ types or binary fields, bounded strings, arrays and maps), and the frame's ident
 their types. What the header's sections and items say is checked by :mod:`~dcr_ray.codec.decode`.
 
 :func:`peek_meta` reads the identity of a frame without the digest check: for routing and logging,
-never for trust.
+never for trust. It skips the header's other fields unparsed (msgpack's streaming ``skip``), so an
+unverified header makes it allocate no more than the identity fields.
 """
 
 from __future__ import annotations
@@ -74,15 +75,37 @@ def _reject_ext(code, data):
 def open_frame(data: bytes | memoryview, *, key: bytes | None) -> FrameHeader:
     """Check the prefix and the digest (keyed with ``key``; ``None`` for unkeyed frames), then parse
     the header. Raises a ``FrameError`` subclass; reads nothing past the header besides the digest."""
-    return _open(memoryview(data).cast("B"), key, verify=True)
+    return _open(memoryview(data).cast("B"), key)
 
 
 def peek_meta(data: bytes | memoryview) -> FrameMeta:
     """Parse only the identity of a frame (no digest check): for routing and logging, never trust."""
-    return _open(memoryview(data), None, verify=False).meta
+    data = memoryview(data).cast("B")
+    hend = _prefix(data)
+    u = msgpack.Unpacker(raw=False, strict_map_key=True, ext_hook=_reject_ext, max_bin_len=0, max_ext_len=0,
+                         max_str_len=1 << 16, max_array_len=1 << 22, max_map_len=64)
+    u.feed(data[PREFIX.size:hend])
+    h: dict = {}
+    try:
+        for _ in range(u.read_map_header()):
+            k = u.unpack()
+            if k in _IDENTITY:
+                h[k] = u.unpack()
+            else:
+                u.skip()  # items, sections: walked, never built
+    except MalformedHeaderError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise MalformedHeaderError(f"header is not a valid msgpack map: {e}") from None
+    return _meta(h)
 
 
-def _open(data: memoryview, key: bytes | None, verify: bool) -> FrameHeader:
+#: The header fields :class:`FrameMeta` is read from.
+_IDENTITY = frozenset({"fmt", "transfer", "attempt", "producer", "payload", "base", "target", "base_id"})
+
+
+def _prefix(data: memoryview) -> int:
+    """Check magic, format version and the declared header size; the offset where the header ends."""
     if len(data) < PREFIX.size + DIGEST_SIZE:
         raise TruncatedFrameError(f"frame of {len(data)} bytes is shorter than the minimum frame")
     magic, ver, hlen = PREFIX.unpack_from(data, 0)
@@ -95,14 +118,28 @@ def _open(data: memoryview, key: bytes | None, verify: bool) -> FrameHeader:
     hend = PREFIX.size + hlen
     if hend + DIGEST_SIZE > len(data):
         raise TruncatedFrameError(f"header declares {hlen} bytes but the frame has only {len(data)}")
-    if verify:
-        signed = data[4:-DIGEST_SIZE]
-        if digest(signed, key) != bytes(data[-DIGEST_SIZE:]):
-            raise DigestMismatchError(
-                "frame digest does not match: the bytes were corrupted in transit or storage, or the "
-                "frame was signed with a different key than this receiver's"
-                + (" (this receiver uses a key)" if key else " (this receiver uses no key)")
-            )
+    return hend
+
+
+def _meta(h: dict) -> FrameMeta:
+    if need(h, "fmt", int) != FORMAT_VERSION:
+        raise UnsupportedVersionError(f"header format version {h['fmt']} != {FORMAT_VERSION}")
+    return FrameMeta(
+        transfer=need(h, "transfer", str), attempt=need(h, "attempt", int),
+        producer=need(h, "producer", str), payload=need(h, "payload", int),
+        base=need(h, "base", int), target=need(h, "target", int),
+        base_id=need(h, "base_id", str) if "base_id" in h else "",
+    )
+
+
+def _open(data: memoryview, key: bytes | None) -> FrameHeader:
+    hend = _prefix(data)
+    if digest(data[4:-DIGEST_SIZE], key) != bytes(data[-DIGEST_SIZE:]):
+        raise DigestMismatchError(
+            "frame digest does not match: the bytes were corrupted in transit or storage, or the "
+            "frame was signed with a different key than this receiver's"
+            + (" (this receiver uses a key)" if key else " (this receiver uses no key)")
+        )
     try:
         h = msgpack.unpackb(
             data[PREFIX.size:hend], raw=False, strict_map_key=True, ext_hook=_reject_ext,
@@ -114,12 +151,4 @@ def _open(data: memoryview, key: bytes | None, verify: bool) -> FrameHeader:
         raise MalformedHeaderError(f"header is not valid msgpack: {e}") from None
     if not isinstance(h, dict):
         raise MalformedHeaderError("header must be a msgpack map")
-    if need(h, "fmt", int) != FORMAT_VERSION:
-        raise UnsupportedVersionError(f"header format version {h['fmt']} != {FORMAT_VERSION}")
-    meta = FrameMeta(
-        transfer=need(h, "transfer", str), attempt=need(h, "attempt", int),
-        producer=need(h, "producer", str), payload=need(h, "payload", int),
-        base=need(h, "base", int), target=need(h, "target", int),
-        base_id=need(h, "base_id", str) if "base_id" in h else "",
-    )
-    return FrameHeader(meta=meta, fields=h, body_offset=hend, data=data)
+    return FrameHeader(meta=_meta(h), fields=h, body_offset=hend, data=data)
