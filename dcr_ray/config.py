@@ -123,8 +123,10 @@ class CodecConfig:
     coding: Literal["context", "plain"] = "context"
     """How ``"mixed"`` first attempts code their relative chunks: ``"context"`` picks XOR masks or
     integer differences and flat or class-order positions per item (smallest; the receiver reads its old
-    bits to place them); ``"plain"`` sends XOR masks at flat positions (the frames of earlier releases,
-    for receivers that apply only those, such as vLLM's capture mode on GPU)."""
+    bits to place them); ``"plain"`` sends XOR masks at flat positions (the frames of earlier releases).
+    Use ``"plain"`` with vLLM's capture mode under tensor parallelism: a rank holds only its shard, so
+    it cannot read the old bits class order needs and fails the attempt (the overwrite retry then
+    repairs it, at the cost of a second send)."""
     key: bytes | None = None
     """Shared secret for keyed BLAKE2b frame digests; receivers reject frames not signed with it."""
 

@@ -74,9 +74,9 @@ def small_step(old: torch.Tensor, seed: int, rate: float) -> torch.Tensor:
     return new
 
 
-def encode(old, new, *, name="w", chunk_elems=1 << 12, **kw):
+def encode(old, new, *, name="w", chunk_elems=1 << 12, coding="context", **kw):
     td = diff_tensor(name, bits_view(old).copy(), new, chunk_elems=chunk_elems)
-    return list(encode_frames([td], META, **kw))
+    return list(encode_frames([td], META, coding=coding, **kw))
 
 
 def items_of(frames, shapes):
@@ -193,9 +193,9 @@ def _step(model, seed):
     return {n: small_step(t, seed=seed + i, rate=0.05) for i, (n, t) in enumerate(model.items())}
 
 
-def _frames(old, new, **kw):
+def _frames(old, new, *, coding="context", **kw):
     deltas = [diff_tensor(n, bits_view(old[n]).copy(), new[n], chunk_elems=1024) for n in old]
-    return list(encode_frames(deltas, META, bucket_bytes=256, **kw))
+    return list(encode_frames(deltas, META, bucket_bytes=256, coding=coding, **kw))
 
 
 def test_an_engine_applies_context_frames_decoded_against_shapes_and_rolls_them_back_exactly():
@@ -250,3 +250,27 @@ def test_owners_code_first_attempts_in_context_unless_told_plain():
     assert CodecConfig().coding == "context" and CodecConfig(coding="plain").coding == "plain"
     with pytest.raises(ConfigError):
         CodecConfig(coding="zigzag")
+
+
+def test_the_library_default_writes_the_frames_of_earlier_releases():
+    old = (torch.randn(4096) * 1e-3).to(torch.bfloat16)
+    new = small_step(old, seed=6, rate=0.05)
+    td = diff_tensor("w", bits_view(old).copy(), new, chunk_elems=4096)
+    assert list(encode_frames([td], META)) == list(encode_frames([td], META, coding="plain"))
+
+
+def test_context_items_made_absolute_for_a_capture_path_give_the_same_bits():
+    old = _model(9)
+    new = _step(old, 90)
+    shapes = {n: (wire_name(t.dtype), tuple(t.shape)) for n, t in old.items()}
+    reads = []
+    live = {n: t.clone() for n, t in old.items()}
+    for f in _frames(old, new):
+        items = read_frame(f, shapes=shapes).items
+        flat = context.absolute(items, lambda n: reads.append(n) or old[n])
+        assert {it.encoding.value for it in flat} <= {"xor", "ow", "dense"}
+        assert all(it.positions is not None for it in flat)
+        apply_decoded(DecodedFrame(META, flat), live)
+    for n in new:
+        assert torch.equal(ints(live[n]), ints(new[n]))
+    assert reads and len(reads) <= sum(len(read_frame(f, shapes=shapes).items) for f in _frames(old, new))

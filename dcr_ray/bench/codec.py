@@ -524,7 +524,8 @@ def zstd_sweep(step: Step, repeats: int) -> list[dict]:
     for level, hash_log in variants:
         encode_mod.ZSTD_HASH_LOG = hash_log
         try:
-            t_fr, frames = _best(lambda: list(encode_frames(deltas, _meta(), zstd_level=level)), repeats)
+            t_fr, frames = _best(lambda: list(encode_frames(deltas, _meta(), zstd_level=level, coding="context")),
+                                 repeats)
         finally:
             encode_mod.ZSTD_HASH_LOG = tuned
         t_app, _ = _best(lambda tg: _decode_apply(frames, tg), repeats, setup=lambda: _fresh_targets(step))

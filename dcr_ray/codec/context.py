@@ -170,3 +170,26 @@ def resolve(items, tensors: Mapping[str, torch.Tensor]) -> None:
         threads.run_all([lambda s=s: run(s) for s in threads.balance(todo, lambda it: it.hi - it.lo, n)])
     else:
         run(todo)
+
+
+def absolute(items, read) -> list:
+    """``items`` with every ADD item turned into an OVERWRITE of the bits it would give, and class-mode
+    positions resolved, reading old bits through ``read(name) -> tensor`` (once per tensor that needs
+    it): for receivers that write only XOR, OVERWRITE and DENSE items (a loader-capture path, which
+    reads its canonical bits back from live storage). Call before the first write of the items."""
+    from dcr_ray.codec.decode import DecodedItem  # (decode imports this module)
+    from dcr_ray.codec.format import Encoding
+
+    items = list(items)
+    need = {it.name for it in items if it.encoding == Encoding.ADD or (it.positions is None and it.ranks is not None)}
+    if not need:
+        return items
+    old = {n: read(n) for n in need}
+    resolve([it for it in items if it.name in old], old)
+    out = []
+    for it in items:
+        if it.encoding == Encoding.ADD:
+            new = bits_view(old[it.name])[it.positions] + it.values  # unsigned: wraps
+            it = DecodedItem(it.name, Encoding.OVERWRITE, it.lo, it.hi, it.positions, new)
+        out.append(it)
+    return out

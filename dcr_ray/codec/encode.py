@@ -35,8 +35,11 @@ from dcr_ray.codec.format import (
 DEFAULT_ZSTD_LEVEL = 1
 #: How first attempts code their sparse chunks: ``"context"`` picks XOR or ADD values and flat or
 #: class-order positions per item; ``"plain"`` writes XOR masks at flat positions (earlier releases).
+#: This module's default stays ``"plain"`` (byte-compatible frames for any receiver: a loader-capture
+#: path on a tensor-parallel rank cannot read the old bits class order needs); owners use
+#: ``CodecConfig.coding``, ``"context"`` by default.
 CODINGS = ("context", "plain")
-DEFAULT_CODING = "context"
+DEFAULT_CODING = "plain"
 #: zstd hash table size (log2) for every section. Location symbols and mask/value byte planes are close
 #: to memoryless: long matches are rare and short ones cost more bits than the literals they replace, so
 #: a small table (64 entries, zstd's minimum) that finds fewer of them gives smaller sections in less
@@ -81,8 +84,8 @@ class FrameBuilder:
     ``mode="mixed"`` writes sparse chunks relative to the receiver's bits where the tensor allows it
     (``xor_ok``: the path copies bits unchanged) and as absolute new bits otherwise; ``mode="overwrite"``
     writes absolute bits at flat positions everywhere (retries). Dense chunks are always absolute.
-    ``coding`` says how relative chunks are written (see :meth:`_first_attempt`): ``"context"`` (the
-    default) or ``"plain"`` (XOR masks at flat positions, the frames of earlier releases).
+    ``coding`` says how relative chunks are written (see :meth:`_first_attempt`): ``"context"`` or
+    ``"plain"`` (XOR masks at flat positions, the frames of earlier releases; :data:`DEFAULT_CODING`).
     """
 
     def __init__(self, meta: FrameMeta, *, mode: str = "mixed", zstd_level: int = DEFAULT_ZSTD_LEVEL,

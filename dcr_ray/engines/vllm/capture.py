@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dcr_ray.codec import Encoding
+from dcr_ray.codec import Encoding, context
 from dcr_ray.codec.bits import np_int
 from dcr_ray.engines.vllm.plan import CopyOp, Geometry, TensorPlan, map_positions
 from dcr_ray.engines.vllm.storage import int_view, scatter, storage_flat, storage_key
@@ -270,6 +270,8 @@ class LoaderCapture:
         """
         device = self._device()
         writes = []
+        # ADD items and class-order positions need the old canonical bits: read back, made absolute
+        items = context.absolute(items, self.readback)
         for it in items:
             name, enc, lo, hi, positions, values = it.name, it.encoding, it.lo, it.hi, it.positions, it.values
             plan = self.plans.get(name)
