@@ -27,6 +27,7 @@ Encodings = Literal["mixed", "overwrite"]
 ApplyMode = Literal["in_place", "staged"]
 RollbackMode = Literal["in_place", "dense"]
 PromoteMode = Literal["background", "inline"]
+GpuBaseline = Literal["device", "host"]
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
@@ -231,9 +232,15 @@ class OwnerConfig:
     """``"background"``: a thread folds the committed changed set into the baseline, so the refit
     returns without waiting; the owner's next diff, bootstrap or version read waits for it (and a failed
     promote fails that call with ``BaselineError``). ``"inline"``: inside the commit stage."""
+    gpu_baseline: GpuBaseline = "device"
+    """Where the committed bits of an owner's GPU shards live. ``"device"``: a copy on the GPU (the
+    shards' size again in GPU memory); each step is diffed there and only the changes cross to the
+    host. ``"host"``: host memory only; each step copies the whole shard to the host and diffs it there
+    (no extra GPU memory). CPU shards always use the host."""
 
     def __post_init__(self):
         _choice("OwnerConfig", "promote", self.promote, get_args(PromoteMode))
+        _choice("OwnerConfig", "gpu_baseline", self.gpu_baseline, get_args(GpuBaseline))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -45,6 +45,7 @@ from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec.diff import TensorDelta, full_delta
 from dcr_ray.codec import BOOTSTRAP_BASE, FrameMeta, PayloadKey, encode_frames
 from dcr_ray.sharding import Shard, ShardSpec, canonical_specs, project_all, resolve_shards
+from dcr_ray.sharding.device import DeviceBaseline, delta_from_changes
 from dcr_ray.sharding.digest import shard_digests
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
@@ -85,16 +86,21 @@ class DeltaOwner:
         self._promote_error: BaseException | None = None
         self._promote_lock = threading.RLock()
         self.specs: dict[str, ShardSpec] = {}
+        #: committed bits of this owner's GPU shards on their device (``OwnerConfig.gpu_baseline``)
+        self.device = DeviceBaseline()
 
     # -- setup ------------------------------------------------------------------------------------
     def attach(self, tensors: Mapping[str, object], version: int = 0) -> dict[str, tuple]:
         """Take the current bits as the committed baseline of ``version`` (0 at launch; a replacement
         owner joins at the committed version and proves it by :meth:`digests`); returns what this owner
         covers: canonical name -> (wire dtype, shape) for whole tensors, (wire dtype, shape, boxes) for parts."""
-        shards = resolve_shards(tensors)
+        shards = resolve_shards(tensors, to_host=False)
         if not self.store.names():
             for name, sh in shards.items():
-                self.store.add(name, sh.tensor)
+                on_gpu = sh.tensor.device.type != "cpu"
+                self.store.add(name, sh.tensor.detach().cpu() if on_gpu else sh.tensor)
+                if on_gpu and self.config.owners.gpu_baseline == "device":
+                    self.device.add(name, sh.tensor)
                 self.specs[name] = sh.spec
             self.store.version = version
         else:
@@ -158,10 +164,16 @@ class DeltaOwner:
         return len(self.store.bits(name))
 
     def _diff_all(self, tensors: Mapping[str, object]) -> Iterable[TensorDelta]:
-        shards = resolve_shards(tensors)
+        shards = resolve_shards(tensors, to_host=False)
         self._check_layout(shards)
         for name in self.store.names():
-            td = self.store.diff(name, shards[name].tensor)
+            t = shards[name].tensor
+            if name in self.device:  # diffed on its GPU: only the changes come to the host
+                pos, new = self.device.changes(name, t)
+                td = delta_from_changes(name, t, pos, new, self.store.bits(name),
+                                        chunk_elems=self.config.codec.chunk_elems)
+            else:
+                td = self.store.diff(name, t if t.device.type == "cpu" else t.detach().cpu())
             if td.chunks:
                 self.store.add_pending(td)
                 yield td
@@ -236,6 +248,7 @@ class DeltaOwner:
 
     def _promote_now(self, version: int) -> int:
         n = self.store.promote(version)
+        self.device.promote()
         self._pending_transfer = None
         self._last_summary = None
         return n
@@ -261,6 +274,7 @@ class DeltaOwner:
     def discard(self) -> None:
         self.settle()
         self.store.discard()
+        self.device.discard()
         self._pending_transfer = None
         self._last_summary = None
 

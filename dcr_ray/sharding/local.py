@@ -34,12 +34,12 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def resolve_shards(tensors: Mapping[str, object]) -> dict[str, Shard]:
+def resolve_shards(tensors: Mapping[str, object], *, to_host: bool = True) -> dict[str, Shard]:
     """Local name -> :class:`Shard` for every value ``dcr_tensors()`` returned (see the module docstring).
 
-    DTensor replicas that own no part of a replicated tensor are left out. Shards on a GPU are copied to
-    host memory whole before the diff (the host path; a device-side diff that copies only the changes,
-    with ``cuda_ext``, is not wired into owners yet).
+    DTensor replicas that own no part of a replicated tensor are left out. With ``to_host`` shards on a
+    GPU are copied to host memory whole; owners with a device baseline
+    (:mod:`~dcr_ray.sharding.device`) pass ``False`` and copy only the changes.
     """
     out: dict[str, Shard] = {}
     for name, t in tensors.items():
@@ -57,6 +57,8 @@ def resolve_shards(tensors: Mapping[str, object]) -> dict[str, Shard]:
         else:
             raise ShardSpecError(f"dcr_tensors()[{name!r}] is a {type(t).__name__}: give a torch.Tensor, a "
                                  f"DTensor or a dcr_ray.sharding.Shard(tensor, spec)")
+    if not to_host:
+        return out
     return {n: sh if sh.tensor.device.type == "cpu" else Shard(sh.tensor.detach().cpu(), sh.spec)
             for n, sh in out.items()}
 
