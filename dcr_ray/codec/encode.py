@@ -4,6 +4,15 @@
 item's location symbols and value byte planes into the frame's sections; :meth:`FrameBuilder.finish`
 compresses every section on its own (zstd, or raw when zstd does not make it smaller), writes the
 header and signs. :func:`encode_frames` cuts a stream of changed sets into frames of bounded raw size.
+
+First attempts (``mode="mixed"``) write each sparse chunk relative to the receiver's bits. With
+``coding="context"`` the builder picks, per item, XOR masks or ADD differences
+(:mod:`~dcr_ray.codec.intdiff`) and flat or class-order positions (:mod:`~dcr_ray.codec.context`,
+when the diff computed them), whichever has the smaller zero-order estimate
+(:mod:`~dcr_ray.codec.estimate`); ``coding="plain"`` writes XOR masks at flat positions, byte for byte
+the frames of earlier releases. Retries (``mode="overwrite"``) always write absolute bits at flat
+positions: after a partial apply the receiver's bits are no longer the base that relative codings and
+class order refer to.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Symbols are stored in the narrowest width ``w`` in {1, 2, 4, 8} bytes that minim
 and its true value goes, in order, to a little-endian uint64 *escape* stream. Every symbol is
 non-negative, so decoded positions are strictly increasing by construction; the decoder still checks
 every bound before it returns (see :func:`decode`).
+
+The class modes (``cgaps`` / ``cruns``) reuse these symbols over the changed elements' ranks in the
+class order of the old values; they are :mod:`~dcr_ray.codec.context`'s, and :func:`decode` refuses them.
 """
 
 from __future__ import annotations
