@@ -104,13 +104,14 @@ def test_the_difference_of_new_and_old_is_exact_modulo_the_word_size():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("jit", [True, False], ids=["kernels", "numpy"])
-def test_class_ranks_and_positions_are_inverse_and_agree_with_the_definition(dtype, jit, monkeypatch):
+@pytest.mark.parametrize("rate", [0.2, 0.01], ids=["dense-walk", "sparse-walk"])
+def test_class_ranks_and_positions_are_inverse_and_agree_with_the_definition(dtype, jit, rate, monkeypatch):
     if jit and not kernels.ENABLED:
         pytest.skip("numba is not installed")
     monkeypatch.setattr(kernels, "ENABLED", jit)
     t = random_tensor(getattr(torch, dtype), 3001, seed=len(dtype))
     old = bits_view(t)
-    rel = np.flatnonzero(np.random.default_rng(5).random(len(old)) < 0.2)
+    rel = np.flatnonzero(np.random.default_rng(5).random(len(old)) < rate)
     shift, nbits = context.EXPONENT_FIELDS[dtype]
     cls = (old.astype(np.uint64) >> np.uint64(shift)) & np.uint64((1 << nbits) - 1)
     order = np.argsort(cls, kind="stable")  # the definition: stable sort by class

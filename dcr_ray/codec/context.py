@@ -80,8 +80,8 @@ def ranks(old: np.ndarray, rel: np.ndarray, dtype: str) -> np.ndarray:
     """Sorted ranks (int64) in the class order of ``old`` (an item's old bits) of the sorted relative
     positions ``rel``."""
     shift, mask = _field(dtype)
-    if kernels.ENABLED:
-        r = kernels.class_ranks(old, rel.astype(np.int64, copy=False), shift, mask)
+    if kernels.ENABLED:  # the walk reads a one-byte class per element (extracted by numpy, vectorized)
+        r = kernels.class_ranks(_narrow(old, shift, mask), rel.astype(np.int64, copy=False), 0, mask)
     else:
         order = np.argsort(_classes(old, shift, mask), kind="stable")
         inv = np.empty(len(old), np.int64)
@@ -95,11 +95,18 @@ def positions(old: np.ndarray, r: np.ndarray, dtype: str) -> np.ndarray:
     """Sorted relative positions (int64) of the sorted, unique ranks ``r`` (all ``< len(old)``)."""
     shift, mask = _field(dtype)
     if kernels.ENABLED:
-        return kernels.class_positions(old, r, shift, mask)
+        return kernels.class_positions(_narrow(old, shift, mask), r, 0, mask)
     order = np.argsort(_classes(old, shift, mask), kind="stable")
     p = order[r]
     p.sort()
     return p
+
+
+def _narrow(old: np.ndarray, shift: int, mask: int) -> np.ndarray:
+    """The class of every element in the narrowest unsigned type that holds it."""
+    t = old.dtype.type
+    c = np.bitwise_and(np.right_shift(old, t(shift)), t(mask))
+    return c.astype(np.uint8 if mask < 256 else np.uint16)
 
 
 def _classes(old: np.ndarray, shift: int, mask: int) -> np.ndarray:

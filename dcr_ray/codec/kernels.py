@@ -146,9 +146,41 @@ def _compiled() -> dict:
                         cnt[c] += 1
                     return out[:n]
 
+                @jit
+                def class_positions_sparse(old, ranks, shift, mask):  # pragma: no cover - compiled
+                    # the same walk with a branch on hits: cheaper where hits are rare (predictable),
+                    # and it stops at the last wanted element
+                    start = class_starts(old, shift, mask)
+                    ncls = np.int64(mask) + 1
+                    n = len(ranks)
+                    r = np.empty(n + 1, np.int64)
+                    r[:n] = ranks
+                    r[n] = -1
+                    ptr = np.searchsorted(r[:n], start[:ncls])
+                    st = np.empty(2 * ncls, np.int64)  # (next wanted rank, running rank) per class
+                    for c in range(ncls):
+                        st[2 * c] = r[ptr[c]]
+                        st[2 * c + 1] = start[c]
+                    out = np.empty(n, np.int64)
+                    k = 0
+                    if n == 0:
+                        return out
+                    for i in range(len(old)):
+                        c = np.int64((old[i] >> shift) & mask)
+                        hit = st[2 * c] == st[2 * c + 1]
+                        st[2 * c + 1] += 1
+                        if hit:
+                            out[k] = i
+                            k += 1
+                            if k == n:
+                                break
+                            ptr[c] += 1
+                            st[2 * c] = r[ptr[c]]
+                    return out
+
                 _fns = {"xor_into": xor_into, "put_into": put_into, "gap_positions": gap_positions,
                         "join2": join2, "add_into": add_into, "class_ranks": class_ranks,
-                        "class_positions": class_positions}
+                        "class_positions": class_positions, "class_positions_sparse": class_positions_sparse}
     return _fns
 
 
@@ -174,10 +206,15 @@ def class_ranks(old: np.ndarray, positions: np.ndarray, shift: int, mask: int) -
     return _compiled()["class_ranks"](old, positions, t(shift), t(mask))
 
 
+#: Below this share of changed elements the receiver's walk branches on hits (rare, so predicted).
+SPARSE_WALK_MAX = 1 / 20
+
+
 def class_positions(old: np.ndarray, ranks: np.ndarray, shift: int, mask: int) -> np.ndarray:
     """Inverse of :func:`class_ranks`: sorted positions of the sorted, unique, in-range ``ranks``."""
     t = old.dtype.type
-    return _compiled()["class_positions"](old, ranks, t(shift), t(mask))
+    fn = "class_positions_sparse" if len(ranks) < SPARSE_WALK_MAX * len(old) else "class_positions"
+    return _compiled()[fn](old, ranks, t(shift), t(mask))
 
 
 def gap_positions(symbols: np.ndarray, lo: int) -> np.ndarray:
@@ -218,11 +255,10 @@ def warm_up(background: bool = True) -> None:
                 gap_positions(vals, 0)
         b = np.frombuffer(bytes(2), np.uint8)
         join2(b, b)
-        for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
-            old = np.zeros(4, dt)
-            for writable in (True, False):  # old bits may be a read-only view
-                old.setflags(write=writable)
-                class_positions(old, class_ranks(old, pos, 1, 1), 1, 1)
+        for dt in (np.uint8, np.uint16):  # class arrays (codec.context narrows the old bits to these)
+            cls = np.zeros(64, dt)
+            for ranks in (pos, np.arange(1, dtype=np.int64)):  # the dense and the sparse walk
+                class_positions(cls, class_ranks(cls, ranks, 0, 1), 0, 1)
 
     if background:
         threading.Thread(target=run, name="dcr-kernels-warm-up", daemon=True).start()
