@@ -101,6 +101,9 @@ class _Probe:
         full-checkpoint reference sends the canonical bytes themselves (see :mod:`.reference`)."""
         from dcr_ray.codec import encode
 
+        if not hasattr(encode, "_compressor"):
+            raise RuntimeError("dcr_ray.codec.encode no longer has _compressor: update the benchmark's "
+                               "uncompressed reference (dcr_ray/bench/refit/actors.py)")
         if on and self._bench_saved_compressor is None:
             self._bench_saved_compressor = encode._compressor
             encode._compressor = lambda level: _RawSections

@@ -73,6 +73,9 @@ def measure_references(topo: Topology) -> dict:
         ref_s, ref_b, ref_runs = _dense_best(topo)
     finally:
         ray.get([h.bench_uncompressed_frames.remote(False) for h in owners])
+    if ref_b < topo.canonical_bytes:  # the encoder compressed after all: this would not be the reference
+        raise RuntimeError(f"the uncompressed reference moved {ref_b} bytes over the link, fewer than the "
+                           f"{topo.canonical_bytes} canonical bytes: its frames were compressed")
     dense_s, dense_b, dense_runs = _dense_best(topo)
     link = f"{topo.link_mbps:g} Mbit/s" if topo.link_mbps else "no link"
     log(f"  measured references at {link}: uncompressed checkpoint {ref_s:.2f}s ({ref_b / 1e6:.0f} MB), "
