@@ -15,6 +15,7 @@ from dcr_ray.codec.bits import bits_view, dtype_of, itemsize, wire_name
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
 from dcr_ray.engines.vllm.compat import shutdown_llm, start_llm, will_use_cuda
+from dcr_ray.engines.vllm.groups import whole_groups
 from dcr_ray.engines.vllm.plan import merge_summaries, strict_check
 from dcr_ray.engines.vllm.serving import greedy
 from dcr_ray.engines.vllm.worker import WORKER_EXTENSION
@@ -101,10 +102,8 @@ class VllmBackend(EngineBackend):
                 strict_check(summary)
             self.capture_summary = summary
             mirror = {n for n, (kind, _) in summary.items() if kind != "affine"}
-            for n in list(mirror):  # whole fused groups go through the loader together
-                if n in self._group_of:
-                    mirror.update(self._groups[self._group_of[n]])
-            self._mirror_names = mirror
+            # whole fused groups go through the loader together
+            self._mirror_names = set(whole_groups(mirror, self._groups, self._group_of, self._specs))
         else:
             self.capture_summary = {}
             self._mirror_names = set(names)
@@ -276,11 +275,7 @@ class VllmBackend(EngineBackend):
     # -- helpers -----------------------------------------------------------------------------------
     def _expand(self, names: Iterable[str]) -> list[str]:
         """``names`` grown to whole fused groups, in checkpoint order (ignored names are dropped)."""
-        want: set[str] = set()
-        for n in names:
-            if n in self._group_of:
-                want.update(self._groups[self._group_of[n]])
-        return [n for n in self._specs if n in want]
+        return whole_groups(names, self._groups, self._group_of, self._specs)
 
     def _check(self, frame: DecodedFrame) -> None:
         for it in frame.items:

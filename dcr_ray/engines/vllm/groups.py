@@ -83,6 +83,18 @@ def fused_groups(model: torch.nn.Module, names: Iterable[str]) -> dict[str, Any]
     return {"groups": groups, "ignored": ignored, "unresolved": unresolved}
 
 
+def whole_groups(names: Iterable[str], groups: list[list[str]], group_of: dict[str, int],
+                 order: Iterable[str]) -> list[str]:
+    """``names`` grown to the whole fused groups they belong to (``group_of``: name -> index into
+    ``groups``), listed in ``order`` (checkpoint order); names in no group (ignored by the loader) drop
+    out. A reload must carry whole groups: a fused module is rebuilt from all its checkpoint tensors."""
+    want: set[str] = set()
+    for n in names:
+        if n in group_of:
+            want.update(groups[group_of[n]])
+    return [n for n in order if n in want]
+
+
 def _is_moe_layer(module: torch.nn.Module) -> bool:
     """A vLLM fused-experts layer: it holds the expert weights itself and its quant method is a
     ``FusedMoEMethodBase`` (the one with a ``moe_kernel``)."""

@@ -34,7 +34,7 @@ from dcr_ray.codec import BOOTSTRAP_BASE, DecodedFrame, DecodedItem, apply_decod
 from dcr_ray.engines.vllm.capture import LoaderCapture
 from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
-from dcr_ray.engines.vllm.groups import fused_groups, reload_groups
+from dcr_ray.engines.vllm.groups import fused_groups, reload_groups, whole_groups
 from dcr_ray.engines.vllm.storage import storage_digests
 from dcr_ray.errors import BackendError, ConfigError, EngineStateError
 
@@ -210,8 +210,4 @@ class MirrorReceiver:
 
     def _items(self, names) -> list[tuple[str, torch.Tensor]]:
         """``names`` grown to whole fused groups, in checkpoint order, as loader input."""
-        want = set()
-        for n in names:
-            if n in self.group_of:
-                want.update(self.groups[self.group_of[n]])
-        return [(n, self.mirror[n].detach()) for n in self.specs if n in want]
+        return [(n, self.mirror[n].detach()) for n in whole_groups(names, self.groups, self.group_of, self.specs)]
