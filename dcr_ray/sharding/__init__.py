@@ -9,6 +9,7 @@
 """
 
 from dcr_ray.sharding.coverage import check_tiling
+from dcr_ray.sharding.flat import flat_range, flat_shards  # noqa: F401  (flat 1-D shards, veRL-style)
 from dcr_ray.sharding.layouts import (experts_from_dtensor, from_dtensor, fused_gate_up, fused_qkv,
                                       replicated_share, row_slice, stacked_experts)
 from dcr_ray.sharding.local import Shard, canonical_specs, resolve_shards
