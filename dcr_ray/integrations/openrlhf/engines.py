@@ -103,16 +103,33 @@ def _served_storage_digests(worker) -> dict[str, str]:
 DcrRolloutRayActorRemote = ray.remote(DcrRolloutRayActor)
 
 
-def create_vllm_engines(*args, **kwargs) -> list:
+class _WithDcr:
+    """Stands in for OpenRLHF's ``RolloutRayActor`` while its ``create_vllm_engines`` runs: the same
+    ``.options(...).remote(**kwargs)`` calls, made on :class:`DcrRolloutRayActor` with the extras added."""
+
+    def __init__(self, engine_kwargs: dict, actor_options: dict):
+        self.engine_kwargs, self.actor_options = engine_kwargs, actor_options
+
+    def options(self, **options):
+        cls = DcrRolloutRayActorRemote.options(**{**options, **self.actor_options})
+        extra = self.engine_kwargs
+        return type("_Options", (), {"remote": staticmethod(lambda *a, **kw: cls.remote(*a, **{**kw, **extra}))})()
+
+
+def create_vllm_engines(*args, engine_kwargs: dict | None = None, actor_options: dict | None = None,
+                        **kwargs) -> list:
     """OpenRLHF's ``create_vllm_engines`` (same arguments, same placement), with engines that dcr_ray can
     refit: :class:`DcrRolloutRayActor` instead of ``RolloutRayActor``.
 
-    OpenRLHF looks the actor class up as a module global at call time, so it is swapped for the length of
-    this call only (the driver calls this once, before training). Needs GPUs in the Ray cluster: OpenRLHF
-    places every engine on a ``{"GPU": 1, "CPU": 1}`` bundle.
+    ``engine_kwargs``: extra vLLM engine arguments for every engine, beyond the fixed set OpenRLHF passes
+    (e.g. ``{"weight_transfer_config": {...}}`` to override the default ``{"backend": "dcr"}``).
+    ``actor_options``: extra Ray options for every engine actor, merged over OpenRLHF's (e.g. a
+    ``runtime_env``). OpenRLHF looks the actor class up as a module global at call time, so it is swapped
+    for the length of this call only (the driver calls this once, before training). OpenRLHF places
+    every engine on a ``{"GPU": 1, "CPU": 1}`` bundle, so the Ray cluster needs GPU resources.
     """
     original = _openrlhf_vllm_engine.RolloutRayActor
-    _openrlhf_vllm_engine.RolloutRayActor = DcrRolloutRayActorRemote
+    _openrlhf_vllm_engine.RolloutRayActor = _WithDcr(dict(engine_kwargs or {}), dict(actor_options or {}))
     try:
         return _openrlhf_vllm_engine.create_vllm_engines(*args, **kwargs)
     finally:
