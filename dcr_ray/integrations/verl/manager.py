@@ -1,0 +1,195 @@
+"""``DcrCheckpointEngineManager``: veRL's ``CheckpointEngineManager`` with a dcr_ray refit inside.
+
+veRL's own manager forms one collective group of trainer ranks and rollout workers per sync and streams
+weights through it. This subclass keeps veRL's replica handling (``abort_replicas`` before,
+``resume_generation_replicas`` after) and replaces the middle with dcr_ray's protocol::
+
+    update_weights(global_steps)
+      abort_replicas()                                   veRL's own: requests paused, prefix caches kept
+      first call: execute_checkpoint_engine("prepare")   rank identities (nothing spawned)
+                  execute_checkpoint_engine("init_process_group", rank, world, names)
+                                                         each rank's owner actor, on its node
+      actor_wg.update_weights(mode="delta_sharded")      veRL's engine-driven path: each rank's dcr engine
+                                                         reads get_per_tensor_param_shard() (no gather)
+                                                         and hands its shards to its owner
+      first call: dcr_ray.launch(owners, clusters=[ClusterSpec(adopt=[AdoptedVllmServer(replica URL)])])
+                  servers that already hold the trainer's bits join by digest, others get a dense refit
+      later:      refit.remote()                         owners diff + stream XOR/OVERWRITE frames through
+                                                         the relay tree (one crossing per cluster); engines
+                                                         validate, apply, ACK; the commit record is written
+                                                         only when every required engine holds every
+                                                         payload; owners then promote their baseline
+      resume_generation_replicas()
+
+``mode="delta_sharded"`` is the worker's switch for "the checkpoint engine drives the training engine
+itself" (veRL's ``ActorRolloutRefWorker.update_weights`` hands ``self.actor.engine`` to ``send_weights``
+for it); the ``dcr`` engine built from the config is the one called. Retries (OVERWRITE of the whole
+changed set), dead or hung engines and the joint commit are the coordinator's, unchanged.
+
+The rollout side is veRL's vLLM servers, adopted by URL (``replica.server_address``); they must run with
+vLLM's weight-transfer backend ``dcr`` and ``VLLM_SERVER_DEV_MODE=1`` (see ``docs/guide_verl.md``).
+``add_replicas`` / ``remove_replicas`` take effect at the next ``update_weights``: the topology is
+relaunched (owners re-attach; unchanged servers join by digest when they hold the bits, else densely).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+
+from verl.checkpoint_engine.base import CheckpointEngineManager
+from verl.utils.ray_utils import auto_await
+
+import dcr_ray
+from dcr_ray.errors import ConfigError
+from dcr_ray.integrations.verl.engine import BACKEND
+from dcr_ray.integrations.verl.settings import VerlDcrSettings
+
+log = logging.getLogger(__name__)
+
+#: The worker's ``update_weights(mode=...)`` value that hands the training engine to ``send_weights``.
+ENGINE_DRIVEN_MODE = "delta_sharded"
+#: The default cluster name when ``engine_kwargs.dcr.clusters`` is not given.
+DEFAULT_CLUSTER = "rollout"
+
+
+class DcrCheckpointEngineManager(CheckpointEngineManager):
+    """veRL's checkpoint-engine manager, refitting its vLLM replicas with dcr_ray (module docstring).
+
+    Arguments are veRL's: ``config`` (``rollout.checkpoint_engine``, whose ``backend`` must be ``dcr``),
+    ``actor_wg`` (the actor worker group), ``replicas`` (the rollout replicas).
+    """
+
+    def __init__(self, config, actor_wg, replicas) -> None:
+        if getattr(config, "backend", None) != BACKEND:
+            raise ConfigError(f"DcrCheckpointEngineManager drives checkpoint_engine.backend={BACKEND!r}, the config "
+                              f"names {getattr(config, 'backend', None)!r}: set backend: {BACKEND} and "
+                              f"custom_backend_module: dcr_ray.integrations.verl")
+        kwargs = dict(getattr(config, "engine_kwargs", None) or {})
+        self.settings = VerlDcrSettings.from_kwargs(kwargs.get(BACKEND))
+        super().__init__(config, actor_wg, list(replicas))
+        self.refit: dcr_ray.Refit | None = None
+        self.owners: dict[str, Any] | None = None
+        self._stale = False
+
+    # -- topology ----------------------------------------------------------------------------------
+    def _checkpoint(self) -> str:
+        ckpt = self.settings.checkpoint
+        if ckpt is None and self.replicas:
+            ckpt = getattr(getattr(self.replicas[0], "model_config", None), "local_path", None)
+        if not ckpt:
+            raise ConfigError("the rollout checkpoint directory is unknown: set checkpoint_engine.engine_kwargs.dcr."
+                              "checkpoint to the directory the vLLM servers were started from")
+        return ckpt
+
+    def _clusters(self, checkpoint: str) -> list[dcr_ray.ClusterSpec]:
+        from dcr_ray.engines.vllm import AdoptedVllmServer
+
+        by_rank = {int(getattr(r, "replica_rank", i)): r for i, r in enumerate(self.replicas)}
+        layout = self.settings.clusters or {DEFAULT_CLUSTER: sorted(by_rank)}
+        missing = sorted(set(by_rank) - {r for ranks in layout.values() for r in ranks})
+        unknown = sorted({r for ranks in layout.values() for r in ranks} - set(by_rank))
+        if missing or unknown:
+            raise ConfigError(f"engine_kwargs.dcr.clusters must list every rollout replica once: missing {missing}, "
+                              f"no such replica {unknown}")
+        out = []
+        for name, ranks in layout.items():
+            adopt = []
+            for r in ranks:
+                addr = by_rank[r].server_address
+                if not addr:
+                    raise ConfigError(f"rollout replica {r} has no server address yet: launch its servers first")
+                adopt.append(AdoptedVllmServer(f"http://{addr}", checkpoint=checkpoint,
+                                               timeout_s=self.settings.timeout_s))
+            out.append(dcr_ray.ClusterSpec(name=name, adopt=adopt))
+        return out
+
+    def build_process_group(self, rollout=None) -> dict[str, Any]:
+        """Give every trainer rank its owner actor (idempotent); returns owner id -> handle."""
+        from dcr_ray.engines.vllm.checkpoint import checkpoint_specs
+
+        wg = self.actor_wg
+        n = wg.world_size
+        meta = ray.get(wg.execute_checkpoint_engine(["prepare"] * n))
+        ranks = [int(m["rank"]) for m in meta]
+        if sorted(ranks) != list(range(n)):
+            raise ConfigError(f"the actor ranks report torch.distributed ranks {ranks}, expected 0..{n - 1}")
+        names = sorted(checkpoint_specs(self._checkpoint()))
+        handles = ray.get(wg.execute_checkpoint_engine(["init_process_group"] * n, rank=ranks, world_size=[n] * n,
+                                                       names=[names] * n))
+        self.owners = {f"rank{r}": h for r, h in zip(ranks, handles)}
+        return self.owners
+
+    def add_replicas(self, replicas) -> None:
+        super().add_replicas(replicas)
+        self._stale = True
+
+    def remove_replicas(self, replicas) -> None:
+        super().remove_replicas(replicas)
+        self._stale = True
+
+    def shutdown(self) -> None:
+        """Stop the dcr_ray topology (coordinator, proxies, relays); the vLLM servers keep running."""
+        if self.refit is not None:
+            self.refit.shutdown()
+            self.refit = None
+
+    # -- one sync ------------------------------------------------------------------------------------
+    def _launch(self) -> dcr_ray.RefitReport | None:
+        from dcr_ray.config import RefitConfig, TransportConfig
+
+        config = RefitConfig(transport=TransportConfig(kind=self.settings.transport))
+        self.refit = dcr_ray.launch(owners=self.owners, clusters=self._clusters(self._checkpoint()), config=config,
+                                    timeout_s=self.settings.timeout_s)
+        self._stale = False
+        return None
+
+    @auto_await
+    async def update_weights(self, global_steps: int | None = None) -> dict[str, float]:
+        """Sync the trainer's current weights to every rollout replica; returns veRL-style metrics once the
+        commit record is written (every replica serves them), else raises ``dcr_ray.errors.RefitError``."""
+        if self.refit is not None and self._stale:
+            self.shutdown()
+        await self.abort_replicas()
+        try:
+            if self.owners is None:
+                await asyncio.to_thread(self.build_process_group)
+            sent = await asyncio.gather(*self.actor_wg.update_weights(global_steps=global_steps,
+                                                                      mode=ENGINE_DRIVEN_MODE))
+            if self.refit is None:
+                await asyncio.to_thread(self._launch)
+                status = self.refit.status()
+                return {"checkpoint_engine/dcr_version": float(status.get("version", 0)),
+                        "checkpoint_engine/dcr_launched": 1.0, **_sum(sent)}
+            report = await asyncio.wait_for(self.refit.remote(), timeout=self.settings.timeout_s)
+            return {**_sum(sent), **report_metrics(report)}
+        finally:
+            await self.resume_generation_replicas()
+
+
+def _sum(results) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in results:
+        for k, v in (r or {}).items():
+            out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+def report_metrics(report: dcr_ray.RefitReport) -> dict[str, float]:
+    """A :class:`dcr_ray.RefitReport` as veRL's ``checkpoint_engine/*`` metrics."""
+    out = {"checkpoint_engine/dcr_version": float(report.version),
+           "checkpoint_engine/changed_elems": float(report.changed),
+           "checkpoint_engine/changed_ratio": report.changed / report.numel if report.numel else 0.0,
+           "checkpoint_engine/payload_mbytes": report.wire_bytes / (1 << 20),
+           "checkpoint_engine/bytes_per_changed_elem": report.wire_bytes / report.changed if report.changed else 0.0,
+           "checkpoint_engine/attempts": float(report.attempts),
+           "checkpoint_engine/seconds": float(report.seconds.get("total", 0.0))}
+    for cluster, nbytes in report.link_bytes.items():
+        out[f"checkpoint_engine/link_mbytes/{cluster}"] = nbytes / (1 << 20)
+    return out
+
+
+__all__ = ["DEFAULT_CLUSTER", "DcrCheckpointEngineManager", "ENGINE_DRIVEN_MODE", "report_metrics"]
