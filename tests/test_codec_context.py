@@ -275,3 +275,14 @@ def test_context_items_made_absolute_for_a_capture_path_give_the_same_bits():
     for n in new:
         assert torch.equal(ints(live[n]), ints(new[n]))
     assert reads and len(reads) <= sum(len(read_frame(f, shapes=shapes).items) for f in _frames(old, new))
+
+
+def test_a_sender_skips_the_class_walk_where_changes_do_not_depend_on_magnitude():
+    old = bits_view((torch.randn(1 << 16) * 10.0 ** torch.randint(-5, 1, (1 << 16,))).to(torch.bfloat16))
+    rng = np.random.default_rng(11)
+    uniform = np.flatnonzero(rng.random(len(old)) < 0.02)
+    cls = (old >> np.uint16(7)) & np.uint16(0xFF)
+    by_size = np.flatnonzero(rng.random(len(old)) < np.where(cls < np.median(cls), 0.04, 0.001))
+    assert not context.promising(old, uniform, "bfloat16")
+    assert context.promising(old, by_size, "bfloat16")
+    assert not context.promising(old, by_size, "int16")  # no exponent: never class order
