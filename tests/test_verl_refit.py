@@ -143,7 +143,7 @@ def test_a_verl_sync_through_the_dcr_backend_leaves_the_vllm_server_with_the_fsd
     spec = ModelSpec(arch="qwen2", tie_word_embeddings=False, seed=21)
     ckpt = save_checkpoint(build_model(spec), str(tmp_path / "v0"))
     server = Server(ckpt, str(tmp_path / "server.log"))
-    ranks = start_ranks(spec, dp=2, tp=1)
+    ranks = start_ranks(spec, dp=2, tp=1, lr=1e-6)  # an RL-sized step: most BF16 bits stay put
     config = CheckpointEngineConfig(backend="dcr", custom_backend_module="dcr_ray.integrations.verl",
                                     engine_kwargs={"dcr": {"timeout_s": 240}})
     ray.get([r.__ray_call__.remote(_become_verl_rank, dict(config.engine_kwargs["dcr"])) for r in ranks])
