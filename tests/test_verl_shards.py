@@ -139,3 +139,27 @@ def test_tensors_the_rollout_checkpoint_does_not_hold_are_left_out_and_listed():
     assert list(got) == ["a"] and dropped == ["lm_head.weight"]
     with pytest.raises(ConfigError, match="twice"):
         shards_from_verl([("a", w), ("a", w)], rank=0, world=1)
+
+
+def test_full_tensor_pairs_are_split_among_ranks_so_each_tensor_has_one_owner():
+    from dcr_ray.integrations.verl import shards_from_verl
+
+    pairs = [(f"w{i}", torch.full((3, 2), float(i))) for i in range(12)]  # FP32: cast to the rollout's BF16
+    per_rank = [shards_from_verl(pairs, rank=r, world=3)[0] for r in range(3)]
+    owned = sorted(n for m in per_rank for n in m)
+    assert owned == sorted(n for n, _ in pairs) and all(per_rank)
+    for m in per_rank:
+        for n, t in m.items():
+            assert t.dtype == torch.bfloat16 and torch.equal(_ints(t), _ints(dict(pairs)[n].to(torch.bfloat16)))
+
+
+def test_the_engine_refuses_to_send_before_it_has_an_owner_and_never_receives():
+    import asyncio
+
+    from dcr_ray.integrations.verl import DcrCheckpointEngine
+
+    engine = DcrCheckpointEngine(bucket_size=1, is_master=True)
+    with pytest.raises(ConfigError, match="checkpoint_manager_class"):
+        asyncio.run(engine.send_weights([("w", torch.ones(2))]))
+    with pytest.raises(ConfigError, match="weight-transfer API"):
+        asyncio.run(engine.receive_weights())
