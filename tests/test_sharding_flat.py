@@ -53,7 +53,7 @@ def flat_layouts(draw) -> Layout:
 chunks = st.sampled_from([3, 8, 64, 1 << 20])
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(flat_layouts(), st.integers(0, 2**32 - 1), st.sampled_from([0.0, 0.05, 0.3, 0.97]), chunks)
 def test_flat_range_projection_equals_gather_then_diff_bit_for_bit(layout, seed, rate, chunk):
     check_projection(layout, seed, rate, chunk)
