@@ -45,9 +45,11 @@ def _assert_engines_hold(refit, trainers):
             assert torch.equal(got[n].view(torch.int16), dense_sd[n].view(torch.int16)), (eid, n)
 
 
-@pytest.mark.parametrize("transport", ["relay", "object_store"])
-def test_engines_are_bit_identical_to_the_trainer_and_a_dense_reload_after_several_refits(local_ray, transport):
-    refit, trainers = _launch(dcr_ray.RefitConfig(transport=dcr_ray.TransportConfig(kind=transport)))
+@pytest.mark.parametrize("transport,coding", [("relay", "plain"), ("object_store", "plain"), ("relay", "context")])
+def test_engines_are_bit_identical_to_the_trainer_and_a_dense_reload_after_several_refits(local_ray, transport,
+                                                                                         coding):
+    refit, trainers = _launch(dcr_ray.RefitConfig(transport=dcr_ray.TransportConfig(kind=transport),
+                                                  codec=dcr_ray.CodecConfig(coding=coding)))
     try:
         # the engines started from another seed: the dense bootstrap already made them equal
         _assert_engines_hold(refit, trainers)
