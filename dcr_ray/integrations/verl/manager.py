@@ -12,7 +12,9 @@ weights through it. This subclass keeps veRL's replica handling (``abort_replica
       actor_wg.update_weights(mode="delta_sharded")      veRL's engine-driven path: each rank's dcr engine
                                                          reads get_per_tensor_param_shard() (no gather)
                                                          and hands its shards to its owner
-      first call: dcr_ray.launch(owners, clusters=[ClusterSpec(adopt=[AdoptedVllmServer(replica URL)])])
+      first call: blocks several ranks declared identically keep one owner (replica_exclusions: DTensors
+                  on sub-meshes, e.g. FSDP inside a tensor-parallel grid, do not name their replicas)
+                  dcr_ray.launch(owners, clusters=[ClusterSpec(adopt=[AdoptedVllmServer(replica URL)])])
                   servers that already hold the trainer's bits join by digest, others get a dense refit
       later:      refit.remote()                         owners diff + stream XOR/OVERWRITE frames through
                                                          the relay tree (one crossing per cluster); engines
@@ -47,6 +49,7 @@ import dcr_ray
 from dcr_ray.errors import ConfigError
 from dcr_ray.integrations.verl.engine import BACKEND
 from dcr_ray.integrations.verl.settings import VerlDcrSettings
+from dcr_ray.integrations.verl.shards import declared_boxes, replica_exclusions
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +126,18 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
         self.owners = {f"rank{r}": h for r, h in zip(ranks, handles)}
         return self.owners
 
+    def _dedupe_replicas(self) -> int:
+        """After the first send: blocks several ranks declared identically (DTensors on sub-meshes, whose
+        specs do not name their replicas) keep one owner; the others drop them now and in every later send.
+        Returns how many local blocks were dropped."""
+        handles = list(self.owners.values())
+        per_rank = ray.get([h.__ray_call__.remote(_owner_boxes) for h in handles])
+        drop = replica_exclusions(per_rank)
+        n = len(self.owners)
+        ray.get(self.actor_wg.execute_checkpoint_engine(["exclude"] * n, keys=[sorted(d) for d in drop]))
+        ray.get([h.__ray_call__.remote(_owner_drop, sorted(d)) for h, d in zip(handles, drop)])
+        return sum(len(d) for d in drop)
+
     def add_replicas(self, replicas) -> None:
         super().add_replicas(replicas)
         self._stale = True
@@ -160,6 +175,7 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
             sent = await asyncio.gather(*self.actor_wg.update_weights(global_steps=global_steps,
                                                                       mode=ENGINE_DRIVEN_MODE))
             if self.refit is None:
+                await asyncio.to_thread(self._dedupe_replicas)
                 await asyncio.to_thread(self._launch)
                 status = self.refit.status()
                 return {"checkpoint_engine/dcr_version": float(status.get("version", 0)),
@@ -168,6 +184,17 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
             return {**_sum(sent), **report_metrics(report)}
         finally:
             await self.resume_generation_replicas()
+
+
+def _owner_boxes(owner) -> dict[str, tuple]:
+    """In an owner actor: its local keys' canonical boxes."""
+    return declared_boxes(owner.dcr_tensors())
+
+
+def _owner_drop(owner, keys: list[str]) -> None:
+    """In an owner actor: forget local keys another owner sends."""
+    for k in keys:
+        owner.dcr_tensors().pop(k, None)
 
 
 def _sum(results) -> dict[str, float]:

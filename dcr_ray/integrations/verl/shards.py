@@ -185,4 +185,35 @@ def shards_from_verl(items: Iterable[tuple], *, rank: int, world: int, dtype: to
     return out, dropped
 
 
-__all__ = ["shards_from_verl"]
+def declared_boxes(mapping: dict[str, Any]) -> dict[str, tuple]:
+    """Local key -> the canonical boxes ``(name, start, stop)`` its shard covers (metadata only)."""
+    from dcr_ray.sharding import resolve_shards
+
+    return {k: tuple((b.name, tuple(b.start), tuple(b.stop)) for b in sh.spec.boxes())
+            for k, sh in resolve_shards(mapping, to_host=False).items()}
+
+
+def replica_exclusions(per_rank: list[dict[str, tuple]]) -> list[set[str]]:
+    """Which local keys each rank must leave out so that every block held by several ranks has one owner.
+
+    A DTensor on a sub-mesh (FSDP over the data-parallel ranks of a tensor-parallel grid, HSDP replica
+    groups) does not say which other ranks hold copies of its block, so each such rank maps it as its
+    own. ``per_rank[r]`` is rank r's :func:`declared_boxes`; blocks declared identically by several ranks
+    are kept by one of them (chosen by a stable hash of the key, so the work spreads), excluded from the
+    others. Partial overlaps are left for the coverage check at launch, which names them.
+    """
+    holders: dict[tuple, list[int]] = {}
+    for r, boxes in enumerate(per_rank):
+        for key, bx in boxes.items():
+            holders.setdefault((key, bx), []).append(r)
+    out: list[set[str]] = [set() for _ in per_rank]
+    for (key, _), ranks in holders.items():
+        if len(ranks) > 1:
+            keep = ranks[stable_hash(key) % len(ranks)]
+            for r in ranks:
+                if r != keep:
+                    out[r].add(key)
+    return out
+
+
+__all__ = ["declared_boxes", "replica_exclusions", "shards_from_verl"]
