@@ -38,7 +38,11 @@ class FlatPiece(NamedTuple):
     spec: ShardSpec
 
 
-def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+#: ``(flat_lo, flat_hi, offset, box_shape)`` of one flat-contiguous box.
+FlatBox = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+
+
+def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[FlatBox]:
     """Decompose canonical flat range ``[start, stop)`` of a tensor of ``shape`` into flat-contiguous boxes.
 
     Returns ``(flat_lo, flat_hi, offset, box_shape)`` in flat order (canonical flat indices); at most
@@ -109,4 +113,4 @@ def flat_shards(name: str, local: torch.Tensor, shape: tuple[int, ...], start: i
     return {f"{name}@{start + p.lo}": Shard(flat[p.lo:p.hi].view(p.box_shape), p.spec) for p in pieces}
 
 
-__all__ = ["FlatPiece", "flat_boxes", "flat_range", "flat_shards"]
+__all__ = ["FlatBox", "FlatPiece", "flat_boxes", "flat_range", "flat_shards"]
