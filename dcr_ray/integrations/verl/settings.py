@@ -31,6 +31,9 @@ class VerlDcrSettings:
     (a local cast on each rank; veRL's FSDP shard export is already BF16)."""
     transport: str = "relay"
     """``relay`` (relay tree over the Ray object store) or ``object_store`` (a directory / S3)."""
+    coding: str = "plain"
+    """Position/value coding of first attempts (:class:`dcr_ray.CodecConfig` ``coding``): ``plain`` (cheapest
+    to apply) or ``context`` (fewer wire bytes, more receiver CPU: for link-bound refits)."""
     timeout_s: float = 600.0
     """Bound on one refit (and on launch with its first dense bootstrap) in seconds."""
 
@@ -50,6 +53,8 @@ class VerlDcrSettings:
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"engine_kwargs.dcr.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.coding not in ("plain", "context"):
+            raise ConfigError(f"engine_kwargs.dcr.coding must be 'plain' or 'context', got {self.coding!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError(f"engine_kwargs.dcr.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if not self.timeout_s > 0:
