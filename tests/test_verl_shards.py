@@ -163,3 +163,22 @@ def test_the_engine_refuses_to_send_before_it_has_an_owner_and_never_receives():
         asyncio.run(engine.send_weights([("w", torch.ones(2))]))
     with pytest.raises(ConfigError, match="weight-transfer API"):
         asyncio.run(engine.receive_weights())
+
+
+def test_blocks_declared_identically_by_several_ranks_keep_exactly_one_owner_and_partial_overlaps_are_left_to_coverage():
+    from dcr_ray.integrations.verl.shards import replica_exclusions
+
+    full = (("e", (0, 0), (4, 2)),)
+    half = (("w", (0, 0), (2, 2)),)
+    per_rank = [{"e@0": full, "w@0": half}, {"e@0": full}, {"e@0": full, "w@0": (("w", (0, 0), (1, 2)),)}]
+    drop = replica_exclusions(per_rank)
+    assert sum("e@0" not in d for d in drop) == 1  # one of the three keeps the replicated block
+    assert not any("w@0" in d for d in drop)  # different boxes under one key: not replicas
+
+
+def test_a_bad_coding_setting_names_the_choices():
+    from dcr_ray.integrations.verl import VerlDcrSettings
+
+    assert VerlDcrSettings.from_kwargs({"coding": "context"}).coding == "context"
+    with pytest.raises(ConfigError, match="'plain' or 'context'"):
+        VerlDcrSettings.from_kwargs({"coding": "zip"})
