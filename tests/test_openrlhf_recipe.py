@@ -132,9 +132,10 @@ def test_openrlhf_engines_refit_by_dcr_serve_exactly_what_a_freshly_loaded_engin
     do greedy token ids and logprobs (``==``)."""
     ckpt = save_checkpoint(build_model(ModelSpec(arch="qwen2", seed=21)), str(tmp_path / "v0"))
     engine = _create_openrlhf_engine(ckpt)
-    Rank = ray.remote(num_cpus=0)(CpuPolicyActor)
+    from dcr_ray.integrations.openrlhf import adopt_vllm_engines, dcr_policy_actor
+
+    Rank = dcr_policy_actor(CpuPolicyActor, num_cpus=0)  # what PolicyModelActor goes through on GPUs
     ranks = [Rank.remote(ckpt, lr=1e-3, rank=r, world_size=2) for r in range(2)]
-    from dcr_ray.integrations.openrlhf import adopt_vllm_engines
 
     refit = dcr_ray.launch(owners=ranks, clusters=[dcr_ray.ClusterSpec(
         name="rollout", adopt=adopt_vllm_engines([engine], checkpoint=ckpt))])
@@ -244,3 +245,21 @@ def test_bad_recipe_input_is_refused_with_the_fix_before_anything_runs(ray_with_
         adopt_vllm_engines([], checkpoint="/ckpt")
     with pytest.raises(ConfigError, match=r"integrations.openrlhf.create_vllm_engines"):
         adopt_vllm_engines([_FakeEngine.remote(_Log.remote())], checkpoint="/ckpt")  # no weight-transfer calls
+
+
+def test_the_class_helpers_put_the_recipe_in_front_of_the_openrlhf_class_they_wrap():
+    """``dcr_trainer`` / ``dcr_policy_actor`` take a Ray actor class (as OpenRLHF defines them) or a plain one,
+    and the recipe's methods win over OpenRLHF's (``broadcast_to_vllm``, ``dcr_tensors``)."""
+    from dcr_ray.integrations.openrlhf import PolicyOwnerMixin, dcr_policy_actor, dcr_trainer
+
+    @ray.remote
+    class PPOTrainer:  # OpenRLHF's PPOTrainer is a @ray.remote class with its own broadcast_to_vllm
+        def broadcast_to_vllm(self):
+            raise AssertionError("OpenRLHF's per-parameter broadcast")
+
+    Trainer = dcr_trainer(PPOTrainer)
+    assert Trainer.__ray_actor_class__.broadcast_to_vllm is DcrBroadcastMixin.broadcast_to_vllm
+    assert dcr_trainer(Trainer).__ray_actor_class__ is Trainer.__ray_actor_class__  # idempotent
+    Policy = dcr_policy_actor(ray.remote(num_gpus=1)(type("PolicyModelActor", (), {})))
+    assert issubclass(Policy.__ray_actor_class__, PolicyOwnerMixin)
+    assert dcr_policy_actor(CpuPolicyActor).__ray_actor_class__ is CpuPolicyActor

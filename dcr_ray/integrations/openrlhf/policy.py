@@ -103,7 +103,8 @@ def dcr_policy_actor(policy_actor_cls: Any, **ray_options: Any) -> Any:
     import ray
 
     base = getattr(policy_actor_cls, "__ray_actor_class__", policy_actor_cls)
-    cls = type(f"Dcr{base.__name__}", (PolicyOwnerMixin, base), {})  # pickled by value to the workers
+    cls = base if issubclass(base, PolicyOwnerMixin) else type(  # pickled by value to the workers
+        f"Dcr{base.__name__}", (PolicyOwnerMixin, base), {})
     return ray.remote(**(ray_options or {"num_gpus": 1}))(cls)
 
 

@@ -111,7 +111,8 @@ def dcr_trainer(trainer_cls: Any, **ray_options: Any) -> Any:
     """A Ray actor class: OpenRLHF's ``PPOTrainer`` or async ``TrainingActor`` (a Ray ``ActorClass`` or a
     plain class) whose ``broadcast_to_vllm`` is :class:`DcrBroadcastMixin`'s."""
     base = getattr(trainer_cls, "__ray_actor_class__", trainer_cls)
-    cls = type(f"Dcr{base.__name__}", (DcrBroadcastMixin, base), {})  # pickled by value to the workers
+    cls = base if issubclass(base, DcrBroadcastMixin) else type(  # pickled by value to the workers
+        f"Dcr{base.__name__}", (DcrBroadcastMixin, base), {})
     return ray.remote(**ray_options)(cls) if ray_options else ray.remote(cls)
 
 
