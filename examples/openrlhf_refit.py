@@ -124,7 +124,8 @@ def main(argv=None) -> int:
     [fresh] = create_vllm_engines(
         num_engines=1, tensor_parallel_size=1, pretrain=dense, seed=0, full_determinism=False,
         enable_prefix_caching=True, enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.9,
-        engine_kwargs={"skip_tokenizer_init": True}, actor_options={"runtime_env": VLLM_CPU_RUNTIME_ENV} if cpu else None)
+        engine_kwargs={"skip_tokenizer_init": True},
+        actor_options={"runtime_env": VLLM_CPU_RUNTIME_ENV} if cpu else None)
     want = ray.get(fresh.dcr_storage_digests.remote())
     ok = all(s == want for s in served)
     log.info("every engine serves exactly the bits of a dense load of the final policy: %s", ok)

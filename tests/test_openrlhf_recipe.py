@@ -124,7 +124,8 @@ class _AsyncTrainingActor(DcrBroadcastMixin):
         self._partial_rollout = True
 
 
-def test_openrlhf_engines_refit_by_dcr_serve_exactly_what_a_freshly_loaded_engine_serves(ray_with_a_logical_gpu, tmp_path):
+def test_openrlhf_engines_refit_by_dcr_serve_exactly_what_a_freshly_loaded_engine_serves(ray_with_a_logical_gpu,
+                                                                                        tmp_path):
     """Two AdamW steps on two data-parallel policy ranks (each owns half the names); step 1 refits as the
     sync ``PPOTrainer`` would, step 2 as the async ``TrainingActor`` with partial rollouts (a long request
     in flight is paused, kept and resumed). Then the engine's served parameter storage equals a fresh
@@ -219,7 +220,8 @@ def _refit_task(log, fail: bool):
     return SimpleNamespace(version=1)
 
 
-def test_async_mode_wakes_locks_pauses_refits_then_resumes_and_releases_even_when_the_refit_fails(ray_with_a_logical_gpu):
+def test_async_mode_wakes_locks_pauses_refits_then_resumes_and_releases_even_when_the_refit_fails(
+        ray_with_a_logical_gpu):
     log = _Log.remote()
     engines, lock = [_FakeEngine.remote(log), _FakeEngine.remote(log)], _FakeLock.remote(log)
     for fail in (False, True):

@@ -88,7 +88,8 @@ class DcrRolloutRayActor(_openrlhf_vllm_engine.RolloutRayActor.__ray_actor_class
 
     async def dcr_storage_digests(self) -> list[dict[str, str]]:
         """Per vLLM worker: parameter/buffer name -> digest of the bits it serves with (for checks: two
-        engines serving the same weights give equal digests; see :func:`~dcr_ray.engines.vllm.storage.storage_digests`)."""
+        engines serving the same weights give equal digests; see
+        :func:`~dcr_ray.engines.vllm.storage.storage_digests`)."""
         return await self.llm.collective_rpc(_served_storage_digests)
 
 
