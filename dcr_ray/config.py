@@ -117,7 +117,9 @@ class CodecConfig:
     """Elements per diff chunk (and per frame item); a chunk is DENSE or sparse as a whole. Must satisfy
     ``chunk_elems * 8 <= bucket_bytes``."""
     zstd_level: int = 1
-    """zstd level of frame sections, 1..22 (see ``dcr-ray bench codec`` for the measured trade-off)."""
+    """zstd level of frame sections, 1..22 (see ``dcr-ray bench codec`` for the measured trade-off);
+    0 stores sections raw (no compression: for links fast enough that zstd costs more than it saves,
+    and for benchmarks that must move the canonical bytes themselves)."""
     encodings: Encodings = "mixed"
     """``"mixed"``: XOR masks where allowed, absolute bits elsewhere (every retry sends ``"overwrite"``
     anyway). ``"overwrite"``: absolute new bits only."""
@@ -145,8 +147,9 @@ class CodecConfig:
                 f"CodecConfig.chunk_elems * 8 ({self.chunk_elems * 8}) must not exceed bucket_bytes "
                 f"({self.bucket_bytes}): lower chunk_elems or raise bucket_bytes"
             )
-        if not 1 <= self.zstd_level <= 22:
-            raise ConfigError(f"CodecConfig.zstd_level must be in 1..22 (1 is fastest), got {self.zstd_level}")
+        if not (isinstance(self.zstd_level, int) and 0 <= self.zstd_level <= 22):
+            raise ConfigError(f"CodecConfig.zstd_level must be an integer in 0..22 (0: no compression, 1 is the "
+                              f"fastest zstd), got {self.zstd_level!r}")
         _choice("CodecConfig", "encodings", self.encodings, get_args(Encodings))
         _choice("CodecConfig", "coding", self.coding, ("context", "plain"))
         if self.key is not None and not (isinstance(self.key, bytes) and 1 <= len(self.key) <= 64):

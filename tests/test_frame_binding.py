@@ -118,3 +118,23 @@ def test_peek_meta_walks_past_a_hostile_header_without_building_it():
     tracemalloc.stop()
     assert meta.transfer == "T" and meta.base_id == ""
     assert peak < 4 << 20  # a million empty maps would take ~100 MB as Python objects
+
+
+def test_zstd_level_zero_stores_sections_raw_and_the_frames_apply_exactly():
+    old = canonical_state_dict(build_model(SPEC))
+    new = _changed(old)
+    store = BaselineStore(in_memory=True)
+    for n, t in old.items():
+        store.add(n, t)
+    deltas = [d for d in (store.diff(n, new[n]) for n in old) if d.chunks]
+    meta = FrameMeta(transfer="T", attempt=0, producer="o", payload=0, base=0, target=1)
+    frames = list(encode_frames(deltas, meta, zstd_level=0))
+    targets = {n: t.clone() for n, t in old.items()}
+    for f in frames:
+        frame = read_frame(f, targets, expect_base=0)
+        assert frame.wire_bytes > frame.raw_bytes  # nothing compressed: header and digest on top
+        apply_frame(f, targets, expect_base=0)
+    assert all(torch.equal(targets[n].view(torch.int16), new[n].view(torch.int16)) for n in new
+               if new[n].dtype == torch.bfloat16)
+    with pytest.raises(ConfigError, match="0..22"):
+        dcr_ray.CodecConfig(zstd_level=-1)

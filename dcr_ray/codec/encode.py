@@ -170,7 +170,9 @@ class FrameBuilder:
             if raw:
                 named.append((name, raw))
         level = self.zstd_level
-        if sum(len(r) for _, r in named) >= PARALLEL_MIN_RAW_BYTES:
+        if level == 0:  # stored raw (no compression)
+            comps = [r for _, r in named]
+        elif sum(len(r) for _, r in named) >= PARALLEL_MIN_RAW_BYTES:
             # sections compress independently (one zstd frame each): same bytes, in parallel
             comps = threads.run_all([lambda r=r: _compressor(level).compress(r) for _, r in named])
         else:

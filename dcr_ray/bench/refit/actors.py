@@ -71,20 +71,11 @@ def time_backend_flush(self) -> None:
     backend.flush = flush
 
 
-class _RawSections:
-    """Stands in for the frame encoder's zstd compressor while the uncompressed reference is measured:
-    it returns each section as it is, so the encoder stores it raw (its "not smaller" rule)."""
-
-    @staticmethod
-    def compress(raw: bytes) -> bytes:
-        return raw
-
-
 class _Probe:
     """Benchmark methods mixed into the owner actors (they run in the owner's process)."""
 
     _bench_in_memory = False
-    _bench_saved_compressor = None
+    _bench_saved_level: int | None = None
 
     def bench_set_baseline(self, kind: str) -> None:
         """``"memory"``: keep the baseline in in-memory arrays instead of memory-mapped files."""
@@ -99,17 +90,18 @@ class _Probe:
     def bench_uncompressed_frames(self, on: bool) -> None:
         """Frames built in this owner carry raw (uncompressed) sections while ``on``: the measured
         full-checkpoint reference sends the canonical bytes themselves (see :mod:`.reference`)."""
-        from dcr_ray.codec import encode
+        import dataclasses
 
-        if not hasattr(encode, "_compressor"):
-            raise RuntimeError("dcr_ray.codec.encode no longer has _compressor: update the benchmark's "
-                               "uncompressed reference (dcr_ray/bench/refit/actors.py)")
-        if on and self._bench_saved_compressor is None:
-            self._bench_saved_compressor = encode._compressor
-            encode._compressor = lambda level: _RawSections
-        elif not on and self._bench_saved_compressor is not None:
-            encode._compressor = self._bench_saved_compressor
-            self._bench_saved_compressor = None
+        owner = self._dcr_owner()
+        codec = owner.config.codec
+        if on and self._bench_saved_level is None:
+            self._bench_saved_level = codec.zstd_level
+            level = 0  # CodecConfig(zstd_level=0): sections stored raw
+        elif not on and self._bench_saved_level is not None:
+            level, self._bench_saved_level = self._bench_saved_level, None
+        else:
+            return
+        owner.config = dataclasses.replace(owner.config, codec=dataclasses.replace(codec, zstd_level=level))
 
     def bench_before_refit(self) -> None:
         """Write the memory-mapped baseline back (every page clean, as after the kernel's writeback) and
