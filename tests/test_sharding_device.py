@@ -14,17 +14,7 @@ import dcr_ray
 from dcr_ray.actors.owner import DeltaOwner
 from dcr_ray.codec import BaselineStore, apply_frame
 from dcr_ray.sharding.device import DeviceBaseline, delta_from_changes
-
-
-class ListSink:
-    def __init__(self):
-        self.frames = []
-
-    def send(self, frame, key):
-        self.frames.append(frame)
-
-    def drain(self):
-        pass
+from test_owner import ListSink
 
 
 def _int(t: torch.Tensor) -> torch.Tensor:

@@ -23,28 +23,25 @@ APPLY_PARALLEL_MIN = 1 << 16
 APPLY_BLOCK = 1 << 14
 
 
-def _xor_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
-    """``view[positions] ^= values`` (sorted, unique positions) with take/put in cache-sized runs."""
+def _combine_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray, kernel, combine) -> None:
+    """``view[positions] = combine(view[positions], values)`` (sorted, unique positions): the numba
+    ``kernel`` when enabled, else take/put in cache-sized runs so each write-back hits the lines just read."""
     if kernels.ENABLED:
-        kernels.xor_into(view, positions, values)
+        kernel(view, positions, values)
         return
     for a in range(0, len(positions), APPLY_BLOCK):
         p = positions[a:a + APPLY_BLOCK]
-        cur = np.take(view, p)
-        cur ^= values[a:a + APPLY_BLOCK]
-        np.put(view, p, cur)
+        np.put(view, p, combine(np.take(view, p), values[a:a + APPLY_BLOCK]))
+
+
+def _xor_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+    """``view[positions] ^= values``."""
+    _combine_into(view, positions, values, kernels.xor_into, np.bitwise_xor)
 
 
 def _add_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
-    """``view[positions] += values`` modulo the word size (sorted, unique positions)."""
-    if kernels.ENABLED:
-        kernels.add_into(view, positions, values)
-        return
-    for a in range(0, len(positions), APPLY_BLOCK):
-        p = positions[a:a + APPLY_BLOCK]
-        cur = np.take(view, p)
-        cur += values[a:a + APPLY_BLOCK]  # unsigned: wraps
-        np.put(view, p, cur)
+    """``view[positions] += values`` modulo the word size (unsigned views wrap)."""
+    _combine_into(view, positions, values, kernels.add_into, np.add)
 
 
 def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> int:
