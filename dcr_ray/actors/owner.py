@@ -173,7 +173,8 @@ class DeltaOwner:
                 td = delta_from_changes(name, t, pos, new, self.store.bits(name),
                                         chunk_elems=self.config.codec.chunk_elems)
             else:
-                td = self.store.diff(name, t if t.device.type == "cpu" else t.detach().cpu())
+                td = self.store.diff(name, t if t.device.type == "cpu" else t.detach().cpu(),
+                                     class_order=self.config.codec.coding == "context")
             if td.chunks:
                 self.store.add_pending(td)
                 yield td

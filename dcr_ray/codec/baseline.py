@@ -113,8 +113,9 @@ class BaselineStore:
         return sum(a.nbytes for a in self._bits.values())
 
     # -- diff / pending --------------------------------------------------------------------------
-    def diff(self, name: str, tensor: torch.Tensor) -> TensorDelta:
-        """Changed set of ``tensor`` against the committed bits of ``name`` (not recorded)."""
+    def diff(self, name: str, tensor: torch.Tensor, *, class_order: bool = True) -> TensorDelta:
+        """Changed set of ``tensor`` against the committed bits of ``name`` (not recorded); ``class_order``:
+        see :func:`~dcr_ray.codec.diff.diff_tensor`."""
         old = self.bits(name)
         have = (wire_name(tensor.dtype), tuple(tensor.shape))
         if have != self._meta[name]:
@@ -123,7 +124,7 @@ class BaselineStore:
                 f"{have[0]}{list(have[1])}; owners must hand the same canonical dtype and shape every step"
             )
         return diff_tensor(name, old, tensor, chunk_elems=self.chunk_elems,
-                           dense_crossover=self.dense_crossover)
+                           dense_crossover=self.dense_crossover, class_order=class_order)
 
     def begin(self, target_version: int) -> None:
         """Open the pending set of the transfer to ``target_version`` (drops any older pending set)."""

@@ -229,14 +229,19 @@ def diff_tensor(
     *,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     dense_crossover: float = DEFAULT_DENSE_CROSSOVER,
+    class_order: bool = True,
 ) -> TensorDelta:
-    """Changed set of tensor ``name``: ``old`` is its committed flat bit view, ``new`` the tensor now."""
+    """Changed set of tensor ``name``: ``old`` is its committed flat bit view, ``new`` the tensor now.
+
+    ``class_order=False`` skips the class-order positions (``ChunkDelta.ctx``): senders that code plain
+    frames need not pay for them."""
     nv = bits_view(new.detach().contiguous() if not new.is_contiguous() else new.detach())
     if nv.shape != old.shape or nv.dtype != old.dtype:
         raise ValueError(f"{name}: baseline has {old.shape}/{old.dtype}, tensor has {nv.shape}/{nv.dtype}")
     td = TensorDelta(name, wire_name(new.dtype), tuple(new.shape), len(nv))
     td.chunks.extend(
-        diff_arrays(old, nv, chunk_elems=chunk_elems, dense_crossover=dense_crossover, wire_dtype=td.dtype)
+        diff_arrays(old, nv, chunk_elems=chunk_elems, dense_crossover=dense_crossover,
+                    wire_dtype=td.dtype if class_order else None)
     )
     return td
 
