@@ -224,8 +224,11 @@ def launch(
         if resume:  # the topology keeps running as it was; only this coordinator goes
             ray.kill(actor, no_restart=True)
             raise
-        # A failed start leaves nothing behind: the name is free again for the next launch().
+        # A failed start leaves nothing behind: the name is free again for the next launch(). A start cut
+        # off by the timeout may still create engines or relays until the coordinator is dead: sweep
+        # their names once more after it is (detached actors claim their names when created).
         refit.shutdown()
+        _kill_named(("dcr_engine:", "dcr_relay:"))
         raise
     return refit
 
