@@ -22,6 +22,7 @@ engines).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Mapping
 
 import ray
@@ -228,6 +229,9 @@ def launch(
         # off by the timeout may still create engines or relays until the coordinator is dead: sweep
         # their names once more after it is (detached actors claim their names when created).
         refit.shutdown()
+        deadline = time.monotonic() + _SWEEP_WAIT_S
+        while _coordinator_exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         _kill_named(("dcr_engine:", "dcr_relay:"))
         raise
     return refit
@@ -235,6 +239,8 @@ def launch(
 
 #: How long shutdown waits for the coordinator to tear down before killing actors by name.
 _SHUTDOWN_TIMEOUT_S = 120
+#: How long a failed launch waits for its coordinator to be gone before the last sweep by name.
+_SWEEP_WAIT_S = 10.0
 
 
 def _kill_named(prefixes: tuple[str, ...]) -> None:
