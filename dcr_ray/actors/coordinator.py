@@ -40,7 +40,6 @@ import math
 import threading
 import time
 import uuid
-from dataclasses import asdict
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -50,6 +49,7 @@ from dcr_ray.actors.calls import ActorsDied, gather, get_all
 from dcr_ray.actors.commit import CommitLog, CommitRecord
 from dcr_ray.actors.coverage import check_coverage
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.actors.inspection import Inspection
 from dcr_ray.actors.recovery import Recovery
 from dcr_ray.actors.topology import Topology
 from dcr_ray.codec.bits import dtype_of, itemsize
@@ -60,14 +60,9 @@ from dcr_ray.report import RefitReport
 
 log = logging.getLogger("dcr_ray")
 
-#: ``status(detail=True)`` waits this long for each engine's state, and lists this many past refits.
-STATUS_TIMEOUT_S = 10.0
-#: How long a progress poll waits for the engines' counters.
-PROGRESS_TIMEOUT_S = 2.0
-STATUS_HISTORY = 10
 
 
-class CoordinatorActor(Recovery):
+class CoordinatorActor(Recovery, Inspection):
     def __init__(self, config: RefitConfig, clusters: list[ClusterSpec], backend_factory,
                  owners: dict[str, object], transport: Transport | None = None):
         self.config = config
@@ -360,45 +355,6 @@ class CoordinatorActor(Recovery):
     def teardown(self) -> None:
         """Kill the engines and relays and remove the placement groups (``Refit.shutdown``)."""
         self.topology.teardown()
-
-    def progress(self) -> dict:
-        """Lock-free: the phase in flight, and the decompressed bytes the engines in it validated so
-        far with the total expected (``None`` when unknown, e.g. a delta refit before owners diffed).
-        The driver's progress bar polls it (:mod:`dcr_ray.progress`)."""
-        phase = dict(self.phase)
-        done = 0
-        if phase.get("transfer"):
-            got, _, _ = gather({e: h.progress.remote() for e, h in self.engines.items()}, PROGRESS_TIMEOUT_S,
-                               "progress")
-            done = sum(p["raw_bytes"] for p in got.values() if p["transfer"] == phase["transfer"])
-        return {"phase": phase, "bytes": done, "total": self._progress_total}
-
-    def status(self, detail: bool = False) -> dict:
-        """The committed version and record, the required engines, the refit in flight (``phase``) and,
-        with ``detail``, each engine's state, the relays per cluster and the last refits
-        (:mod:`dcr_ray.status` formats it for ``dcr-ray status``)."""
-        rec = self.commits.read()
-        out = {"version": self.version, "epoch": self.epoch, "required": sorted(self.required),
-               "engines": sorted(self.engines), "owners": sorted(self.owners),
-               "clusters": list(self.topology.clusters), "transport": self.transport.kind,
-               "commit_record": None if rec is None else asdict(rec), "phase": dict(self.phase)}
-        if detail:
-            states, dead, errors = gather({e: h.state.remote() for e, h in self.engines.items()}, STATUS_TIMEOUT_S,
-                                          "status")
-            for e in dead:
-                states[e] = {"engine": e, "phase": "dead"}
-            for e in errors:
-                states[e] = {"engine": e, "phase": "not answering"}
-            for e, st in states.items():
-                st["required"] = e in self.required
-                st.setdefault("cluster", self.topology.engine_cluster.get(e))
-            out["engine_states"] = [states[e] for e in sorted(states)]
-            relays: dict[str, list[str]] = {}
-            for rid in self.transport.actors():
-                relays.setdefault(rid.split("/")[0], []).append(rid)
-            out["relays"] = relays
-            out["last_refits"] = list(self.history[-STATUS_HISTORY:])
-        return out
 
     def handles(self) -> dict:
         """Actor handles: ``{"engines": {id: h}, "owners": {id: h}, "relays": {id: h}}``."""

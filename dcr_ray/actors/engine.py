@@ -31,6 +31,7 @@ import ray
 
 from dcr_ray import metrics
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.actors.engine_digests import DigestMembership
 from dcr_ray.actors.undo import UndoLog
 from dcr_ray.codec import kernels
 from dcr_ray.codec import DIGEST_SIZE, PayloadKey, decode_frame, open_frame
@@ -57,7 +58,7 @@ class _Attempt(NamedTuple):
     base_id: str | None = None  #: content identity the frames must be built on (None: not checked)
 
 
-class EngineActor:
+class EngineActor(DigestMembership):
     """Hosts one engine backend (built in this process by ``backend_factory()``).
 
     ``reader`` is the transport's engine side (:class:`~dcr_ray.relay.transport.PayloadReader`): it
@@ -368,37 +369,6 @@ class EngineActor:
         """Copies of the engine's canonical tensors (all, or ``names``)."""
         ts = self.backend.tensors()
         return {n: ts[n].clone() for n in (names or ts)}
-
-    def box_digests(self, boxes: list) -> dict:
-        """Digests of canonical boxes ``(name, start, stop)`` of this engine's committed bits (a
-        replacement owner is checked against them); refused while a transfer is open or the engine is dirty."""
-        from dcr_ray.sharding.digest import box_digests
-
-        with self._cv:
-            if self._cur is not None or self._touched is not None or self._dirty is not None or self.version is None:
-                raise EngineStateError(f"engine {self.engine_id} holds no settled version to digest")
-            return {"version": self.version, "digests": box_digests(self.backend.tensors(), boxes)}
-
-    def join_by_digest(self, version: int, digests: dict, version_id: str | None = None) -> bool:
-        """Join at committed ``version`` without a dense bootstrap if the backend shows, by the owners'
-        box ``digests``, that it already serves it (:meth:`EngineBackend.matches_digests`). False (the
-        coordinator then bootstraps densely) when it does not, cannot tell, or a transfer is open."""
-        with self._cv:
-            check = getattr(self.backend, "matches_digests", None)
-            if check is None or self._cur is not None or self._touched is not None:
-                return False
-            if check(version, digests) is not True:
-                return False
-            self.version = version
-            self.version_id = version_id
-            self._dirty = None
-            self._applied.clear()
-            self._undo.clear()
-            if hasattr(self.backend, "activate"):
-                self.backend.activate(version)
-            self._stats["joined_by_digest"] = self._stats.get("joined_by_digest", 0) + 1
-            self._cv.notify_all()
-            return True
 
     def call_backend(self, method: str, *args, **kwargs):
         """Call a backend method (e.g. ``greedy`` or ``generate``) in the engine process."""

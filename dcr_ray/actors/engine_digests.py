@@ -1,0 +1,46 @@
+"""An engine's membership by digest: prove which committed bits it holds without moving them.
+
+A replacement owner is checked against :meth:`DigestMembership.box_digests` of a settled engine; an
+adopted engine that already serves the committed version joins through
+:meth:`DigestMembership.join_by_digest` instead of a dense bootstrap. A mixin of
+:class:`~dcr_ray.actors.engine.EngineActor` (it uses the engine's lock and state).
+"""
+
+from __future__ import annotations
+
+from dcr_ray.errors import EngineStateError
+
+
+class DigestMembership:
+    """``box_digests`` and ``join_by_digest`` of an engine actor."""
+
+    def box_digests(self, boxes: list) -> dict:
+        """Digests of canonical boxes ``(name, start, stop)`` of this engine's committed bits (a
+        replacement owner is checked against them); refused while a transfer is open or the engine is dirty."""
+        from dcr_ray.sharding.digest import box_digests
+
+        with self._cv:
+            if self._cur is not None or self._touched is not None or self._dirty is not None or self.version is None:
+                raise EngineStateError(f"engine {self.engine_id} holds no settled version to digest")
+            return {"version": self.version, "digests": box_digests(self.backend.tensors(), boxes)}
+
+    def join_by_digest(self, version: int, digests: dict, version_id: str | None = None) -> bool:
+        """Join at committed ``version`` without a dense bootstrap if the backend shows, by the owners'
+        box ``digests``, that it already serves it (:meth:`EngineBackend.matches_digests`). False (the
+        coordinator then bootstraps densely) when it does not, cannot tell, or a transfer is open."""
+        with self._cv:
+            check = getattr(self.backend, "matches_digests", None)
+            if check is None or self._cur is not None or self._touched is not None:
+                return False
+            if check(version, digests) is not True:
+                return False
+            self.version = version
+            self.version_id = version_id
+            self._dirty = None
+            self._applied.clear()
+            self._undo.clear()
+            if hasattr(self.backend, "activate"):
+                self.backend.activate(version)
+            self._stats["joined_by_digest"] = self._stats.get("joined_by_digest", 0) + 1
+            self._cv.notify_all()
+            return True
