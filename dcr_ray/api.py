@@ -135,10 +135,14 @@ class Refit:
         Engines and relays outlive the coordinator (they are detached), so this also works when the
         coordinator already died: it then finds them by name.
         """
+        self._shutdown()
+
+    def _shutdown(self, keep: set[str] = frozenset()) -> None:
+        """:meth:`shutdown`, sparing the engine and relay names in ``keep`` (those of another topology)."""
         try:
             ray.get(self._actor.teardown.remote(), timeout=_SHUTDOWN_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            _kill_named(("dcr_engine:", "dcr_relay:"))
+            _kill_named(_TOPOLOGY_PREFIXES, keep=keep)
         if self._owns_owners:
             _kill_named(("dcr_owner:",))
         ray.kill(self._actor, no_restart=True)
@@ -197,6 +201,7 @@ def launch(
     if _coordinator_exists():
         raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in this Ray cluster; "
                           "use dcr_ray.Refit.get() to reach it, or its shutdown() first")
+    foreign = _named(_TOPOLOGY_PREFIXES)  # a failed launch must not sweep another topology's actors
     own_owners = owner_tensors is not None
     if own_owners:
         Owner = ray.remote(StandaloneOwner)
@@ -228,11 +233,11 @@ def launch(
         # A failed start leaves nothing behind: the name is free again for the next launch(). A start cut
         # off by the timeout may still create engines or relays until the coordinator is dead: sweep
         # their names once more after it is (detached actors claim their names when created).
-        refit.shutdown()
+        refit._shutdown(keep=foreign)
         deadline = time.monotonic() + _SWEEP_WAIT_S
         while _coordinator_exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        _kill_named(("dcr_engine:", "dcr_relay:"))
+        _kill_named(_TOPOLOGY_PREFIXES, keep=foreign)
         raise
     return refit
 
@@ -243,14 +248,23 @@ _SHUTDOWN_TIMEOUT_S = 120
 _SWEEP_WAIT_S = 10.0
 
 
-def _kill_named(prefixes: tuple[str, ...]) -> None:
-    """Kill every actor of dcr_ray's namespace whose name starts with one of ``prefixes``."""
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == NAMESPACE and a["name"].startswith(prefixes):
-            try:
-                ray.kill(ray.get_actor(a["name"], namespace=NAMESPACE), no_restart=True)
-            except (ValueError, ray.exceptions.RayActorError):
-                pass  # died meanwhile
+#: Name prefixes of the actors a coordinator starts (engines and relays).
+_TOPOLOGY_PREFIXES = ("dcr_engine:", "dcr_relay:")
+
+
+def _named(prefixes: tuple[str, ...]) -> set[str]:
+    """Names of the live actors of dcr_ray's namespace that start with one of ``prefixes``."""
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(prefixes)}
+
+
+def _kill_named(prefixes: tuple[str, ...], keep: set[str] = frozenset()) -> None:
+    """Kill every actor of dcr_ray's namespace whose name starts with one of ``prefixes``, except ``keep``."""
+    for name in _named(prefixes) - set(keep):
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except (ValueError, ray.exceptions.RayActorError):
+            pass  # died meanwhile
 
 
 def _check_placeable(resources: dict | None) -> None:
