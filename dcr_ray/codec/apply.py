@@ -12,7 +12,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from dcr_ray.codec import context, kernels, threads
+from dcr_ray.codec import context, kernels, packed, threads
 from dcr_ray.codec.bits import bits_view
 from dcr_ray.codec.decode import DecodedFrame, read_frame
 from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES, Encoding
@@ -44,26 +44,32 @@ def _add_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> No
     _combine_into(view, positions, values, kernels.add_into, np.add)
 
 
+def write_item(view: np.ndarray, it) -> None:
+    """Write one validated item into ``view`` (the flat bit view of its tensor)."""
+    if it.encoding == Encoding.DENSE:
+        view[it.lo:it.hi] = it.values
+    elif it.encoding == Encoding.XOR:
+        _xor_into(view, it.positions, it.values)
+    elif it.encoding == Encoding.ADD:
+        _add_into(view, it.positions, it.values)
+    elif kernels.ENABLED:
+        kernels.put_into(view, it.positions, it.values)
+    else:
+        np.put(view, it.positions, it.values)
+
+
 def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> int:
     """Write a validated frame into ``targets`` in place; returns the number of elements written."""
-    # Resolve every target's bit view before the first write: a target that cannot be viewed
-    # (non-contiguous, not on the CPU) must fail the frame with nothing written, not half-way through.
+    # Resolve every target's bit view and every pack's addresses before the first write: a target that
+    # cannot be viewed (non-contiguous, not on the CPU) must fail the frame with nothing written.
     views = {it.name: bits_view(targets[it.name]) for it in frame.items}
+    addrs = [pk.addresses(targets) for pk in frame.packs]
     context.resolve(frame.items, targets)  # class-mode positions, read from the old bits before any write
+    written = sum(packed.apply_pack(pk, targets, a) for pk, a in zip(frame.packs, addrs))
 
     def write(items) -> None:
         for it in items:
-            view = views[it.name]
-            if it.encoding == Encoding.DENSE:
-                view[it.lo:it.hi] = it.values
-            elif it.encoding == Encoding.XOR:
-                _xor_into(view, it.positions, it.values)
-            elif it.encoding == Encoding.ADD:
-                _add_into(view, it.positions, it.values)
-            elif kernels.ENABLED:
-                kernels.put_into(view, it.positions, it.values)
-            else:
-                np.put(view, it.positions, it.values)
+            write_item(views[it.name], it)
 
     # Items never overlap (read_frame refused overlapping ranges), so the codec threads may write
     # them concurrently: deal them out largest first to the least loaded thread.
@@ -74,7 +80,7 @@ def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> i
                          for s in threads.balance(frame.items, lambda it: len(it.values), n_threads)])
     else:
         write(frame.items)
-    return total
+    return total + written
 
 
 def apply_frame(data, targets: Mapping[str, torch.Tensor], *, key: bytes | None = None,

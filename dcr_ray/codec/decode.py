@@ -13,6 +13,7 @@ calls :func:`decode_frame` on it and the header is parsed once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple
 
@@ -26,6 +27,11 @@ from dcr_ray.codec.format import (
     DEFAULT_MAX_RAW_BYTES,
     ESC_SECTION,
     LOC_SECTION,
+    PACK_ESC_SECTION,
+    PACK_LOC_SECTION,
+    PACK_NAMES_SECTION,
+    PACK_PREFIX,
+    PACK_SHAPES_SECTION,
     PREFIX,
     SECTION_CODECS,
     Encoding,
@@ -34,6 +40,7 @@ from dcr_ray.codec.format import (
     value_section,
 )
 from dcr_ray.codec.header import FrameHeader, need, open_frame
+from dcr_ray.codec.packed import DecodedPack
 from dcr_ray.errors import (
     BaseVersionMismatchError,
     DuplicateIndexError,
@@ -74,10 +81,14 @@ class DecodedFrame:
     items: list[DecodedItem] = field(default_factory=list)
     wire_bytes: int = 0
     raw_bytes: int = 0
+    #: packs of whole small tensors, kept when the receiver asked for them (``decode_frame(keep_packs=
+    #: True)``: it applies them with :func:`~dcr_ray.codec.apply.apply_decoded`); otherwise expanded into
+    #: ``items``, so a receiver that reads only items misses nothing
+    packs: list[DecodedPack] = field(default_factory=list)
 
     @property
     def changed(self) -> int:
-        return sum(len(i.values) for i in self.items)
+        return sum(len(i.values) for i in self.items) + sum(len(p.values) for p in self.packs)
 
     @property
     def key(self) -> PayloadKey:
@@ -110,6 +121,7 @@ def read_frame(
     max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES,
     shapes: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
     expect_base_id: str | None = None,
+    keep_packs: bool = False,
 ) -> DecodedFrame:
     """Validate and decode a frame. Writes nothing.
 
@@ -118,10 +130,10 @@ def read_frame(
     is the version the receiver holds and ``expect_base_id`` the identity of that content (the commit
     record's transfer, :attr:`FrameMeta.base_id`); a frame built on another base is rejected.
     ``max_raw_bytes`` bounds decompression (check it before inflating anything); keep it near the
-    sender's bucket size.
+    sender's bucket size. ``keep_packs``: see :func:`decode_frame`.
     """
     return decode_frame(open_frame(data, key=key), targets=targets, shapes=shapes, expect_base=expect_base,
-                        max_raw_bytes=max_raw_bytes, expect_base_id=expect_base_id)
+                        max_raw_bytes=max_raw_bytes, expect_base_id=expect_base_id, keep_packs=keep_packs)
 
 
 def decode_frame(
@@ -132,10 +144,13 @@ def decode_frame(
     expect_base: int | None = None,
     max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES,
     expect_base_id: str | None = None,
+    keep_packs: bool = False,
 ) -> DecodedFrame:
     """Validate and decode the sections and items of a frame opened by :func:`~dcr_ray.codec.header.open_frame`.
 
-    Writes nothing; the arguments are those of :func:`read_frame`.
+    Writes nothing; the arguments are those of :func:`read_frame`. Packs of small tensors come back as
+    :class:`~dcr_ray.codec.packed.DecodedPack` s in ``frame.packs`` with ``keep_packs=True`` (for
+    receivers that write through :func:`~dcr_ray.codec.apply.apply_decoded`), else as per-tensor items.
     """
     meta, h = header.meta, header.fields
     if expect_base is not None and meta.base != expect_base:
@@ -153,9 +168,20 @@ def decode_frame(
         )
     sections = need(h, "sections", list)
     items = need(h, "items", list)
+    packs = need(h, "packs", list) if "packs" in h else []
     sec, raw_total = _sections(header, sections, max_raw_bytes)
-    jobs = _item_jobs(items, sec, targets, shapes)
+    rd = _Reader(sec)
+    jobs, seen = _item_jobs(items, rd, targets, shapes)
+    pack_jobs = _pack_jobs(packs, rd, targets, shapes, seen)
+    rd.check_used()
     frame = DecodedFrame(meta=meta, wire_bytes=len(header.data), raw_bytes=raw_total)
+    for job, (names, offsets) in pack_jobs:
+        it = _decode_item(*job)
+        pk = DecodedPack(it.encoding, names, offsets, it.positions, it.values)
+        if keep_packs:
+            frame.packs.append(pk)
+        else:
+            frame.items.extend(pk.items())
     # positions and values: every item checked on its own, by the codec threads if large
     n_threads = threads.codec_threads()
     if n_threads > 1 and len(jobs) > 1 and sum(j.n for j in jobs) >= DECODE_PARALLEL_MIN:
@@ -235,23 +261,41 @@ def _sections(header: FrameHeader, sections: list, max_raw_bytes: int) -> tuple[
     return sec, raw_total
 
 
-def _item_jobs(items: list, sec: dict[str, memoryview], targets, shapes) -> list[_Job]:
-    """Check every item's header fields against the receiver and take its bytes from the sections,
-    which the items must use up exactly."""
-    cursor = {name: 0 for name in sec}
-    seen: dict[str, list[tuple[int, int]]] = {}
+class _Reader:
+    """Hands out the sections' bytes in order; the items and packs must use up every section exactly."""
 
-    def take(section: str, nbytes: int, what: str) -> memoryview:
+    def __init__(self, sec: dict[str, memoryview]):
+        self.sec = sec
+        self.cursor = {name: 0 for name in sec}
+
+    def take(self, section: str, nbytes: int, what: str) -> memoryview:
         if nbytes == 0:
             return memoryview(b"")
-        if section not in sec:
+        if section not in self.sec:
             raise MalformedHeaderError(f"{what} needs section {section!r}, which the frame lacks")
-        a = cursor[section]
-        if a + nbytes > len(sec[section]):
+        a = self.cursor[section]
+        if a + nbytes > len(self.sec[section]):
             raise MalformedHeaderError(f"{what} reads past the end of section {section!r}")
-        cursor[section] = a + nbytes
-        return sec[section][a:a + nbytes]
+        self.cursor[section] = a + nbytes
+        return self.sec[section][a:a + nbytes]
 
+    def rest(self, section: str) -> memoryview:
+        """Every byte of ``section`` not read yet (empty when the frame lacks it)."""
+        if section not in self.sec:
+            return memoryview(b"")
+        return self.take(section, len(self.sec[section]) - self.cursor[section], "packs")
+
+    def check_used(self) -> None:
+        for name, used in self.cursor.items():
+            if used != len(self.sec[name]):
+                raise MalformedHeaderError(f"section {name!r} has {len(self.sec[name]) - used} bytes no item reads")
+
+
+def _item_jobs(items: list, rd: _Reader, targets, shapes) -> tuple[list[_Job], dict]:
+    """Check every item's header fields against the receiver and take its bytes from the sections;
+    also the ranges each tensor's items cover (name -> [(lo, hi)])."""
+    take = rd.take
+    seen: dict[str, list[tuple[int, int]]] = {}
     jobs = []
     for idx, it in enumerate(items):
         what = f"item {idx}"
@@ -307,10 +351,104 @@ def _item_jobs(items: list, sec: dict[str, memoryview], targets, shapes) -> list
             )
         pl = [np.frombuffer(take(value_section(enc, w, j), n, what), np.uint8) for j in range(w)]
         jobs.append(_Job(what, name, enc, lo, hi, n, loc, pl, np.dtype(np_uint(w)), dtype == torch.bool, dt_name))
-    for name, used in cursor.items():
-        if used != len(sec[name]):
-            raise MalformedHeaderError(f"section {name!r} has {len(sec[name]) - used} bytes no item reads")
+    return jobs, seen
+
+
+#: Encodings a pack may use (whole tensors, sparse: never DENSE).
+_PACK_ENCODINGS = (Encoding.XOR.value, Encoding.ADD.value, Encoding.OVERWRITE.value)
+
+
+def _pack_jobs(packs: list, rd: _Reader, targets, shapes, seen: dict) -> list[tuple[_Job, tuple]]:
+    """Check every pack's declaration, names and shapes against the receiver (each tensor once in the
+    frame, not also in an item); (decode job over the pack space, (names, offsets)) per pack."""
+    if not packs:
+        return []
+    decl = []
+    for idx, pk in enumerate(packs):
+        what = f"pack {idx}"
+        if not isinstance(pk, dict):
+            raise MalformedHeaderError(f"{what} must be a map")
+        dt_name, k, enc = need(pk, "dt", str, what), need(pk, "k", int, what), need(pk, "e", str, what)
+        n = need(pk, "n", int, what)
+        lm, lw, ls, le = (need(pk, "lm", str, what), need(pk, "lw", int, what), need(pk, "ls", int, what),
+                          need(pk, "le", int, what))
+        if enc not in _PACK_ENCODINGS:
+            raise UnknownEncodingError(f"{what}: encoding {enc!r} is not one packs use: {_PACK_ENCODINGS}")
+        if lm not in locations.MODES:  # pack positions are flat: no class order across tensors
+            raise UnknownEncodingError(f"{what}: location mode {lm!r} is not one packs use: {locations.MODES}")
+        if k < 1 or n < 0 or lw not in locations.WIDTHS or ls < 0 or le < 0:
+            raise MalformedHeaderError(f"{what}: bad declaration (k={k}, n={n}, locations {lm}/{lw}/{ls}/{le})")
+        decl.append((what, dtype_of(dt_name), dt_name, k, Encoding(enc), n, lm, lw, ls, le))
+    try:
+        text = bytes(rd.rest(PACK_NAMES_SECTION)).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MalformedHeaderError(f"pack names are not UTF-8: {e}") from None
+    names = text.split("\n")
+    total = sum(d[3] for d in decl)
+    if names[-1] != "" or len(names) != total + 1:
+        raise MalformedHeaderError(f"packs declare {total} tensors; their names section holds {len(names) - 1} "
+                                   f"newline-ended names")
+    names.pop()
+    if len(set(names)) != total or not seen.keys().isdisjoint(names):
+        raise DuplicateIndexError("a tensor appears twice in one frame's packs, or in a pack and an item")
+    dims = np.frombuffer(rd.rest(PACK_SHAPES_SECTION), "<u8")
+    if targets is None and shapes is None:  # no receiver to check against: the frame's own shapes
+        shapes = _frame_shapes(names, dims, [(d[3], d[2]) for d in decl])
+    jobs, a = [], 0
+    expect: list[int] = []
+    for what, dtype, dt_name, k, enc, n, lm, lw, ls, le in decl:
+        part = names[a:a + k]
+        a += k
+        sizes = _receiver_sizes(what, part, dtype, targets, shapes, expect)
+        offsets = np.zeros(k + 1, np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        loc = locations.EncodedLocations(lm, lw, ls, bytes(rd.take(PACK_LOC_SECTION, ls * lw, what)),
+                                         bytes(rd.take(PACK_ESC_SECTION, le * 8, what)))
+        w = itemsize(dtype)
+        pl = [np.frombuffer(rd.take(PACK_PREFIX + value_section(enc, w, j), n, what), np.uint8) for j in range(w)]
+        jobs.append((_Job(what, what, enc, 0, int(offsets[-1]), n, loc, pl, np.dtype(np_uint(w)),
+                          dtype == torch.bool, dt_name), (part, offsets)))
+    if len(dims) != len(expect) or not np.array_equal(dims, np.asarray(expect, np.uint64)):
+        raise TargetMismatchError("a pack's tensor shapes differ from the receiver's tensors of those names")
     return jobs
+
+
+def _frame_shapes(names: list[str], dims: np.ndarray, packs: list[tuple[int, str]]) -> dict:
+    """name -> (wire dtype, shape) as the packs' shapes section declares them (``packs``: (k, dtype) each)."""
+    out, i, a = {}, 0, 0
+    for k, dt in packs:
+        for name in names[a:a + k]:
+            if i >= len(dims) or i + 1 + int(dims[i]) > len(dims) or dims[i] > 8:
+                raise MalformedHeaderError("the packs' shapes section ends early or declares over 8 dimensions")
+            out[name] = (dt, tuple(int(x) for x in dims[i + 1:i + 1 + int(dims[i])]))
+            i += 1 + int(dims[i])
+        a += k
+    return out
+
+
+def _receiver_sizes(what: str, names: list[str], dtype, targets, shapes, expect: list[int]) -> list[int]:
+    """Elements of each named tensor as the receiver holds it (which must have ``dtype``); appends each
+    tensor's (ndim, *shape) to ``expect`` (what the pack's shapes section must say)."""
+    sizes = []
+    for name in names:
+        if targets is not None:
+            t = targets.get(name)
+            if t is None:
+                raise TargetMismatchError(f"{what}: the receiver has no tensor named {name!r}")
+            have_dt, sh = t.dtype, tuple(t.shape)
+        elif shapes is not None:
+            spec = shapes.get(name)
+            if spec is None:
+                raise TargetMismatchError(f"{what}: the receiver has no tensor named {name!r}")
+            have_dt, sh = dtype_of(spec[0]), spec[1]
+        else:  # unreachable: _pack_jobs fills in the frame's own shapes
+            raise TargetMismatchError(f"{what}: packs need the receiver's tensors (targets or shapes)")
+        if have_dt != dtype:
+            raise TargetMismatchError(f"{what} ({name}): payload has {dtype}, receiver holds {have_dt}")
+        expect.append(len(sh))
+        expect.extend(sh)
+        sizes.append(math.prod(sh))
+    return sizes
 
 
 def _decode_item(what, name, enc, lo, hi, n, loc, pl, npdt, is_bool, dt="") -> DecodedItem:

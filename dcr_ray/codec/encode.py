@@ -18,6 +18,7 @@ class order refer to.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import struct
 import threading
 from typing import Iterable, Mapping
@@ -26,15 +27,21 @@ import msgpack
 import numpy as np
 import zstandard
 
-from dcr_ray.codec import estimate, intdiff, planes, threads
+from dcr_ray.codec import estimate, intdiff, locations, planes, threads
 from dcr_ray.codec.bits import dtype_of, itemsize
 from dcr_ray.codec.diff import ChunkDelta, TensorDelta
+from dcr_ray.codec.packed import PackDelta
 from dcr_ray.codec.format import (
     ESC_SECTION,
     FORMAT_VERSION,
     LOC_SECTION,
     MAGIC,
     MAX_HEADER_BYTES,
+    PACK_ESC_SECTION,
+    PACK_LOC_SECTION,
+    PACK_NAMES_SECTION,
+    PACK_PREFIX,
+    PACK_SHAPES_SECTION,
     Encoding,
     FrameMeta,
     digest,
@@ -109,13 +116,14 @@ class FrameBuilder:
         self.key = key
         self.zstd_level = zstd_level
         self.items: list[dict] = []
+        self.packs: list[dict] = []
         self._sections: dict[str, list[bytes | np.ndarray]] = {LOC_SECTION: [], ESC_SECTION: []}
         self.raw_bytes = 0
         self.header_bytes = 256  # bound on the header's fixed fields, grown per item
         self.changed = 0
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.items) + len(self.packs)
 
     def add(self, td: TensorDelta, chunk: ChunkDelta, *, xor_ok: bool = True) -> None:
         """Add one chunk of ``td`` as an item."""
@@ -139,6 +147,34 @@ class FrameBuilder:
         self.changed += chunk.count
         self.header_bytes += item_header_bound(td)
         self.items.append(item)
+
+    def add_pack(self, pd: PackDelta) -> None:
+        """Add a pack of whole small tensors (:mod:`~dcr_ray.codec.packed`) as one header entry.
+
+        First attempts write XOR masks (``coding="context"``: XOR or ADD, whichever is estimated
+        smaller); retries the new bits. Positions are always flat in pack space."""
+        w = itemsize(dtype_of(pd.dtype))
+        if self.mode == "mixed":
+            enc, split = Encoding.XOR, planes.split(pd.xor)
+            if self.coding == "context" and pd.dtype != "bool":
+                add_planes = planes.split(intdiff.zigzag(intdiff.difference(pd.new, pd.xor)))
+                if estimate.planes_bytes(add_planes) < estimate.planes_bytes(split):
+                    enc, split = Encoding.ADD, add_planes
+        else:
+            enc, split = Encoding.OVERWRITE, planes.split(pd.new)
+        loc = locations.encode(pd.positions, 0)
+        names = "".join(n + "\n" for n in pd.names).encode()
+        shapes = np.fromiter(itertools.chain.from_iterable((len(s), *s) for s in pd.shapes), "<u8").tobytes()
+        self.packs.append({"dt": pd.dtype, "k": len(pd.names), "e": enc, "n": pd.changed, "lm": loc.mode,
+                           "lw": loc.width, "ls": loc.nsym, "le": loc.nesc})
+        for name, part in ((PACK_NAMES_SECTION, names), (PACK_SHAPES_SECTION, shapes),
+                           (PACK_LOC_SECTION, loc.prim), (PACK_ESC_SECTION, loc.esc)):
+            self._sections.setdefault(name, []).append(part)
+        for j, plane in enumerate(split):
+            self._sections.setdefault(PACK_PREFIX + value_section(enc, w, j), []).append(plane)
+        self.raw_bytes += len(names) + len(shapes) + loc.nbytes + pd.changed * w
+        self.changed += pd.changed
+        self.header_bytes += 160
 
     def _first_attempt(self, td: TensorDelta, chunk: ChunkDelta):
         """(encoding, locations, value planes) of a sparse chunk on a first attempt.
@@ -190,7 +226,10 @@ class FrameBuilder:
                   "payload": m.payload, "base": m.base, "target": m.target}
         if m.base_id:  # absent when empty: frames without a content id stay byte-identical to older ones
             fields["base_id"] = m.base_id
-        header = msgpack.packb({**fields, "sections": sec_meta, "items": self.items}, use_bin_type=True)
+        fields.update(sections=sec_meta, items=self.items)
+        if self.packs:  # absent when empty: frames without packs stay byte-identical to older ones
+            fields["packs"] = self.packs
+        header = msgpack.packb(fields, use_bin_type=True)
         signed = b"".join([bytes([FORMAT_VERSION]), struct.pack("<I", len(header)), header, *bodies])
         return MAGIC + signed + digest(signed, self.key)
 
@@ -207,7 +246,9 @@ def encode_frames(
     header_bytes: int = HEADER_BUDGET_BYTES,
     coding: str = DEFAULT_CODING,
 ) -> Iterable[bytes]:
-    """Yield frames (payload ids from ``meta.payload`` on) holding every chunk of ``deltas``.
+    """Yield frames (payload ids from ``meta.payload`` on) holding every chunk of ``deltas`` (changed
+    sets of tensors, and :class:`~dcr_ray.codec.packed.PackDelta` packs, each kept whole in one frame;
+    ``xor_ok`` applies to tensors only: a pack holds no overwrite-only tensor).
 
     A frame is closed once its raw (pre-compression) size reaches ``bucket_bytes`` or its header may
     reach ``header_bytes`` (many small tensors); a chunk is never split across frames, so choose
@@ -216,11 +257,14 @@ def encode_frames(
     pid = meta.payload
     fb = None
     for td in deltas:
-        for ch in td.chunks:
+        for ch in ([td] if isinstance(td, PackDelta) else td.chunks):
             if fb is None:
                 fb = FrameBuilder(dataclasses.replace(meta, payload=pid), mode=mode, zstd_level=zstd_level,
                                   key=key, coding=coding)
-            fb.add(td, ch, xor_ok=True if xor_ok is None else xor_ok.get(td.name, True))
+            if ch is td:
+                fb.add_pack(td)
+            else:
+                fb.add(td, ch, xor_ok=True if xor_ok is None else xor_ok.get(td.name, True))
             if fb.raw_bytes >= bucket_bytes or fb.header_bytes >= header_bytes:
                 yield fb.finish()
                 pid += 1

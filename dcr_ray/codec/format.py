@@ -23,6 +23,11 @@ storage) that its owners did not produce. The header is a msgpack map::
         lm str  location mode ("gaps" | "runs" | "cgaps" | "cruns"), lw int width, ls int symbols,
                 le int escapes (sparse items only)
 
+    packs     list  optional (absent when empty): one map per pack of whole small tensors of one
+                    dtype laid end to end in a flat *pack space* (:mod:`~dcr_ray.codec.packed`):
+        dt str  wire dtype     k int  tensors     e str  "xor" | "add" | "ow"     n int  changes
+        lm, lw, ls, le         locations of the changes in pack space, as for items
+
 Value codings of sparse items: ``xor`` (masks ``new ^ old``), ``add`` (``new - old`` modulo the word
 size, zigzagged: :mod:`~dcr_ray.codec.intdiff`) and ``ow`` (absolute new bits, every retry). A first
 attempt picks ``xor`` or ``add`` per item, whichever byte planes are estimated smaller. Location modes
@@ -35,7 +40,10 @@ encoding or location mode) instead of misreading them.
 Sections: ``loc`` (location symbols of every sparse item, in item order), ``esc`` (uint64 escapes),
 and one section per (encoding, element width, byte plane), e.g. ``xor2.0`` / ``xor2.1`` hold the low
 and high bytes of all BF16/FP16 XOR masks. Item offsets are implicit (items in order), and every
-section's raw length must equal exactly what the items declare.
+section's raw length must equal exactly what the items declare. Packs read their own sections, in pack
+order: ``pnames`` (each tensor's name, UTF-8, ending in a newline), ``pshape`` (uint64 per tensor: the
+number of dimensions, then the dimensions), ``ploc``/``pesc`` (locations) and ``p``-prefixed value
+planes (``pxor2.0``, ...). A frame without packs is byte for byte what earlier releases wrote.
 
 Writing is :mod:`~dcr_ray.codec.encode`; reading is :mod:`~dcr_ray.codec.header` (prefix, digest,
 header) and :mod:`~dcr_ray.codec.decode` (everything else); :mod:`~dcr_ray.codec.apply` writes.
@@ -69,6 +77,12 @@ MAX_HEADER_BYTES = 16 << 20
 #: Section of every sparse item's location symbols, and of their uint64 escapes.
 LOC_SECTION = "loc"
 ESC_SECTION = "esc"
+#: Sections of packs: names, shapes, locations, escapes; value planes are ``PACK_PREFIX + value_section``.
+PACK_NAMES_SECTION = "pnames"
+PACK_SHAPES_SECTION = "pshape"
+PACK_LOC_SECTION = "ploc"
+PACK_ESC_SECTION = "pesc"
+PACK_PREFIX = "p"
 
 
 class _WireStr(str, enum.Enum):

@@ -26,6 +26,7 @@ import zstandard
 
 from dcr_ray.codec import FORMAT_VERSION, FrameMeta, diff_tensor, encode_frames
 from dcr_ray.codec.bits import bits_view, dtype_of
+from dcr_ray.codec.packed import diff_pack
 
 HERE = Path(__file__).resolve().parent
 CASES_JSON = HERE / "cases.json"
@@ -152,6 +153,14 @@ def build_inputs(name: str):
             _pair("c.bool", torch.bool, (64,), _bool_flips("c3", 9)),
             _pair("c.bf16_sign", torch.bfloat16, (200,), _at([3, 50, 51, 120], 0x8000)),
         ]
+    if name == "bf16_pack_xor":
+        return [_pair(f"model.layers.0.mlp.experts.{e}.{proj}.weight", torch.bfloat16, (8, 16),
+                      _flip_low(f"p{e}{proj}", 1 + (e * 7 + len(proj)) % 5))
+                for e in range(4) for proj in ("gate_proj", "up_proj", "down_proj")]
+    if name == "pack_overwrite_two_dtypes":
+        return [_pair("experts.0.w", torch.float32, (4, 8), _flip_low("o1", 3, 0x100)),
+                _pair("experts.0.scale", torch.int8, (5,), _flip_low("o2", 2, 0x81)),
+                _pair("experts.1.w", torch.float32, (4, 8), _flip_low("o3", 1, 0x1))]
     if name == "bool_masks":
         return [_pair("attn.mask", torch.bool, (300,), _bool_flips("b1", 12)),
                 _pair("attn.mask_ow", torch.bool, (10, 10), _bool_flips("b2", 5))]
@@ -191,6 +200,13 @@ CASE_SETTINGS = {
                                 chunk_elems=512, mode="mixed", coding="context",
                                 must_contain=[{"e": "add", "dt": "int16", "lm": "gaps"}, {"e": "add", "dt": "float16"},
                                               {"e": "xor", "dt": "bool"}, {"e": "xor", "dt": "bfloat16"}]),
+    # packs of whole small tensors (dcr_ray.codec.packed): one header entry and a names table per dtype
+    "bf16_pack_xor": dict(description="twelve small BF16 expert tensors in one pack: XOR masks at pack positions",
+                          chunk_elems=4096, mode="mixed", packs=True, must_contain=[{"e": "xor", "k": 12}]),
+    "pack_overwrite_two_dtypes": dict(description="retry frame of packs of two dtypes: absolute new bits",
+                                      chunk_elems=4096, mode="overwrite", packs=True,
+                                      must_contain=[{"e": "ow", "dt": "float32", "k": 2},
+                                                    {"e": "ow", "dt": "int8", "k": 1}]),
 }
 DEFAULT_META = dict(transfer="golden", attempt=0, producer="owner-0", payload=0, base=1, target=2)
 
@@ -198,8 +214,15 @@ DEFAULT_META = dict(transfer="golden", attempt=0, producer="owner-0", payload=0,
 # --- encoding (shared with the test) ------------------------------------------------------------------
 def encode_case(case: dict, tensors: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[bytes]:
     """The frames of ``case`` (a ``cases.json`` entry) for (name, old, new) ``tensors``."""
-    deltas = [diff_tensor(name, bits_view(old).copy(), new, chunk_elems=case["chunk_elems"])
-              for name, old, new in tensors]
+    if case.get("packs"):  # one pack per dtype, in order of first appearance
+        groups: dict = {}
+        for name, old, new in tensors:
+            groups.setdefault(new.dtype, []).append((name, old, new))
+        deltas = [diff_pack([n for n, _, _ in g], [tuple(w.shape) for _, _, w in g],
+                            [bits_view(o).copy() for _, o, _ in g], [w for _, _, w in g]) for g in groups.values()]
+    else:
+        deltas = [diff_tensor(name, bits_view(old).copy(), new, chunk_elems=case["chunk_elems"])
+                  for name, old, new in tensors]
     key = case["key"].encode() if case.get("key") else None
     return list(encode_frames(deltas, FrameMeta(**case["meta"]), mode=case["mode"], bucket_bytes=case["bucket_bytes"],
                               zstd_level=case["zstd_level"], key=key, xor_ok=case.get("xor_ok"),
@@ -225,7 +248,7 @@ def header_of(frame: bytes) -> dict:
 
 def check_coverage(case: dict, frames: list[bytes]) -> None:
     """Raise AssertionError unless ``frames`` contain what ``case`` says they must."""
-    items = [it for f in frames for it in header_of(f)["items"]]
+    items = [it for f in frames for h in [header_of(f)] for it in h["items"] + h.get("packs", [])]
     for want in case["must_contain"]:
         assert any(all(it.get(k) == v for k, v in want.items()) for it in items), f"{case['name']}: no item {want}"
     if case.get("must_have_codec"):
@@ -247,6 +270,8 @@ def main() -> int:
                 "key": settings.get("key"), "xor_ok": settings.get("xor_ok"),
                 "meta": settings.get("meta", DEFAULT_META), "must_contain": settings["must_contain"],
                 "must_have_codec": settings.get("must_have_codec")}
+        if settings.get("packs"):
+            case["packs"] = True
         tensors = build_inputs(name)
         case["tensors"] = [{"name": n, "dtype": str(o.dtype).removeprefix("torch."), "shape": list(o.shape),
                             "old_bits": _b64(o), "new_bits": _b64(w)} for n, o, w in tensors]
