@@ -174,3 +174,21 @@ def test_a_pack_declaring_what_packs_never_use_is_refused(field, value, error):
     old, new, h, secs = _frame_parts()
     h["packs"][0][field] = value
     _refused(assemble(h, secs, key=None), old, new, error, None)
+
+
+def test_an_undo_log_returns_pack_writes_to_the_committed_bits(kernels):
+    from dcr_ray.actors.undo import UndoLog
+    from dcr_ray.engines.hf import TransformersBackend
+
+    old, new = experts(40, rate=0.1, dtype=torch.float32)
+    backend = TransformersBackend(lambda: torch.nn.Module())
+    backend._tensors = targets_of(old, new)
+    log = UndoLog()
+    for kw in (dict(coding="context"), dict(mode="overwrite")):  # an ADD/XOR attempt, then a retry on top
+        for f in encode_frames([pack_of(old, new)], META, **kw):
+            d = read_frame(f, backend.tensors(), keep_packs=True)
+            log.record("t", d, backend.tensors())
+            backend.apply(d)
+    assert all(np.array_equal(ints(backend.tensors()[n]), ints(t)) for n, t in new.items())
+    assert log.rollback(backend) == 2
+    assert all(np.array_equal(ints(backend.tensors()[n]), old[n]) for n in new)

@@ -256,7 +256,8 @@ class EngineActor(DigestMembership):
     def _decode(self, header, cur: _Attempt):
         # a frame closes once its raw size reaches the bucket, so it holds under two buckets
         return decode_frame(header, shapes=self.specs, expect_base=cur.base, expect_base_id=cur.base_id,
-                            max_raw_bytes=max(self.config.codec.bucket_bytes * 2, 1 << 20))
+                            max_raw_bytes=max(self.config.codec.bucket_bytes * 2, 1 << 20),
+                            keep_packs=getattr(self.backend, "applies_packs", False))
 
     def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8,
                  timeout_s: float | None = None) -> dict:

@@ -7,7 +7,8 @@ negated difference in memory, and independent of how the difference was coded). 
 first through the backend's own ``apply`` and ``flush`` (so a runtime that reloads touched tensors
 reloads them again), which returns every touched element to the committed version exactly; later
 attempts of the same transfer stack their own inverses on top, so any mix of partial attempts unwinds.
-Committing (or starting the next transfer) drops the log. Dense re-bootstrap stays the last resort,
+Committing (or starting the next transfer) drops the log. Packs of small tensors follow the same rules (an XOR pack is its own inverse; any
+other keeps the bits at its positions as an OVERWRITE pack). Dense re-bootstrap stays the last resort,
 for backends that cannot read their bits cheaply (``EngineBackend.undo_tensors()`` is None).
 """
 
@@ -19,7 +20,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, bits_view, context
+from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, bits_view, context, packed
 
 
 class UndoLog:
@@ -51,10 +52,18 @@ class UndoLog:
                 items.append(DecodedItem(it.name, Encoding.OVERWRITE, it.lo, it.hi, it.positions, old))
                 self.nbytes += it.positions.nbytes
             self.nbytes += old.nbytes
+        packs = []
+        for pk in frame.packs:  # the same rules, one pack at a time
+            if pk.encoding == Encoding.XOR:
+                packs.append(pk)
+            else:
+                old = packed.old_values(pk, tensors)
+                packs.append(dataclasses.replace(pk, encoding=Encoding.OVERWRITE, values=old))
+            self.nbytes += pk.values.nbytes + pk.positions.nbytes + pk.offsets.nbytes
         # the inverse goes from the frame's target back to its base (backends that tag outputs with the
         # version of the frames they applied then report the base again)
         back = dataclasses.replace(frame.meta, base=frame.meta.target, target=frame.meta.base)
-        self._inverse.append(DecodedFrame(back, items))
+        self._inverse.append(DecodedFrame(back, items, packs=packs))
 
     def rollback(self, backend) -> int:
         """Undo every recorded write through ``backend`` (newest first), flush it; returns frames undone."""

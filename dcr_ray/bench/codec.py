@@ -412,33 +412,58 @@ def moe_step(n_tensors: int, shape: tuple[int, int], rate: float, seed: int) -> 
 
 
 def measure_fixed_cost(step: Step, coding: str) -> dict:
-    """One refit of a many-tensor step, timed once (the cost is per tensor, not per byte): the owner's
-    encode (diff + frames) and the engine's decode (against a shapes table, as engines do) + apply;
-    wire bytes of both codings; bit-exact check."""
+    """One refit of a many-tensor step, timed once (the cost is per tensor, not per byte), two ways:
+    packs (what owners send for small tensors: :mod:`dcr_ray.codec.packed`) and one item per tensor.
+    Each: the owner's encode (diff + frames) and the engine's decode (against a shapes table, as engines
+    do) + apply; wire bytes (and those of plain per-tensor items, earlier releases' frames); bit-exact."""
+    import numpy as np
+
     from dcr_ray.codec import apply_decoded, decode_frame, encode_frames, open_frame
     from dcr_ray.codec.bits import wire_name
+    from dcr_ray.codec.packed import address, diff_pack, plan_packs
 
-    t0 = time.perf_counter()
-    deltas, frames = _encode(step, coding=coding)
-    t_enc = time.perf_counter() - t0
-    plain = list(encode_frames(deltas, _meta(), coding="plain")) if coding == "context" else frames
     shapes = {n: (wire_name(t.dtype), tuple(t.shape)) for n, t in step.new.items()}
-    tg = _fresh_targets(step)
+    plan = plan_packs({n: t.numel() for n, t in step.new.items()})
+    addrs = [np.fromiter((address(step.old[n]) for n in grp), np.int64, len(grp)) for grp in plan]  # kept by baselines
+
+    def receive(frames, keep_packs):
+        tg = _fresh_targets(step)
+        t0 = time.perf_counter()
+        decoded = [decode_frame(open_frame(f, key=None), shapes=shapes, keep_packs=keep_packs) for f in frames]
+        t_dec = time.perf_counter() - t0
+        for d in decoded:
+            apply_decoded(d, tg)
+        return t_dec, time.perf_counter() - t0, _exact(tg, step)
+
+    def diff(grp, a):
+        return diff_pack(grp, [shapes[n][1] for n in grp], [step.old[n] for n in grp], [step.new[n] for n in grp], a)
+
+    warm = plan[0][:8]  # load the compiled kernels (numba's cache) before the clock starts
+    for f in encode_frames([diff(warm, addrs[0][:8])], _meta(), coding=coding):
+        apply_decoded(decode_frame(open_frame(f, key=None), shapes=shapes, keep_packs=True), _fresh_targets(
+            Step(old={n: step.old[n] for n in warm}, new={n: step.new[n] for n in warm})))
     t0 = time.perf_counter()
-    decoded = [decode_frame(open_frame(f, key=None), shapes=shapes) for f in frames]
-    t_dec = time.perf_counter() - t0
-    for d in decoded:
-        apply_decoded(d, tg)
-    t_app = time.perf_counter() - t0
-    changed = sum(d.changed for d in deltas)
+    packs = [diff(grp, a) for grp, a in zip(plan, addrs)]
+    frames = list(encode_frames([p for p in packs if p is not None], _meta(), coding=coding))
+    t_enc = time.perf_counter() - t0
+    t_dec, t_app, exact = receive(frames, True)
+    changed = sum(p.changed for p in packs if p is not None)
+    del packs
+    t0 = time.perf_counter()
+    deltas, item_frames = _encode(step, coding=coding)
+    t_enc_items = time.perf_counter() - t0
+    _, t_app_items, exact_items = receive(item_frames, False)
+    plain = list(encode_frames(deltas, _meta(), coding="plain")) if coding == "context" else item_frames
+    n = len(step.new)
     wire = sum(map(len, frames))
-    return {"tensors": len(step.new), "elements": sum(t.numel() for t in step.new.values()), "changed": changed,
+    return {"tensors": n, "elements": sum(t.numel() for t in step.new.values()), "changed": changed,
             "frames": len(frames), "wire_bytes": wire, "bytes_per_change": wire / max(changed, 1),
+            "items_bytes_per_change": sum(map(len, item_frames)) / max(changed, 1),
             "today_bytes_per_change": sum(map(len, plain)) / max(changed, 1),
             "encode_s": t_enc, "decode_s": t_dec, "decode_apply_s": t_app,
-            "encode_us_per_tensor": t_enc / len(step.new) * 1e6,
-            "decode_apply_us_per_tensor": t_app / len(step.new) * 1e6,
-            "bit_exact": _exact(tg, step)}
+            "encode_us_per_tensor": t_enc / n * 1e6, "decode_apply_us_per_tensor": t_app / n * 1e6,
+            "items_encode_s": t_enc_items, "items_decode_apply_s": t_app_items,
+            "bit_exact": exact and exact_items}
 
 
 def stress_step(n: int, rate: float, seed: int) -> Step:
@@ -706,10 +731,14 @@ def format_table(r: dict) -> str:
     mt = r.get("many_tensors")
     if mt:
         lines += ["", f"many small tensors (fixed cost per tensor): {mt['tensors']:,} tensors, {mt['elements']:,} "
-                      f"elements, {mt['changed']:,} changed, {mt['frames']} frames: owner encode {mt['encode_s']:.2f} s "
-                      f"({mt['encode_us_per_tensor']:.0f} us/tensor), engine decode+apply {mt['decode_apply_s']:.2f} s "
-                      f"({mt['decode_apply_us_per_tensor']:.0f} us/tensor); {mt['bytes_per_change']:.2f} B/change "
-                      f"(today's coding {mt['today_bytes_per_change']:.2f}); exact={mt['bit_exact']}"]
+                      f"elements, {mt['changed']:,} changed, {mt['frames']} frames, in packs: owner encode "
+                      f"{mt['encode_s']:.2f} s ({mt['encode_us_per_tensor']:.1f} us/tensor), engine decode+apply "
+                      f"{mt['decode_apply_s']:.2f} s ({mt['decode_apply_us_per_tensor']:.1f} us/tensor), "
+                      f"{mt['bytes_per_change']:.2f} B/change; one item per tensor: encode "
+                      f"{mt.get('items_encode_s', float('nan')):.2f} s, decode+apply "
+                      f"{mt.get('items_decode_apply_s', float('nan')):.2f} s, "
+                      f"{mt.get('items_bytes_per_change', float('nan')):.2f} B/change (plain items "
+                      f"{mt['today_bytes_per_change']:.2f}); exact={mt['bit_exact']}"]
     sw = r.get("zstd_sweep") or {}
     if sw.get("levels"):
         lines += ["", f"zstd level sweep on {sw['case']} (default level {sw['default_level']}; "

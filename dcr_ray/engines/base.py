@@ -69,6 +69,10 @@ def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class EngineBackend(ABC):
     """Base class of receivers. Subclasses implement the abstract methods; see the module docstring."""
 
+    #: Whether :meth:`apply` takes frames with packs of small tensors (``frame.packs``, written by
+    #: :func:`~dcr_ray.codec.apply_decoded`); otherwise the engine expands them into per-tensor items.
+    applies_packs: bool = False
+
     @abstractmethod
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """Canonical name -> tensor holding the engine's canonical bits (CPU, contiguous).

@@ -19,6 +19,8 @@ from dcr_ray.engines.base import EngineBackend, canonical_state_dict
 class TransformersBackend(EngineBackend):
     """Wraps a ``transformers`` model (or any ``nn.Module``) built by ``model_factory()`` on CPU."""
 
+    applies_packs = True  # apply_decoded writes packs straight into the parameters
+
     def __init__(self, model_factory: Callable[[], torch.nn.Module]):
         self.model = model_factory()
         self.model.eval()

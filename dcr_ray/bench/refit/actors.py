@@ -257,6 +257,8 @@ class BenchTrainer(_Probe, TinyTrainer):
 class SyntheticBackend(EngineBackend):
     """A light receiver: canonical BF16 tensors applied in place exactly like the transformers backend."""
 
+    applies_packs = True
+
     def __init__(self, shapes: dict[str, tuple[int, ...]]):
         import torch
 
