@@ -185,9 +185,11 @@ class DeltaOwner:
         payloads: list[PayloadKey] = []
         wire = 0
         send_s = 0.0
-        # XOR of dense local chunks needs the committed bits; bootstrap sends absolute bits only
+        # XOR masks of dense local chunks and of pending chunks (which keep none) come from the committed
+        # bits, and only mixed frames read masks; bootstrap sends absolute bits only
         old = self.store.bits if base != BOOTSTRAP_BASE else None
-        canonical = project_all(deltas, self.specs, chunk_elems=self.config.codec.chunk_elems, old_bits=old)
+        canonical = project_all(deltas, self.specs, chunk_elems=self.config.codec.chunk_elems, old_bits=old,
+                                with_xor=mode == "mixed")
         overwrite_only = {n: False for s in self.specs.values() if s.overwrite_only for n in s.names}
         for frame in encode_frames(canonical, meta, mode=mode, bucket_bytes=self.config.codec.bucket_bytes,
                                    zstd_level=self.config.codec.zstd_level, key=self.config.codec.key,

@@ -1,7 +1,9 @@
 """Baselines: the committed bits of every owned tensor, plus the *pending* changed set of a transfer.
 
 An owner diffs its current tensors against the committed baseline, keeps the changed set as pending
-(sparse: coded positions + new bits per chunk, so pending costs about the payload, not a model copy),
+(sparse: coded positions + new bits per chunk, so pending costs less than the payload, not a model copy;
+no XOR masks: promote and OVERWRITE retries never read them, and a frame that needs them takes them
+again from these committed bits),
 and only when the commit record is written :meth:`BaselineStore.promote` folds it into the baseline.
 :meth:`BaselineStore.discard` drops it (attempt abandoned: the next diff starts from the same
 committed bits, which is what makes a retry recompute the same changed set).
@@ -134,10 +136,12 @@ class BaselineStore:
         self._pending_version = target_version
 
     def add_pending(self, delta: TensorDelta) -> None:
-        """Keep ``delta`` as the pending change of its tensor."""
+        """Keep ``delta`` as the pending change of its tensor, in its pending form
+        (:meth:`~dcr_ray.codec.diff.TensorDelta.pending_form`: positions and new bits, sharing ``delta``'s
+        arrays; ``delta`` itself is not changed and may still go to a first attempt's frames)."""
         if self._pending is None:
             raise BaselineError("add_pending() before begin(): open a pending set first")
-        self._pending[delta.name] = delta
+        self._pending[delta.name] = delta.pending_form()
 
     @property
     def pending_version(self) -> int | None:

@@ -10,7 +10,9 @@ then splits those few words into lanes, one cache-sized block at a time. The cod
 (:mod:`~dcr_ray.codec.threads`) take one chunk each when a tensor has several, or share a lone
 chunk's blocks; equality is always on integer views, so
 ``-0 != +0`` and NaN payloads are compared by their bits. Nothing chunk-sized is allocated besides
-the changed set itself.
+the changed set itself, and the per-change working set stays small: each block's positions are kept as
+int32 and the location symbols are computed in that buffer, so no int64 copy
+of a chunk's positions exists while it is coded (:func:`encode_locations_in_place`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 
 from dcr_ray.codec import context, locations
 from dcr_ray.codec.threads import codec_threads, run_all
-from dcr_ray.codec.bits import bits_view, wire_name
+from dcr_ray.codec.bits import bits_view, np_uint, wire_name
+from dcr_ray.codec.format import LocationMode
 
 #: Default chunk: 4 Mi elements (8 MiB of BF16).
 DEFAULT_CHUNK_ELEMS = 1 << 22
@@ -34,10 +37,14 @@ DEFAULT_DENSE_CROSSOVER = 0.9
 class ChunkDelta:
     """The changes of one chunk ``[lo, hi)`` of one tensor (flat element indices).
 
-    Exactly one of ``dense`` (all new bits of the chunk) or the sparse triple (``loc``, ``xor``,
-    ``new``) is set. A sparse chunk of a float tensor diffed against its old bits also carries ``ctx``,
-    its positions coded in the class order of those old bits (:mod:`~dcr_ray.codec.context`); the
-    frame builder uses whichever coding is smaller. Chunks made elsewhere (projections) may lack it.
+    Exactly one of ``dense`` (all new bits of the chunk) or the sparse pair (``loc``, ``new``) is set.
+    ``xor`` (``new ^ old`` at each position) rides along with a fresh diff for the first attempt's
+    frames; a *pending* chunk (:meth:`pending_form`, what an owner keeps for promote and retries) has
+    none, since both need only positions and new bits and the masks can be taken again from the
+    committed baseline (:func:`dcr_ray.sharding.project.project` does so when a frame needs them).
+    A sparse chunk of a float tensor diffed against its old bits may also carry ``ctx``, its positions
+    coded in the class order of those old bits (:mod:`~dcr_ray.codec.context`); the frame builder uses
+    whichever coding is smaller. Chunks made elsewhere (projections, pending sets) may lack it.
     """
 
     lo: int
@@ -63,7 +70,14 @@ class ChunkDelta:
     def nbytes(self) -> int:
         if self.dense is not None:
             return self.dense.nbytes
-        return self.loc.nbytes + self.xor.nbytes + self.new.nbytes
+        return self.loc.nbytes + (0 if self.xor is None else self.xor.nbytes) + self.new.nbytes
+
+    def pending_form(self) -> "ChunkDelta":
+        """This chunk as an owner keeps it pending: positions and new bits (shared, not copied), no XOR
+        masks and no class-order positions (only a first attempt's frames use either)."""
+        if self.dense is not None or (self.xor is None and self.ctx is None):
+            return self
+        return ChunkDelta(self.lo, self.hi, self.count, loc=self.loc, new=self.new)
 
 
 @dataclass(slots=True)
@@ -84,56 +98,79 @@ class TensorDelta:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
 
+    def pending_form(self) -> "TensorDelta":
+        """The changed set as an owner keeps it pending (see :meth:`ChunkDelta.pending_form`)."""
+        return TensorDelta(self.name, self.dtype, self.shape, self.numel, [c.pending_form() for c in self.chunks])
 
-#: Elements scanned per block: a BF16 block of old + new bits is 1 MiB, so the gathers that follow the
-#: word comparison hit a cache-resident block instead of going back to memory.
-SCAN_BLOCK_ELEMS = 1 << 18
+
+#: Elements scanned per block: a BF16 block of old + new bits is 512 KiB, so the gathers that follow the
+#: word comparison hit a cache-resident block, and the block's index temporaries (per differing word and
+#: per change) stay a small fraction of the tensor even where many elements changed.
+SCAN_BLOCK_ELEMS = 1 << 17
 #: Chunks of at least this many elements are scanned by several threads (numpy releases the GIL).
 PARALLEL_MIN_ELEMS = 1 << 19
+#: Chunks shorter than this keep their positions as int32 while they are scanned and coded.
+NARROW_SPAN = 1 << 31
 
 
-def _scan_words(old: np.ndarray, new: np.ndarray):
-    """(positions, xor, new bits) of one block whose length is a multiple of ``8 // itemsize``.
+def _scan_words(old: np.ndarray, new: np.ndarray, values: bool = True):
+    """(positions, xor, new bits) of one block (at most :data:`SCAN_BLOCK_ELEMS` elements) whose length is
+    a multiple of ``8 // itemsize``; positions int32, relative to the block; xor and new bits None unless
+    ``values``.
 
     Compares 64-bit words (four BF16 elements at a time) without writing a full-size XOR, finds the
-    few differing words and only splits those into lanes.
+    few differing words and only splits those into lanes. Indices are narrowed to int32 as soon as they
+    exist, and the per-word copies are released before the per-change positions are made.
     """
     s = old.dtype.itemsize
     if s == 8:
-        pos = np.flatnonzero(old != new)
+        pos = np.flatnonzero(old != new).astype(np.int32)
+        if not values:
+            return pos, None, None
         nv = new[pos]
         return pos, np.bitwise_xor(old[pos], nv), nv
     o64, n64 = old.view(np.uint64), new.view(np.uint64)
     wi = np.flatnonzero(o64 != n64)  # a bool mask has numpy's fast nonzero path
     if not len(wi):
-        return wi, np.empty(0, old.dtype), np.empty(0, old.dtype)
+        return wi.astype(np.int32), np.empty(0, old.dtype), np.empty(0, old.dtype)
     nw = n64[wi]
     xw = o64[wi]
+    wi = wi.astype(np.int32)
     np.bitwise_xor(xw, nw, out=xw)
     lanes = xw.view(old.dtype)
-    nz = np.flatnonzero(lanes != 0)
+    nz = np.flatnonzero(lanes != 0).astype(np.int32)
+    xor, nv = (lanes[nz], nw.view(old.dtype)[nz]) if values else (None, None)
+    del xw, lanes, nw
     shift = (8 // s).bit_length() - 1  # log2(lanes per word)
     pos = np.take(wi, nz >> shift)
+    del wi
     pos <<= shift
-    pos |= nz & ((1 << shift) - 1)
-    return pos, lanes[nz], nw.view(old.dtype)[nz]
+    nz &= (1 << shift) - 1
+    pos |= nz
+    return pos, xor, nv
 
 
-def _scan_range(old: np.ndarray, new: np.ndarray, lo: int, hi: int):
-    """Scan ``[lo, hi)`` block by block; positions relative to the start of ``old``."""
+def _scan_range(old: np.ndarray, new: np.ndarray, lo: int, hi: int, narrow: bool = False, values: bool = True):
+    """Scan ``[lo, hi)`` block by block: a list of (positions relative to the start of ``old``, xor, new
+    bits) per block with changes; positions int32 when ``narrow`` (the caller's span fits), else int64;
+    xor and new bits None unless ``values`` (a caller that gathers them later holds positions only)."""
     parts = []
     for a in range(lo, hi, SCAN_BLOCK_ELEMS):
         b = min(hi, a + SCAN_BLOCK_ELEMS)
-        p, x, v = _scan_words(old[a:b], new[a:b])
+        p, x, v = _scan_words(old[a:b], new[a:b], values)
         if len(p):
+            if not narrow:
+                p = p.astype(np.int64)
             if a:
                 p += a
             parts.append((p, x, v))
     return parts
 
 
-def _scan(old: np.ndarray, new: np.ndarray, threads: int | None = None):
-    """Positions (int64, relative), XOR masks and new bits where ``old`` and ``new`` differ."""
+def _scan_parts(old: np.ndarray, new: np.ndarray, threads: int | None = None, narrow: bool = False,
+                values: bool = True):
+    """Per-block (positions relative to ``old``, XOR masks, new bits) where ``old`` and ``new`` differ,
+    blocks in increasing order; see :func:`_scan_range` for ``narrow`` and ``values``."""
     n = len(old)
     k = 8 // old.dtype.itemsize
     m = n - n % k
@@ -143,20 +180,37 @@ def _scan(old: np.ndarray, new: np.ndarray, threads: int | None = None):
         # one contiguous share of whole blocks per thread
         nblocks = -(-m // SCAN_BLOCK_ELEMS)
         per = -(-nblocks // threads) * SCAN_BLOCK_ELEMS
-        shares = run_all([lambda a=a: _scan_range(old, new, a, min(m, a + per)) for a in range(0, m, per)])
+        shares = run_all([lambda a=a: _scan_range(old, new, a, min(m, a + per), narrow, values)
+                          for a in range(0, m, per)])
         parts = [p for share in shares for p in share]
     else:
-        parts = _scan_range(old, new, 0, m)
+        parts = _scan_range(old, new, 0, m, narrow, values)
     if m < n:
         x = np.bitwise_xor(old[m:], new[m:])
         nz = np.flatnonzero(x)
         if len(nz):
-            parts.append((nz + m, x[nz], new[m:][nz]))
+            p = (nz + m).astype(np.int32 if narrow else np.int64)
+            parts.append((p, x[nz], new[m:][nz]) if values else (p, None, None))
+    return parts
+
+
+def _join(parts: list, col: int, dtype=None) -> np.ndarray:
+    """Concatenate column ``col`` of ``parts`` and release the parts' arrays of that column as it goes,
+    so a chunk's arrays are never held twice over."""
+    out = parts[0][col] if len(parts) == 1 else np.concatenate([p[col] for p in parts])
+    if dtype is not None and out.dtype != dtype:
+        out = out.astype(dtype)
+    for i, p in enumerate(parts):
+        parts[i] = p[:col] + (None,) + p[col + 1:]
+    return out
+
+
+def _scan(old: np.ndarray, new: np.ndarray, threads: int | None = None):
+    """Positions (int64, relative), XOR masks and new bits where ``old`` and ``new`` differ."""
+    parts = _scan_parts(old, new, threads)
     if not parts:
         return np.empty(0, np.int64), np.empty(0, old.dtype), np.empty(0, old.dtype)
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(np.concatenate(col) for col in zip(*parts))
+    return _join(parts, 0, np.int64), _join(parts, 1), _join(parts, 2)
 
 
 def changed_positions(old: np.ndarray, new: np.ndarray):
@@ -168,25 +222,96 @@ def changed_positions(old: np.ndarray, new: np.ndarray):
     return pos, xor
 
 
+#: Symbols turned into gaps per step of :func:`_gaps_in_place` (bounds its overlap temporary).
+GAP_BLOCK = 1 << 12
+
+
+def _gaps_in_place(rel: np.ndarray) -> None:
+    """Turn sorted positions (relative to the item's ``lo``) into the ``gaps`` symbols of
+    :mod:`~dcr_ray.codec.locations`: ``p0``, then ``p[i] - p[i-1] - 1``; block by block from the end, so
+    every block still reads its predecessor's original last position."""
+    for a in range(((len(rel) - 1) // GAP_BLOCK) * GAP_BLOCK, -1, -GAP_BLOCK):
+        b = min(len(rel), a + GAP_BLOCK)
+        lo = max(a, 1)
+        if lo < b:
+            d = rel[lo:b] - rel[lo - 1:b - 1]
+            d -= 1
+            rel[lo:b] = d
+
+
+def encode_locations_in_place(rel: np.ndarray) -> locations.EncodedLocations:
+    """``locations.encode(rel, 0)``, byte for byte, without its int64 symbol copies: the gap symbols are
+    written over ``rel`` (sorted, unique, relative to the item's ``lo``, int32 or int64; consumed). Items where runs could win (at least
+    half the positions adjacent to their predecessor) go to :func:`locations.encode` itself."""
+    n = len(rel)
+    if n == 0:
+        return locations.EMPTY
+    _gaps_in_place(rel)
+    nruns = int(np.count_nonzero(rel[1:])) + 1
+    if nruns * 2 < n:  # runs may be the smaller coding: let the codec choose, on restored positions
+        pos = rel.astype(np.int64)
+        pos += 1
+        np.cumsum(pos, out=pos)
+        pos -= 1
+        return locations.encode(pos, 0)
+    _, w, nesc = locations._best_width(rel)
+    if w == 8:
+        return locations.EncodedLocations(LocationMode.GAPS, 8, n, rel.astype("<u8").tobytes(), b"")
+    prim = rel.astype(np.dtype(np_uint(w)).newbyteorder("<"))  # escaped symbols wrap, then get the marker
+    esc = b""
+    if nesc:
+        cap = (1 << (8 * w)) - 1
+        big = np.flatnonzero(rel >= cap)
+        esc = rel[big].astype("<u8").tobytes()
+        prim[big] = cap
+    return locations.EncodedLocations(LocationMode.GAPS, w, n, prim.tobytes(), esc)
+
+
+#: Positions per step of :func:`_gather` (bounds its index-conversion temporary).
+GATHER_BLOCK = 1 << 12
+
+
+def _gather(old: np.ndarray, new: np.ndarray, rel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(XOR masks, new bits) at positions ``rel``, gathered a block of positions at a time."""
+    nv = np.empty(len(rel), new.dtype)
+    xor = np.empty(len(rel), old.dtype)
+    for a in range(0, len(rel), GATHER_BLOCK):
+        r = rel[a:a + GATHER_BLOCK]
+        v, x = nv[a:a + GATHER_BLOCK], xor[a:a + GATHER_BLOCK]
+        np.take(new, r, out=v)
+        np.take(old, r, out=x)
+        np.bitwise_xor(x, v, out=x)
+    return xor, nv
+
+
 def _diff_chunk(o: np.ndarray, w: np.ndarray, lo: int, dense_crossover: float,
                 threads: int | None, wire_dtype: str | None = None) -> ChunkDelta | None:
-    """The :class:`ChunkDelta` of chunk ``[lo, lo + len(o))``, or None when it did not change."""
-    rel, xor, nv = _scan(o, w, threads)
-    if not len(rel):
-        return None
+    """The :class:`ChunkDelta` of chunk ``[lo, lo + len(o))``, or None when it did not change.
+
+    Working set besides the result: the chunk's positions once (int32 where the span allows) and one
+    block's temporaries. The scan keeps positions only; the new bits and XOR masks are gathered once
+    the class-order positions (which need only positions) are done, and the location symbols are then
+    coded in the positions' own buffer."""
     span = len(o)
+    parts = _scan_parts(o, w, threads, narrow=span < NARROW_SPAN, values=False)
+    if not parts:
+        return None
     itemsize = o.dtype.itemsize
     # raw sparse cost: positions + one value per change; dense: every element's value
     # (values alone over the limit: dense without coding the positions)
-    dense = len(rel) * itemsize >= dense_crossover * span * itemsize
-    if not dense:
-        loc = locations.encode(rel, 0)
-        dense = loc.nbytes + len(rel) * itemsize >= dense_crossover * span * itemsize
-    if dense:
+    if sum(len(p[0]) for p in parts) * itemsize >= dense_crossover * span * itemsize:
         return ChunkDelta(lo, lo + span, span, dense=np.array(w, copy=True))
+    rel = _join(parts, 0)
+    del parts
     ctx = context.encode(o, rel, wire_dtype) if wire_dtype is not None and context.promising(o, rel, wire_dtype) \
         else None
-    return ChunkDelta(lo, lo + span, len(rel), loc=loc, xor=xor, new=nv, ctx=ctx)
+    xor, nv = _gather(o, w, rel)
+    count = len(rel)
+    loc = encode_locations_in_place(rel)
+    del rel
+    if loc.nbytes + count * itemsize >= dense_crossover * span * itemsize:
+        return ChunkDelta(lo, lo + span, span, dense=np.array(w, copy=True))
+    return ChunkDelta(lo, lo + span, count, loc=loc, xor=xor, new=nv, ctx=ctx)
 
 
 def diff_arrays(

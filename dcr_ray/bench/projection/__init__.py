@@ -94,7 +94,8 @@ def baselines(params: list[L.Param]) -> dict[int, dict[str, np.ndarray]]:
 def project_rank(params: list[L.Param], rank: int, base: dict[str, np.ndarray], *, keep: bool = True):
     """One owner: diff every local piece against its baseline and project it. Returns (local changed sets,
     canonical changed sets); with ``keep=False`` the canonical sets are dropped as they come, as the owner's
-    frame encoder consumes them (the local sets stay: they are the owner's pending set)."""
+    frame encoder consumes them (the local sets stay, in the form the owner keeps them pending:
+    :meth:`~dcr_ray.codec.diff.TensorDelta.pending_form`, as ``BaselineStore.add_pending`` does)."""
     local, canon = [], []
     for p in params:
         for pc in p.pieces.get(rank, ()):
@@ -102,10 +103,11 @@ def project_rank(params: list[L.Param], rank: int, base: dict[str, np.ndarray], 
             b = base[pc.local]
             td = diff_tensor(pc.local, b, t, chunk_elems=CHUNK_ELEMS)
             if td.chunks:
-                local.append(td)
+                local.append(td.pending_form())
                 for ctd in project(td, pc.spec, chunk_elems=CHUNK_ELEMS, old_bits=lambda b=b: b):
                     if keep:
                         canon.append(ctd)
+                del td  # the first attempt's XOR masks live only while its frames are built
     return local, canon
 
 
