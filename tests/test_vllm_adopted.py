@@ -55,8 +55,9 @@ def _serve(handle):
     return ray.get(handle.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS))
 
 
-@pytest.mark.parametrize("arch,tied,tp", [("qwen2", True, 1), ("qwen3", False, 1), ("qwen3_moe", False, 1),
-                                           ("qwen2", False, 2)])
+# tied and untied heads, an MoE (with Qwen3's q/k norms) and tensor parallelism; plain Qwen3 adds nothing
+# these do not cover and costs the suite half a minute
+@pytest.mark.parametrize("arch,tied,tp", [("qwen2", True, 1), ("qwen3_moe", False, 1), ("qwen2", False, 2)])
 def test_an_adopted_engine_refit_over_adamw_steps_serves_what_a_fresh_engine_serves(local_ray, tmp_path, arch, tied,
                                                                                     tp):
     spec = ModelSpec(arch=arch, tie_word_embeddings=tied, seed=11)
