@@ -43,6 +43,7 @@ from dcr_ray import metrics
 from dcr_ray.codec.baseline import BaselineStore
 from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec.diff import TensorDelta, full_delta
+from dcr_ray.codec.packed import PackDelta
 from dcr_ray.codec import BOOTSTRAP_BASE, FrameMeta, PayloadKey, encode_frames
 from dcr_ray.sharding import Shard, ShardSpec, canonical_specs, project_all, resolve_shards
 from dcr_ray.sharding.device import DeviceBaseline, delta_from_changes
@@ -86,6 +87,8 @@ class DeltaOwner:
         self._promote_error: BaseException | None = None
         self._promote_lock = threading.RLock()
         self.specs: dict[str, ShardSpec] = {}
+        self._plans: list = []  # packs of small direct tensors (BaselineStore.plan_packs), fixed at attach
+        self._numel_total = 0
         #: committed bits of this owner's GPU shards on their device (``OwnerConfig.gpu_baseline``)
         self.device = DeviceBaseline()
 
@@ -103,6 +106,8 @@ class DeltaOwner:
                     self.device.add(name, sh.tensor)
                 self.specs[name] = sh.spec
             self.store.version = version
+            self._plans = self.store.plan_packs([n for n in self.store.names() if self._packable(n)])
+            self._numel_total = sum(self._numel(n) for n in self.store.names())
         else:
             self._check_layout(shards)
         return canonical_specs({n: Shard(shards[n].tensor, self.specs[n]) for n in self.store.names()}, wire_name)
@@ -122,7 +127,7 @@ class DeltaOwner:
             sh = shards.get(name)
             if sh is None:
                 raise BaselineError(f"owner {self.owner_id}: tensor {name!r} disappeared from dcr_tensors()")
-            if sh.spec != self.specs[name]:
+            if sh.spec is not self.specs[name] and sh.spec != self.specs[name]:
                 raise BaselineError(f"owner {self.owner_id}: the shard layout of {name!r} changed since attach "
                                     f"(resharding needs a new owner)")
 
@@ -154,7 +159,7 @@ class DeltaOwner:
         summary = self._send(deltas, transfer=transfer, attempt=attempt, base=base, target=target,
                              mode=mode, sink=sink, t0=t0, base_id=base_id)
         summary["key"] = key
-        summary["numel"] = sum(self._numel(n) for n in self.store.names())
+        summary["numel"] = self._numel_total
         self._last_summary = summary
         metrics.record("owner_wire", summary["wire_bytes"], tags={"owner": self.owner_id})
         metrics.record("owner_seconds", time.perf_counter() - t0, tags={"owner": self.owner_id})
@@ -163,10 +168,26 @@ class DeltaOwner:
     def _numel(self, name: str) -> int:
         return len(self.store.bits(name))
 
-    def _diff_all(self, tensors: Mapping[str, object]) -> Iterable[TensorDelta]:
+    def _packable(self, name: str) -> bool:
+        """Whether ``name`` is diffed and sent in packs: a small whole tensor on the CPU path, sent as is."""
+        spec = self.specs[name]
+        return (self.store.in_arena(name) and spec.is_direct and spec.cells[0].name == name
+                and not spec.overwrite_only and name not in self.device)
+
+    def _diff_all(self, tensors: Mapping[str, object]) -> Iterable[TensorDelta | PackDelta]:
         shards = resolve_shards(tensors, to_host=False)
         self._check_layout(shards)
+        for plan in self._plans:  # small tensors: one scan per pack
+            ts = [shards[n].tensor for n in plan.names]
+            ts = [t if t.is_cpu and t.is_contiguous() else t.detach().cpu().contiguous() for t in ts]
+            pd = self.store.diff_pack(plan, ts)
+            if pd is not None:
+                self.store.add_pending(pd)
+                yield pd
+        packed_names = {n for plan in self._plans for n in plan.names}
         for name in self.store.names():
+            if name in packed_names:
+                continue
             t = shards[name].tensor
             if name in self.device:  # diffed on its GPU: only the changes come to the host
                 pos, new = self.device.changes(name, t)
@@ -188,6 +209,8 @@ class DeltaOwner:
         # XOR masks of dense local chunks and of pending chunks (which keep none) come from the committed
         # bits, and only mixed frames read masks; bootstrap sends absolute bits only
         old = self.store.bits if base != BOOTSTRAP_BASE else None
+        if mode == "mixed":  # pending packs keep no masks either
+            deltas = (self.store.with_xor(d) if isinstance(d, PackDelta) else d for d in deltas)
         canonical = project_all(deltas, self.specs, chunk_elems=self.config.codec.chunk_elems, old_bits=old,
                                 with_xor=mode == "mixed")
         overwrite_only = {n: False for s in self.specs.values() if s.overwrite_only for n in s.names}
@@ -222,7 +245,7 @@ class DeltaOwner:
                   for n in self.store.names())
         summary = self._send(deltas, transfer=transfer, attempt=0, base=BOOTSTRAP_BASE,
                              target=self.store.version, mode="overwrite", sink=sink, t0=t0)
-        summary["numel"] = sum(self._numel(n) for n in self.store.names())
+        summary["numel"] = self._numel_total
         return summary
 
     def promote(self, version: int) -> int:

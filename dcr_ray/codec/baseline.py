@@ -28,6 +28,7 @@ Promote is O(changes) and leaves every page that holds no change clean:
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import shutil
@@ -37,13 +38,16 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from dcr_ray.codec.bits import bits_view, wire_name
+from dcr_ray.codec import packed, ptrkernels
+from dcr_ray.codec.arena import Arena, advise_small_folios as _advise_small_folios
+from dcr_ray.codec.bits import bits_view, dtype_of, wire_name
 from dcr_ray.codec.diff import (
     DEFAULT_CHUNK_ELEMS,
     DEFAULT_DENSE_CROSSOVER,
     TensorDelta,
     diff_tensor,
 )
+from dcr_ray.codec.packed import PackDelta
 from dcr_ray.errors import BaselineError
 
 
@@ -68,12 +72,20 @@ class BaselineStore:
         self._pending: dict[str, TensorDelta] | None = None
         self._pending_version: int | None = None
         self._nfiles = 0  # memmap files ever created: a re-added name never reuses another's file
+        #: small tensors (:func:`~dcr_ray.codec.packed.packable`) live in an arena: few maps, stable addresses
+        self._arena = Arena(None if in_memory else directory)
+        self._addr: dict[str, int] = {}
+        self._pending_packs: list[PackDelta] = []
 
     # -- contents --------------------------------------------------------------------------------
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Record ``tensor``'s current bits as the committed baseline of ``name``."""
         src = bits_view(tensor.detach().contiguous())
-        if self.in_memory:
+        if packed.packable(name, len(src)):
+            arr = self._arena.allocate(src.dtype, len(src))
+            arr[:] = src
+            self._addr[name] = Arena.address(arr)
+        elif self.in_memory:
             arr = src.copy()
         else:
             fname = os.path.join(self.directory, f"{self._nfiles:06d}.bits")
@@ -86,6 +98,10 @@ class BaselineStore:
 
     def names(self) -> list[str]:
         return list(self._bits)
+
+    def in_arena(self, name: str) -> bool:
+        """Whether ``name`` is a small tensor held in the arena (it can join a pack)."""
+        return name in self._addr
 
     def __contains__(self, name: str) -> bool:
         return name in self._bits
@@ -114,6 +130,45 @@ class BaselineStore:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self._bits.values())
 
+    # -- packs of small tensors ---------------------------------------------------------------------
+    def plan_packs(self, names: Iterable[str]) -> list[PackPlan]:
+        """Group the packable ``names`` (held in the arena) into packs by dtype, in order, each at most
+        ``chunk_elems`` elements (a pack is bounded like a chunk); an owner plans once, diffs every refit."""
+        by_dtype: dict[str, dict[str, int]] = {}
+        for n in names:
+            if n not in self._addr:
+                raise BaselineError(f"{n!r} is not a small tensor held in the arena: it cannot join a pack")
+            by_dtype.setdefault(self._meta[n][0], {})[n] = len(self._bits[n])
+        return [PackPlan(grp, [self._meta[n][1] for n in grp], [self._bits[n] for n in grp],
+                         np.fromiter((self._addr[n] for n in grp), np.int64, len(grp)), dtype_of(dt))
+                for dt, sizes in by_dtype.items() for grp in packed.plan_packs(sizes, self.chunk_elems)]
+
+    def diff_pack(self, plan: PackPlan, tensors: list[torch.Tensor]) -> PackDelta | None:
+        """The pack of ``plan``'s tensors (``tensors``, in plan order) that changed, or None."""
+        for name, t in zip(plan.names, tensors):
+            if t.dtype is not plan.dtype:
+                raise BaselineError(f"{name}: baseline holds {plan.dtype} but the tensor is {t.dtype}; owners "
+                                    f"must hand the same canonical dtype and shape every step")
+        try:
+            return packed.diff_pack(plan.names, plan.shapes, plan.old, tensors, plan.addrs)
+        except ValueError as e:
+            raise BaselineError(f"{e}; owners must hand the same canonical dtype and shape every step") from None
+
+    def with_xor(self, pd: PackDelta) -> PackDelta:
+        """``pd`` with its XOR masks (taken against the committed bits when ``pd`` is a pending form)."""
+        if pd.xor is not None:
+            return pd
+        return dataclasses.replace(pd, xor=np.bitwise_xor(self._pack_take(pd), pd.new))
+
+    def _pack_take(self, pd: PackDelta) -> np.ndarray:
+        """The committed bits at every position of ``pd``."""
+        addrs = np.fromiter((self._addr[n] for n in pd.names), np.int64, len(pd.names))
+        if ptrkernels.ENABLED:
+            return ptrkernels.take_from(addrs, pd.offsets, pd.positions, pd.new.dtype)
+        cuts = np.searchsorted(pd.positions, pd.offsets)
+        return np.concatenate([self._bits[n][pd.positions[cuts[t]:cuts[t + 1]] - pd.offsets[t]]
+                               for t, n in enumerate(pd.names)])
+
     # -- diff / pending --------------------------------------------------------------------------
     def diff(self, name: str, tensor: torch.Tensor, *, class_order: bool = True) -> TensorDelta:
         """Changed set of ``tensor`` against the committed bits of ``name`` (not recorded); ``class_order``:
@@ -133,6 +188,7 @@ class BaselineStore:
         if target_version <= self.version:
             raise BaselineError(f"target version {target_version} must exceed committed {self.version}")
         self._pending = {}
+        self._pending_packs = []
         self._pending_version = target_version
 
     def add_pending(self, delta: TensorDelta) -> None:
@@ -141,14 +197,18 @@ class BaselineStore:
         arrays; ``delta`` itself is not changed and may still go to a first attempt's frames)."""
         if self._pending is None:
             raise BaselineError("add_pending() before begin(): open a pending set first")
+        if isinstance(delta, PackDelta):  # positions and new bits only, like a tensor's pending form
+            self._pending_packs.append(dataclasses.replace(delta, xor=None))
+            return
         self._pending[delta.name] = delta.pending_form()
 
     @property
     def pending_version(self) -> int | None:
         return self._pending_version
 
-    def pending(self) -> Iterable[TensorDelta]:
-        return list((self._pending or {}).values())
+    def pending(self) -> list[TensorDelta | PackDelta]:
+        """The pending changed sets: per tensor, then the packs (positions and new bits, no masks)."""
+        return [*(self._pending or {}).values(), *self._pending_packs]
 
     def promote(self, version: int) -> int:
         """Fold the pending set into the committed baseline; returns elements written."""
@@ -161,14 +221,29 @@ class BaselineStore:
             arr = self._bits[td.name]
             for ch in td.chunks:
                 n += write_changes(arr, ch)
+        for pd in self._pending_packs:  # only the changed positions: untouched pages stay clean
+            n += self._pack_put(pd)
         # No msync here: the memory-mapped files are private scratch space of this process (nothing
         # re-opens them), so forcing dirty pages to disk would buy no durability. It would cost time on
         # every commit: each flush writes the dirty pages out and write-protects them, so the next
         # promote's scattered writes fault again (BENCHMARKS.md, ``dcr-ray bench refit``).
         self.version = version
         self._pending = None
+        self._pending_packs = []
         self._pending_version = None
         return n
+
+    def _pack_put(self, pd: PackDelta) -> int:
+        """Write ``pd``'s new bits into the committed bits of its tensors; returns the elements written."""
+        if ptrkernels.ENABLED:
+            addrs = np.fromiter((self._addr[n] for n in pd.names), np.int64, len(pd.names))
+            ptrkernels.put_into(addrs, pd.offsets, pd.positions, pd.new)
+        else:
+            cuts = np.searchsorted(pd.positions, pd.offsets)
+            for t, name in enumerate(pd.names):
+                a, b = cuts[t], cuts[t + 1]
+                self._bits[name][pd.positions[a:b] - pd.offsets[t]] = pd.new[a:b]
+        return pd.changed
 
     def pending_pages(self, page_bytes: int = mmap.PAGESIZE) -> int:
         """Pages of the baseline files that hold at least one pending change (positions decoded here:
@@ -178,15 +253,23 @@ class BaselineStore:
             itemsize = self._bits[td.name].dtype.itemsize
             pages = [chunk_changes(self._bits[td.name], ch) * itemsize // page_bytes for ch in td.chunks]
             total += len(np.unique(np.concatenate(pages))) if pages else 0
+        for pd in self._pending_packs:  # arena blocks are page-aligned maps: pages by address
+            addrs = np.fromiter((self._addr[n] for n in pd.names), np.int64, len(pd.names))
+            counts = np.diff(np.searchsorted(pd.positions, pd.offsets))
+            where = np.repeat(addrs - pd.offsets[:-1] * pd.new.itemsize, counts) + pd.positions * pd.new.itemsize
+            total += len(np.unique(where // page_bytes))
         return total
 
     def discard(self) -> None:
         """Drop the pending set; the committed baseline is unchanged."""
         self._pending = None
+        self._pending_packs = []
         self._pending_version = None
 
     def close(self) -> None:
         self._bits.clear()
+        self._addr.clear()
+        self._arena.close()
         if self._own_dir and self.directory:
             shutil.rmtree(self.directory, ignore_errors=True)
 
@@ -219,13 +302,12 @@ def write_changes(arr: np.ndarray, ch) -> int:
     return ch.count
 
 
-def _advise_small_folios(arr: np.ndarray) -> None:
-    """Ask for 4 KiB page-cache folios under a fresh memory map (``MADV_RANDOM``: no readahead, so no
-    large folios whose single dirty bit would cover up to 2 MiB); a no-op where madvise is missing."""
-    mm = getattr(arr, "_mmap", None)
-    advice = getattr(mmap, "MADV_RANDOM", None)
-    if mm is not None and advice is not None and hasattr(mm, "madvise"):
-        try:
-            mm.madvise(advice)
-        except OSError:  # advice only: the store works without it, with coarser dirty tracking
-            pass
+@dataclasses.dataclass(frozen=True, slots=True)
+class PackPlan:
+    """A pack's fixed part, planned once: its tensors' names, shapes, committed bits and their addresses."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    old: list[np.ndarray]
+    addrs: np.ndarray
+    dtype: torch.dtype

@@ -131,12 +131,12 @@ def _compact(dtype, names, shapes, offsets, pos, xor, new) -> PackDelta:
     return PackDelta(dtype, names, shapes, offsets, pos, xor, new)
 
 
-def plan_packs(sizes: Mapping[str, int]) -> list[list[str]]:
+def plan_packs(sizes: Mapping[str, int], span_elems: int = PACK_SPAN_ELEMS) -> list[list[str]]:
     """Cut the packable names of ``sizes`` (name -> elements, in order) into packs of at most
-    :data:`PACK_SPAN_ELEMS` elements, keeping their order."""
+    ``span_elems`` elements (owners use their chunk size), keeping their order."""
     packs, cur, span = [], [], 0
     for name, n in sizes.items():
-        if span + n > PACK_SPAN_ELEMS and cur:
+        if span + n > span_elems and cur:
             packs.append(cur)
             cur, span = [], 0
         cur.append(name)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping, NamedTuple
 
 import torch
@@ -26,12 +27,30 @@ class Shard(NamedTuple):
     spec: ShardSpec
 
 
-def _is_dtensor(t) -> bool:
+def _dtensor_type():
+    """torch's DTensor class, or None in a torch build without distributed."""
     try:
         from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch build without distributed
-        return False
-    return isinstance(t, DTensor)
+    except ImportError:
+        return None
+    return DTensor
+
+
+def _is_dtensor(t) -> bool:
+    global _DTENSOR
+    if _DTENSOR is False:
+        _DTENSOR = _dtensor_type()
+    return _DTENSOR is not None and isinstance(t, _DTENSOR)
+
+
+_DTENSOR = False  # not looked up yet
+
+
+@functools.lru_cache(maxsize=1 << 20)
+def _direct(name: str, shape: tuple[int, ...]) -> ShardSpec:
+    """The direct spec of a plain tensor (specs are immutable: one per (name, shape), built and checked
+    once, not on every refit of a model with 10^5 tensors)."""
+    return ShardSpec.direct(name, shape)
 
 
 def resolve_shards(tensors: Mapping[str, object], *, to_host: bool = True) -> dict[str, Shard]:
@@ -53,7 +72,7 @@ def resolve_shards(tensors: Mapping[str, object], *, to_host: bool = True) -> di
             if share is not None:
                 out[name] = Shard(share[0], share[1])
         elif isinstance(t, torch.Tensor):
-            out[name] = Shard(t, ShardSpec.direct(name, tuple(t.shape)))
+            out[name] = Shard(t, _direct(name, tuple(t.shape)))
         else:
             raise ShardSpecError(f"dcr_tensors()[{name!r}] is a {type(t).__name__}: give a torch.Tensor, a "
                                  f"DTensor or a dcr_ray.sharding.Shard(tensor, spec)")

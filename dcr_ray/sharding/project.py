@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 
 from dcr_ray.codec.diff import NARROW_SPAN, ChunkDelta, TensorDelta, encode_locations_in_place
+from dcr_ray.codec.packed import PackDelta
 from dcr_ray.sharding.spec import ShardSpec, contiguous_strides
 
 
@@ -68,8 +69,12 @@ def project(td: TensorDelta, spec: ShardSpec, *, chunk_elems: int,
 def project_all(deltas: Iterable[TensorDelta], specs: dict[str, ShardSpec], *, chunk_elems: int,
                 old_bits: Callable[[str], np.ndarray] | None = None,
                 with_xor: bool = True) -> Iterator[TensorDelta]:
-    """:func:`project` every local changed set of ``deltas`` through ``specs[td.name]``."""
+    """:func:`project` every local changed set of ``deltas`` through ``specs[td.name]``; packs of small
+    tensors (:class:`~dcr_ray.codec.packed.PackDelta`) hold only direct tensors and pass through."""
     for td in deltas:
+        if isinstance(td, PackDelta):
+            yield td
+            continue
         yield from project(td, specs[td.name], chunk_elems=chunk_elems, with_xor=with_xor,
                            old_bits=None if old_bits is None else (lambda n=td.name: old_bits(n)))
 
