@@ -1,14 +1,14 @@
 """In-place rollback: the inverse of every write a transfer made into an engine, in O(changes) memory.
 
-Before an engine applies a validated frame of a transfer, :meth:`UndoLog.record` keeps its inverse:
-an XOR item is its own inverse (the same masks again); an OVERWRITE, ADD or DENSE item keeps the bits
-it is about to replace (the inverse of an ADD item is an OVERWRITE of those bits: as small as the
-negated difference in memory, and independent of how the difference was coded). If the transfer is abandoned, :meth:`UndoLog.rollback` applies the inverses newest
-first through the backend's own ``apply`` and ``flush`` (so a runtime that reloads touched tensors
-reloads them again), which returns every touched element to the committed version exactly; later
-attempts of the same transfer stack their own inverses on top, so any mix of partial attempts unwinds.
-Committing (or starting the next transfer) drops the log. Packs of small tensors follow the same rules (an XOR pack is its own inverse; any
-other keeps the bits at its positions as an OVERWRITE pack). Dense re-bootstrap stays the last resort,
+Before an engine applies a validated frame of a transfer, :meth:`UndoLog.record` keeps its inverse: the
+bits each item (or pack) is about to replace, as an OVERWRITE of those positions (DENSE for a dense item).
+Every inverse is idempotent: it restores the committed bits whether the frame was applied, applied in
+part (a backend that failed half-way) or not at all, which an XOR inverse (the same masks again) would
+not. If the transfer is abandoned, :meth:`UndoLog.rollback` applies the inverses newest first through
+the backend's own ``apply`` and ``flush`` (so a runtime that reloads touched tensors reloads them
+again), which returns every touched element to the committed version exactly; later attempts of the
+same transfer stack their own inverses on top, so any mix of partial attempts unwinds. Committing (or
+starting the next transfer) drops the log. Dense re-bootstrap stays the last resort,
 for backends that cannot read their bits cheaply (``EngineBackend.undo_tensors()`` is None).
 """
 
@@ -39,10 +39,6 @@ class UndoLog:
         context.resolve(frame.items, tensors)  # class-mode positions: from the bits about to be replaced
         items = []
         for it in frame.items:
-            if it.encoding == Encoding.XOR:
-                items.append(it)  # x ^ m ^ m == x
-                self.nbytes += it.values.nbytes + it.positions.nbytes
-                continue
             view = bits_view(tensors[it.name])
             if it.encoding == Encoding.DENSE:
                 old = np.array(view[it.lo:it.hi], copy=True)
@@ -53,13 +49,10 @@ class UndoLog:
                 self.nbytes += it.positions.nbytes
             self.nbytes += old.nbytes
         packs = []
-        for pk in frame.packs:  # the same rules, one pack at a time
-            if pk.encoding == Encoding.XOR:
-                packs.append(pk)
-            else:
-                old = packed.old_values(pk, tensors)
-                packs.append(dataclasses.replace(pk, encoding=Encoding.OVERWRITE, values=old))
-            self.nbytes += pk.values.nbytes + pk.positions.nbytes + pk.offsets.nbytes
+        for pk in frame.packs:
+            old = packed.old_values(pk, tensors)
+            packs.append(dataclasses.replace(pk, encoding=Encoding.OVERWRITE, values=old))
+            self.nbytes += old.nbytes + pk.positions.nbytes + pk.offsets.nbytes
         # the inverse goes from the frame's target back to its base (backends that tag outputs with the
         # version of the frames they applied then report the base again)
         back = dataclasses.replace(frame.meta, base=frame.meta.target, target=frame.meta.base)
