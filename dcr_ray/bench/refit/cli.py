@@ -44,7 +44,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "CodecConfig defaults, 16 MiB and 1 Mi elements)")
     p.add_argument("--rates", default=",".join(f"{100 * r:g}" for r in STRESS_RATES),
                    help="stress change rates in %% (default %(default)s)")
-    p.add_argument("--cases", default="stress,adamw", help="stress, adamw or both (default: both)")
+    p.add_argument("--cases", default="stress,adamw,experts",
+                   help="comma-separated: stress (synthetic model, every rate), adamw (real AdamW steps), experts "
+                        "(10^5 small MoE expert tensors at 1%%: the fixed cost per tensor); default: all three")
     p.add_argument("--receivers", default=None,
                    help="engines of the adamw cases: hf (transformers; case adamw), vllm (dcr_ray-started vLLM "
                         "on CPU; case adamw-vllm) or both (default hf,vllm; hf with --quick)")

@@ -13,7 +13,7 @@ from dcr_ray.bench.refit.reference import attach_references, measure_references
 from dcr_ray.bench.refit.settings import RECEIVER_CASE, TRANSPORTS, Settings
 from dcr_ray.bench.refit.sweep import link_table
 from dcr_ray.bench.refit.targets import TARGETS, checks
-from dcr_ray.bench.refit.topology import launch_adamw, launch_stress
+from dcr_ray.bench.refit.topology import EXPERT_TENSORS, expert_shapes, launch_adamw, launch_stress
 
 
 def run_bench(s: Settings) -> dict:
@@ -33,6 +33,8 @@ def run_bench(s: Settings) -> dict:
     for transport in s.transports:
         if "stress" in s.cases:
             cases += run_stress(s, transport, result)
+        if "experts" in s.cases:
+            cases += run_experts(s, transport)
         for receiver in receivers:
             cases += run_adamw(s, transport, receiver, result)
     result["cases"] = cases
@@ -109,6 +111,28 @@ def run_stress(s: Settings, transport: str, result: dict) -> list[dict]:
     finally:
         topo.shutdown()
     return cases
+
+
+def run_experts(s: Settings, transport: str, rate: float = 0.01) -> list[dict]:
+    """The many-tensor case: :data:`~.topology.EXPERT_TENSORS` small expert tensors at ``rate``, after a
+    warm-up refit; what it shows is the fixed cost per tensor (owner construct, engine apply), which packs
+    (:mod:`dcr_ray.codec.packed`) keep to microseconds."""
+    import ray
+
+    topo = launch_stress(s, transport, shapes=expert_shapes(), kind="experts", owners=1)  # one owner holds all
+    seed = s.seed * 1000 + 900
+    try:
+        for k in range(2):  # the first refit is the warm-up (kernels loaded), the second is measured
+            r = ray.get([h.perturb.remote(rate, seed + k) for h in topo.owners.values()])
+            c = measure_refit(topo, with_peers=False)
+        c["name"] = f"experts-{100 * rate:g}%-{transport}"
+        c["case"] = "experts"
+        c["change_rate"] = sum(x["changed"] for x in r) / sum(x["numel"] for x in r)
+        c["bit_exact"] = c["bit_exact"] and check_exact_elementwise(topo)
+        log(f"  experts: one owner of {EXPERT_TENSORS:,} tensors: {_short(c)}")
+    finally:
+        topo.shutdown()
+    return [c]
 
 
 def run_adamw(s: Settings, transport: str, receiver: str = "hf", result: dict | None = None) -> list[dict]:

@@ -11,7 +11,8 @@ from dcr_ray.bench.refit.settings import Settings
 
 #: Minimum speedup against the measured reference at 3% and 5% (headline link), and the most baseline
 #: pages a promote may dirty per page that holds a change.
-TARGETS = {"speedup_3pct_min": 40.0, "speedup_5pct_min": 25.0, "dirty_per_changed_page_max": 1.5}
+TARGETS = {"speedup_3pct_min": 40.0, "speedup_5pct_min": 25.0, "dirty_per_changed_page_max": 1.5,
+           "experts_fixed_cost_max_s": 0.5}
 
 
 def checks(cases: list[dict], s: Settings, link_cases: list[dict] | None = None) -> dict:
@@ -31,6 +32,10 @@ def checks(cases: list[dict], s: Settings, link_cases: list[dict] | None = None)
         "dirty_pages<=1.5x changed_pages": {
             c["name"]: c["dirty_pages"] <= t["dirty_per_changed_page_max"] * c["changed_pages"]
             for c in every if c.get("dirty_pages") is not None},
+        "10^5 tensors: owner construct <= 0.5 s": {c["name"]: c["construct_s"] <= t["experts_fixed_cost_max_s"]
+                                                    for c in cases if c.get("case") == "experts"},
+        "10^5 tensors: engine apply <= 0.5 s": {c["name"]: c["apply_s"] <= t["experts_fixed_cost_max_s"]
+                                                for c in cases if c.get("case") == "experts"},
         "bit_exact": {c["name"]: c["bit_exact"] for c in every},
         "peers_bit_exact": {c["name"]: c["peers_bit_exact"] for c in cases if "peers_bit_exact" in c},
     }

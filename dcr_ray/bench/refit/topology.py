@@ -123,30 +123,50 @@ def _finish_launch(kind, transport, refit, owners, canonical, numel, model, s, s
     return topo
 
 
-def launch_stress(s: Settings, transport: str) -> Topology:
-    """Two synthetic owners of ``s.size``'s canonical tensors, ``s.engines`` light engines."""
+#: The many-tensor case: 10^5 MoE expert tensors of (16, 32) BF16 (gate/up/down of 128 experts per layer).
+EXPERT_TENSORS = 100_000
+EXPERT_SHAPE = (16, 32)
+
+
+def expert_shapes(n: int = EXPERT_TENSORS, shape: tuple = EXPERT_SHAPE) -> dict[str, tuple[int, ...]]:
+    """Canonical names and shapes of ``n`` small expert tensors, named like an MoE model's."""
+    out = {}
+    for i in range(n):
+        layer, rest = divmod(i, 3 * 128)
+        out[f"model.layers.{layer}.mlp.experts.{rest // 3}.{('gate_proj', 'up_proj', 'down_proj')[rest % 3]}.weight"] \
+            = shape
+    return out
+
+
+def launch_stress(s: Settings, transport: str, shapes: dict | None = None, kind: str = "stress",
+                  owners: int | None = None) -> Topology:
+    """``s.owners`` (or ``owners``) synthetic owners of ``s.size``'s canonical tensors (or of ``shapes``),
+    ``s.engines`` light engines."""
     import ray
 
     from dcr_ray.actors.owner import owned_names
     from dcr_ray.options import actor_options
 
-    shapes = canonical_shapes(s.size)
+    shapes = shapes or canonical_shapes(s.size)
+    n_owners = owners or s.owners
     numel = sum(math.prod(v) for v in shapes.values())
-    log(f"[{transport}] stress topology: {s.size} shapes, {len(shapes)} tensors, {numel / 1e6:.0f} M BF16 "
-        f"elements ({2 * numel / 1e9:.2f} GB), {s.owners} owners, {s.engines} engines; building + dense "
+    log(f"[{transport}] {kind} topology: {s.size if kind == 'stress' else kind} shapes, {len(shapes)} tensors, "
+        f"{numel / 1e6:.0f} M BF16 elements ({2 * numel / 1e9:.2f} GB), {n_owners} owners, {s.engines} engines; "
+        f"building + dense "
         f"bootstrap (no link emulation during bootstrap)")
     Owner = ray.remote(BenchOwner)
     names = list(shapes)
     owners, share = {}, 0
-    for r in range(s.owners):
-        mine = {n: shapes[n] for n in owned_names(names, r, s.owners)}
+    for r in range(n_owners):
+        mine = {n: shapes[n] for n in owned_names(names, r, n_owners)}
         share = max(share, 2 * sum(math.prod(v) for v in mine.values()))
         owners[f"owner{r}"] = Owner.options(**actor_options("owner", f"dcr_bench_owner{r}")).remote(mine, s.seed)
     ray.get([h.bench_set_baseline.remote(s.baseline) for h in owners.values()])
     t = time.perf_counter()
     refit = _launch(s, transport, owners=owners, engine=SyntheticEngine(shapes))
     log(f"  up in {time.perf_counter() - t:.1f}s")
-    topo = _finish_launch("stress", transport, refit, owners, 2 * numel, numel, s.size, s, share)
+    topo = _finish_launch(kind, transport, refit, owners, 2 * numel, numel, s.size if kind == "stress" else kind,
+                          s, share)
     topo.tensors = len(shapes)
     return topo
 
