@@ -99,6 +99,10 @@ class BaselineStore:
     def names(self) -> list[str]:
         return list(self._bits)
 
+    def address(self, name: str) -> int:
+        """The data address of ``name``'s committed bits in the arena (packable tensors only)."""
+        return self._addr[name]
+
     def in_arena(self, name: str) -> bool:
         """Whether ``name`` is a small tensor held in the arena (it can join a pack)."""
         return name in self._addr

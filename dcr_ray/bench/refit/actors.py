@@ -12,6 +12,8 @@ import math
 import os
 import time
 
+import numpy as np
+
 from dcr_ray.actors.owner import StandaloneOwner, stable_hash
 from dcr_ray.bench.refit.settings import PEERS
 from dcr_ray.engines.base import EngineBackend
@@ -114,7 +116,7 @@ class _Probe:
         if getattr(store, "_bench_inner_promote", None) is None:
             store._bench_inner_promote = store.promote
             store.promote = lambda version: _timed_promote(store, version)
-        write_back(store.bits(n) for n in store.names())
+        write_back({id(a): a for a in (_mapping_of(store.bits(n)) for n in store.names())}.values())
         store._bench_promote_s = None
         store._bench_changes = []
 
@@ -183,14 +185,30 @@ class _Probe:
         return out
 
 
+def _mapping_of(arr):
+    """The memory map an array lives in (an arena slice's block), so each map is written back once."""
+    while getattr(arr, "base", None) is not None and isinstance(arr.base, np.ndarray):
+        arr = arr.base
+    return arr
+
+
 def _timed_promote(store, version: int) -> int:
     """``store.promote`` timed, keeping for :meth:`_Probe.bench_after_refit` where its changes were: the
     sparse chunks themselves (positions decoded later, off the refit's path) and, for the rare DENSE
     chunk, the positions that differ from the committed bits (compared before they are overwritten)."""
     from dcr_ray.codec.baseline import chunk_changes
+    from dcr_ray.codec.packed import PackDelta
 
     changes = []
+    pack_pages = []  # arena tensors share pages: count them by address
     for td in store.pending():
+        if isinstance(td, PackDelta):
+            addrs = np.fromiter((store.address(n) for n in td.names), np.int64, len(td.names))
+            counts = np.diff(np.searchsorted(td.positions, td.offsets))
+            w = td.new.itemsize
+            pack_pages.append(np.repeat(addrs - td.offsets[:-1] * w, counts) + td.positions * w)
+            changes.extend((n, 1, lambda: np.empty(0, np.int64)) for n in td.names)
+            continue
         arr = store.bits(td.name)
         for ch in td.chunks:
             if ch.is_dense:
@@ -198,6 +216,9 @@ def _timed_promote(store, version: int) -> int:
                 changes.append((td.name, arr.dtype.itemsize, lambda pos=pos: pos))
             else:
                 changes.append((td.name, arr.dtype.itemsize, ch.positions))
+    if pack_pages:
+        every = np.concatenate(pack_pages)
+        changes.append(("(arena)", 1, lambda: np.unique(every)))
     t = time.perf_counter()
     n = store._bench_inner_promote(version)
     store._bench_promote_s = time.perf_counter() - t
