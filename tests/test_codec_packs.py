@@ -192,3 +192,40 @@ def test_an_undo_log_returns_pack_writes_to_the_committed_bits(kernels):
     assert all(np.array_equal(ints(backend.tensors()[n]), ints(t)) for n, t in new.items())
     assert log.rollback(backend) == 2
     assert all(np.array_equal(ints(backend.tensors()[n]), old[n]) for n in new)
+
+
+def test_a_baseline_promotes_pending_packs_to_exactly_the_new_bits_and_rebuilds_their_masks(kernels, tmp_path):
+    from dcr_ray.codec.baseline import BaselineStore
+
+    old, new = experts(300, rate=0.03, unchanged={7})
+    store = BaselineStore(directory=str(tmp_path), chunk_elems=1 << 12)
+    for n in new:
+        t = torch.empty_like(new[n])
+        bits_view(t)[:] = old[n]
+        store.add(n, t)
+    assert len(list(tmp_path.iterdir())) == 1  # 300 tensors, one arena map
+    plans = store.plan_packs(list(new))
+    assert len(plans) > 1 and [n for p in plans for n in p.names] == list(new)
+    store.begin(1)
+    fresh = [pd for p in plans for pd in [store.diff_pack(p, [new[n] for n in p.names])] if pd is not None]
+    for pd in fresh:
+        store.add_pending(pd)
+    pending = store.pending()
+    assert all(pd.xor is None for pd in pending)  # kept as positions and new bits
+    assert all(np.array_equal(store.with_xor(p).xor, f.xor) for p, f in zip(pending, fresh))
+    assert 0 < store.pending_pages() <= sum(p.changed for p in pending)
+    assert store.promote(1) == sum(p.changed for p in fresh)
+    assert all(np.array_equal(store.bits(n), ints(t)) for n, t in new.items())
+
+
+def test_a_pack_of_the_wrong_dtype_is_refused_before_the_scan(tmp_path):
+    from dcr_ray.codec.baseline import BaselineStore
+    from dcr_ray.errors import BaselineError
+
+    old, new = experts(4)
+    store = BaselineStore(in_memory=True)
+    for n, t in new.items():
+        store.add(n, t)
+    (plan,) = store.plan_packs(list(new))
+    with pytest.raises(BaselineError, match="same canonical dtype"):
+        store.diff_pack(plan, [t.float() for t in new.values()])

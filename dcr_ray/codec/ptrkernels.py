@@ -57,44 +57,23 @@ def _build() -> dict:
     jit = numba.njit(nogil=True, cache=True, boundscheck=False)
 
     @jit
-    def xor_into(addrs, offsets, pos, vals):  # pragma: no cover - compiled
+    def walk(addrs, offsets, pos, vals, op):  # pragma: no cover - compiled
+        # one pass over the sorted pack positions; op 0: ^=, 1: +=, 2: =, 3: read into vals
         t = 0
         for i in range(len(pos)):
             p = pos[i]
             while p >= offsets[t + 1]:
                 t += 1
             a = numba.carray(as_pointer(addrs[t], vals), offsets[t + 1] - offsets[t])
-            a[p - offsets[t]] ^= vals[i]
-
-    @jit
-    def add_into(addrs, offsets, pos, vals):  # pragma: no cover - compiled
-        t = 0
-        for i in range(len(pos)):
-            p = pos[i]
-            while p >= offsets[t + 1]:
-                t += 1
-            a = numba.carray(as_pointer(addrs[t], vals), offsets[t + 1] - offsets[t])
-            a[p - offsets[t]] += vals[i]
-
-    @jit
-    def put_into(addrs, offsets, pos, vals):  # pragma: no cover - compiled
-        t = 0
-        for i in range(len(pos)):
-            p = pos[i]
-            while p >= offsets[t + 1]:
-                t += 1
-            a = numba.carray(as_pointer(addrs[t], vals), offsets[t + 1] - offsets[t])
-            a[p - offsets[t]] = vals[i]
-
-    @jit
-    def take_from(addrs, offsets, pos, out):  # pragma: no cover - compiled
-        t = 0
-        for i in range(len(pos)):
-            p = pos[i]
-            while p >= offsets[t + 1]:
-                t += 1
-            a = numba.carray(as_pointer(addrs[t], out), offsets[t + 1] - offsets[t])
-            out[i] = a[p - offsets[t]]
+            j = p - offsets[t]
+            if op == 0:
+                a[j] ^= vals[i]
+            elif op == 1:
+                a[j] += vals[i]
+            elif op == 2:
+                a[j] = vals[i]
+            else:
+                vals[i] = a[j]
 
     @jit
     def scan(old_addrs, new_addrs, offsets, t0, pos, xor, new):  # pragma: no cover - compiled
@@ -118,29 +97,28 @@ def _build() -> dict:
             t += 1
         return t, n
 
-    return {"xor_into": xor_into, "add_into": add_into, "put_into": put_into, "take_from": take_from,
-            "scan": scan}
+    return {"walk": walk, "scan": scan}
 
 
 def xor_into(addrs: np.ndarray, offsets: np.ndarray, pos: np.ndarray, vals: np.ndarray) -> None:
     """``tensor_t[p - offsets[t]] ^= v`` for every pack position ``p`` (in tensor ``t``) and value ``v``."""
-    _compiled()["xor_into"](addrs, offsets, pos, vals)
+    _compiled()["walk"](addrs, offsets, pos, vals, 0)
 
 
 def add_into(addrs: np.ndarray, offsets: np.ndarray, pos: np.ndarray, vals: np.ndarray) -> None:
     """``tensor_t[p - offsets[t]] += v`` modulo the word size."""
-    _compiled()["add_into"](addrs, offsets, pos, vals)
+    _compiled()["walk"](addrs, offsets, pos, vals, 1)
 
 
 def put_into(addrs: np.ndarray, offsets: np.ndarray, pos: np.ndarray, vals: np.ndarray) -> None:
     """``tensor_t[p - offsets[t]] = v``."""
-    _compiled()["put_into"](addrs, offsets, pos, vals)
+    _compiled()["walk"](addrs, offsets, pos, vals, 2)
 
 
 def take_from(addrs: np.ndarray, offsets: np.ndarray, pos: np.ndarray, dtype) -> np.ndarray:
     """The bits at every pack position (``tensor_t[p - offsets[t]]``), as ``dtype``."""
     out = np.empty(len(pos), dtype)
-    _compiled()["take_from"](addrs, offsets, pos, out)
+    _compiled()["walk"](addrs, offsets, pos, out, 3)
     return out
 
 
