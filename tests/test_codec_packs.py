@@ -229,3 +229,16 @@ def test_a_pack_of_the_wrong_dtype_is_refused_before_the_scan(tmp_path):
     (plan,) = store.plan_packs(list(new))
     with pytest.raises(BaselineError, match="same canonical dtype"):
         store.diff_pack(plan, [t.float() for t in new.values()])
+
+
+def test_a_pack_with_a_torn_or_oversized_shapes_table_is_refused_as_a_frame_error():
+    from dcr_ray.errors import SizeLimitError
+
+    old, new, h, secs = _frame_parts()
+    torn = dict(secs, pshape=secs["pshape"][:-3])
+    with pytest.raises(MalformedHeaderError, match="whole uint64s"):
+        read_frame(assemble(h, torn, key=None))
+    dims = np.frombuffer(secs["pshape"], "<u8").copy()
+    dims[1] = 1 << 40  # a self-described frame (no receiver tensors) declaring a huge tensor
+    with pytest.raises(SizeLimitError):
+        read_frame(assemble(h, dict(secs, pshape=dims.tobytes()), key=None))

@@ -391,7 +391,10 @@ def _pack_jobs(packs: list, rd: _Reader, targets, shapes, seen: dict) -> list[tu
     names.pop()
     if len(set(names)) != total or not seen.keys().isdisjoint(names):
         raise DuplicateIndexError("a tensor appears twice in one frame's packs, or in a pack and an item")
-    dims = np.frombuffer(rd.rest(PACK_SHAPES_SECTION), "<u8")
+    raw_dims = rd.rest(PACK_SHAPES_SECTION)
+    if len(raw_dims) % 8:
+        raise MalformedHeaderError(f"the packs' shapes section has {len(raw_dims)} bytes, not whole uint64s")
+    dims = np.frombuffer(raw_dims, "<u8")
     if targets is None and shapes is None:  # no receiver to check against: the frame's own shapes
         shapes = _frame_shapes(names, dims, [(d[3], d[2]) for d in decl])
     jobs, a = [], 0
@@ -400,6 +403,9 @@ def _pack_jobs(packs: list, rd: _Reader, targets, shapes, seen: dict) -> list[tu
         part = names[a:a + k]
         a += k
         sizes = _receiver_sizes(what, part, dtype, targets, shapes, expect)
+        if sum(sizes) > locations.MAX_SPAN:
+            raise SizeLimitError(f"{what} spans {sum(sizes)} elements, more than the {locations.MAX_SPAN} one "
+                                 f"location stream addresses")
         offsets = np.zeros(k + 1, np.int64)
         np.cumsum(sizes, out=offsets[1:])
         loc = locations.EncodedLocations(lm, lw, ls, bytes(rd.take(PACK_LOC_SECTION, ls * lw, what)),
@@ -418,8 +424,10 @@ def _frame_shapes(names: list[str], dims: np.ndarray, packs: list[tuple[int, str
     out, i, a = {}, 0, 0
     for k, dt in packs:
         for name in names[a:a + k]:
-            if i >= len(dims) or i + 1 + int(dims[i]) > len(dims) or dims[i] > 8:
+            if i >= len(dims) or dims[i] > 8 or i + 1 + int(dims[i]) > len(dims):
                 raise MalformedHeaderError("the packs' shapes section ends early or declares over 8 dimensions")
+            if any(d > locations.MAX_SPAN for d in dims[i + 1:i + 1 + int(dims[i])]):
+                raise SizeLimitError(f"pack tensor {name!r} declares a dimension over {locations.MAX_SPAN}")
             out[name] = (dt, tuple(int(x) for x in dims[i + 1:i + 1 + int(dims[i])]))
             i += 1 + int(dims[i])
         a += k
