@@ -10,7 +10,10 @@ committed bits, which is what makes a retry recompute the same changed set).
 
 The default store keeps each tensor's bits in a memory-mapped file (``directory``, a private temporary
 directory unless given), so the page cache, not the owner's heap, holds the copy and host RAM is not
-doubled by accident; ``in_memory=True`` keeps numpy arrays instead.
+doubled by accident; ``in_memory=True`` keeps numpy arrays instead. Small tensors (those packs take,
+:mod:`~dcr_ray.codec.packed`) share the few large maps of an :class:`~dcr_ray.codec.arena.Arena`, whose
+stable addresses the pack kernels scan and promote through: an MoE model's 10^5 expert tensors need a
+handful of maps, not 10^5.
 
 Promote is O(changes) and leaves every page that holds no change clean:
 
@@ -81,6 +84,7 @@ class BaselineStore:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Record ``tensor``'s current bits as the committed baseline of ``name``."""
         src = bits_view(tensor.detach().contiguous())
+        self._addr.pop(name, None)  # a re-added name is placed afresh
         if packed.packable(name, len(src)):
             arr = self._arena.allocate(src.dtype, len(src))
             arr[:] = src
@@ -164,11 +168,14 @@ class BaselineStore:
             return pd
         return dataclasses.replace(pd, xor=np.bitwise_xor(self._pack_take(pd), pd.new))
 
+    def _pack_addrs(self, pd: PackDelta) -> np.ndarray:
+        """The arena addresses of ``pd``'s tensors, in pack order."""
+        return np.fromiter((self._addr[n] for n in pd.names), np.int64, len(pd.names))
+
     def _pack_take(self, pd: PackDelta) -> np.ndarray:
         """The committed bits at every position of ``pd``."""
-        addrs = np.fromiter((self._addr[n] for n in pd.names), np.int64, len(pd.names))
         if ptrkernels.ENABLED:
-            return ptrkernels.take_from(addrs, pd.offsets, pd.positions, pd.new.dtype)
+            return ptrkernels.take_from(self._pack_addrs(pd), pd.offsets, pd.positions, pd.new.dtype)
         cuts = np.searchsorted(pd.positions, pd.offsets)
         return np.concatenate([self._bits[n][pd.positions[cuts[t]:cuts[t + 1]] - pd.offsets[t]]
                                for t, n in enumerate(pd.names)])
@@ -240,8 +247,7 @@ class BaselineStore:
     def _pack_put(self, pd: PackDelta) -> int:
         """Write ``pd``'s new bits into the committed bits of its tensors; returns the elements written."""
         if ptrkernels.ENABLED:
-            addrs = np.fromiter((self._addr[n] for n in pd.names), np.int64, len(pd.names))
-            ptrkernels.put_into(addrs, pd.offsets, pd.positions, pd.new)
+            ptrkernels.put_into(self._pack_addrs(pd), pd.offsets, pd.positions, pd.new)
         else:
             cuts = np.searchsorted(pd.positions, pd.offsets)
             for t, name in enumerate(pd.names):
@@ -258,9 +264,9 @@ class BaselineStore:
             pages = [chunk_changes(self._bits[td.name], ch) * itemsize // page_bytes for ch in td.chunks]
             total += len(np.unique(np.concatenate(pages))) if pages else 0
         for pd in self._pending_packs:  # arena blocks are page-aligned maps: pages by address
-            addrs = np.fromiter((self._addr[n] for n in pd.names), np.int64, len(pd.names))
             counts = np.diff(np.searchsorted(pd.positions, pd.offsets))
-            where = np.repeat(addrs - pd.offsets[:-1] * pd.new.itemsize, counts) + pd.positions * pd.new.itemsize
+            w = pd.new.itemsize
+            where = np.repeat(self._pack_addrs(pd) - pd.offsets[:-1] * w, counts) + pd.positions * w
             total += len(np.unique(where // page_bytes))
         return total
 

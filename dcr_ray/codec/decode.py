@@ -13,9 +13,8 @@ calls :func:`decode_frame` on it and the header is parsed once.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Mapping, NamedTuple
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -27,11 +26,6 @@ from dcr_ray.codec.format import (
     DEFAULT_MAX_RAW_BYTES,
     ESC_SECTION,
     LOC_SECTION,
-    PACK_ESC_SECTION,
-    PACK_LOC_SECTION,
-    PACK_NAMES_SECTION,
-    PACK_PREFIX,
-    PACK_SHAPES_SECTION,
     PREFIX,
     SECTION_CODECS,
     Encoding,
@@ -41,6 +35,8 @@ from dcr_ray.codec.format import (
 )
 from dcr_ray.codec.header import FrameHeader, need, open_frame
 from dcr_ray.codec.packed import DecodedPack
+from dcr_ray.codec.packread import pack_jobs
+from dcr_ray.codec.sections import Job, SectionReader
 from dcr_ray.errors import (
     BaseVersionMismatchError,
     DuplicateIndexError,
@@ -94,22 +90,6 @@ class DecodedFrame:
     def key(self) -> PayloadKey:
         """Deduplication key of the payload (``meta.key``)."""
         return self.meta.key
-
-
-class _Job(NamedTuple):
-    """An item whose header fields and section bytes passed every check; positions and values to decode."""
-
-    what: str
-    name: str
-    enc: Encoding
-    lo: int
-    hi: int
-    n: int
-    loc: locations.EncodedLocations | None
-    planes: list[np.ndarray]
-    npdt: np.dtype
-    is_bool: bool
-    dt: str = ""
 
 
 def read_frame(
@@ -170,12 +150,12 @@ def decode_frame(
     items = need(h, "items", list)
     packs = need(h, "packs", list) if "packs" in h else []
     sec, raw_total = _sections(header, sections, max_raw_bytes)
-    rd = _Reader(sec)
+    rd = SectionReader(sec)
     jobs, seen = _item_jobs(items, rd, targets, shapes)
-    pack_jobs = _pack_jobs(packs, rd, targets, shapes, seen)
+    pack_work = pack_jobs(packs, rd, targets, shapes, seen)
     rd.check_used()
     frame = DecodedFrame(meta=meta, wire_bytes=len(header.data), raw_bytes=raw_total)
-    for job, (names, offsets) in pack_jobs:
+    for job, (names, offsets) in pack_work:
         it = _decode_item(*job)
         pk = DecodedPack(it.encoding, names, offsets, it.positions, it.values)
         if keep_packs:
@@ -261,37 +241,7 @@ def _sections(header: FrameHeader, sections: list, max_raw_bytes: int) -> tuple[
     return sec, raw_total
 
 
-class _Reader:
-    """Hands out the sections' bytes in order; the items and packs must use up every section exactly."""
-
-    def __init__(self, sec: dict[str, memoryview]):
-        self.sec = sec
-        self.cursor = {name: 0 for name in sec}
-
-    def take(self, section: str, nbytes: int, what: str) -> memoryview:
-        if nbytes == 0:
-            return memoryview(b"")
-        if section not in self.sec:
-            raise MalformedHeaderError(f"{what} needs section {section!r}, which the frame lacks")
-        a = self.cursor[section]
-        if a + nbytes > len(self.sec[section]):
-            raise MalformedHeaderError(f"{what} reads past the end of section {section!r}")
-        self.cursor[section] = a + nbytes
-        return self.sec[section][a:a + nbytes]
-
-    def rest(self, section: str) -> memoryview:
-        """Every byte of ``section`` not read yet (empty when the frame lacks it)."""
-        if section not in self.sec:
-            return memoryview(b"")
-        return self.take(section, len(self.sec[section]) - self.cursor[section], "packs")
-
-    def check_used(self) -> None:
-        for name, used in self.cursor.items():
-            if used != len(self.sec[name]):
-                raise MalformedHeaderError(f"section {name!r} has {len(self.sec[name]) - used} bytes no item reads")
-
-
-def _item_jobs(items: list, rd: _Reader, targets, shapes) -> tuple[list[_Job], dict]:
+def _item_jobs(items: list, rd: SectionReader, targets, shapes) -> tuple[list[Job], dict]:
     """Check every item's header fields against the receiver and take its bytes from the sections;
     also the ranges each tensor's items cover (name -> [(lo, hi)])."""
     take = rd.take
@@ -350,113 +300,8 @@ def _item_jobs(items: list, rd: _Reader, targets, shapes) -> tuple[list[_Job], d
                 mode, width, nsym, bytes(take(LOC_SECTION, nsym * width, what)), bytes(take(ESC_SECTION, le * 8, what)),
             )
         pl = [np.frombuffer(take(value_section(enc, w, j), n, what), np.uint8) for j in range(w)]
-        jobs.append(_Job(what, name, enc, lo, hi, n, loc, pl, np.dtype(np_uint(w)), dtype == torch.bool, dt_name))
+        jobs.append(Job(what, name, enc, lo, hi, n, loc, pl, np.dtype(np_uint(w)), dtype == torch.bool, dt_name))
     return jobs, seen
-
-
-#: Encodings a pack may use (whole tensors, sparse: never DENSE).
-_PACK_ENCODINGS = (Encoding.XOR.value, Encoding.ADD.value, Encoding.OVERWRITE.value)
-
-
-def _pack_jobs(packs: list, rd: _Reader, targets, shapes, seen: dict) -> list[tuple[_Job, tuple]]:
-    """Check every pack's declaration, names and shapes against the receiver (each tensor once in the
-    frame, not also in an item); (decode job over the pack space, (names, offsets)) per pack."""
-    if not packs:
-        return []
-    decl = []
-    for idx, pk in enumerate(packs):
-        what = f"pack {idx}"
-        if not isinstance(pk, dict):
-            raise MalformedHeaderError(f"{what} must be a map")
-        dt_name, k, enc = need(pk, "dt", str, what), need(pk, "k", int, what), need(pk, "e", str, what)
-        n = need(pk, "n", int, what)
-        lm, lw, ls, le = (need(pk, "lm", str, what), need(pk, "lw", int, what), need(pk, "ls", int, what),
-                          need(pk, "le", int, what))
-        if enc not in _PACK_ENCODINGS:
-            raise UnknownEncodingError(f"{what}: encoding {enc!r} is not one packs use: {_PACK_ENCODINGS}")
-        if lm not in locations.MODES:  # pack positions are flat: no class order across tensors
-            raise UnknownEncodingError(f"{what}: location mode {lm!r} is not one packs use: {locations.MODES}")
-        if k < 1 or n < 0 or lw not in locations.WIDTHS or ls < 0 or le < 0:
-            raise MalformedHeaderError(f"{what}: bad declaration (k={k}, n={n}, locations {lm}/{lw}/{ls}/{le})")
-        decl.append((what, dtype_of(dt_name), dt_name, k, Encoding(enc), n, lm, lw, ls, le))
-    try:
-        text = bytes(rd.rest(PACK_NAMES_SECTION)).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise MalformedHeaderError(f"pack names are not UTF-8: {e}") from None
-    names = text.split("\n")
-    total = sum(d[3] for d in decl)
-    if names[-1] != "" or len(names) != total + 1:
-        raise MalformedHeaderError(f"packs declare {total} tensors; their names section holds {len(names) - 1} "
-                                   f"newline-ended names")
-    names.pop()
-    if len(set(names)) != total or not seen.keys().isdisjoint(names):
-        raise DuplicateIndexError("a tensor appears twice in one frame's packs, or in a pack and an item")
-    raw_dims = rd.rest(PACK_SHAPES_SECTION)
-    if len(raw_dims) % 8:
-        raise MalformedHeaderError(f"the packs' shapes section has {len(raw_dims)} bytes, not whole uint64s")
-    dims = np.frombuffer(raw_dims, "<u8")
-    if targets is None and shapes is None:  # no receiver to check against: the frame's own shapes
-        shapes = _frame_shapes(names, dims, [(d[3], d[2]) for d in decl])
-    jobs, a = [], 0
-    expect: list[int] = []
-    for what, dtype, dt_name, k, enc, n, lm, lw, ls, le in decl:
-        part = names[a:a + k]
-        a += k
-        sizes = _receiver_sizes(what, part, dtype, targets, shapes, expect)
-        if sum(sizes) > locations.MAX_SPAN:
-            raise SizeLimitError(f"{what} spans {sum(sizes)} elements, more than the {locations.MAX_SPAN} one "
-                                 f"location stream addresses")
-        offsets = np.zeros(k + 1, np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        loc = locations.EncodedLocations(lm, lw, ls, bytes(rd.take(PACK_LOC_SECTION, ls * lw, what)),
-                                         bytes(rd.take(PACK_ESC_SECTION, le * 8, what)))
-        w = itemsize(dtype)
-        pl = [np.frombuffer(rd.take(PACK_PREFIX + value_section(enc, w, j), n, what), np.uint8) for j in range(w)]
-        jobs.append((_Job(what, what, enc, 0, int(offsets[-1]), n, loc, pl, np.dtype(np_uint(w)),
-                          dtype == torch.bool, dt_name), (part, offsets)))
-    if len(dims) != len(expect) or not np.array_equal(dims, np.asarray(expect, np.uint64)):
-        raise TargetMismatchError("a pack's tensor shapes differ from the receiver's tensors of those names")
-    return jobs
-
-
-def _frame_shapes(names: list[str], dims: np.ndarray, packs: list[tuple[int, str]]) -> dict:
-    """name -> (wire dtype, shape) as the packs' shapes section declares them (``packs``: (k, dtype) each)."""
-    out, i, a = {}, 0, 0
-    for k, dt in packs:
-        for name in names[a:a + k]:
-            if i >= len(dims) or dims[i] > 8 or i + 1 + int(dims[i]) > len(dims):
-                raise MalformedHeaderError("the packs' shapes section ends early or declares over 8 dimensions")
-            if any(d > locations.MAX_SPAN for d in dims[i + 1:i + 1 + int(dims[i])]):
-                raise SizeLimitError(f"pack tensor {name!r} declares a dimension over {locations.MAX_SPAN}")
-            out[name] = (dt, tuple(int(x) for x in dims[i + 1:i + 1 + int(dims[i])]))
-            i += 1 + int(dims[i])
-        a += k
-    return out
-
-
-def _receiver_sizes(what: str, names: list[str], dtype, targets, shapes, expect: list[int]) -> list[int]:
-    """Elements of each named tensor as the receiver holds it (which must have ``dtype``); appends each
-    tensor's (ndim, *shape) to ``expect`` (what the pack's shapes section must say)."""
-    sizes = []
-    for name in names:
-        if targets is not None:
-            t = targets.get(name)
-            if t is None:
-                raise TargetMismatchError(f"{what}: the receiver has no tensor named {name!r}")
-            have_dt, sh = t.dtype, tuple(t.shape)
-        elif shapes is not None:
-            spec = shapes.get(name)
-            if spec is None:
-                raise TargetMismatchError(f"{what}: the receiver has no tensor named {name!r}")
-            have_dt, sh = dtype_of(spec[0]), spec[1]
-        else:  # unreachable: _pack_jobs fills in the frame's own shapes
-            raise TargetMismatchError(f"{what}: packs need the receiver's tensors (targets or shapes)")
-        if have_dt != dtype:
-            raise TargetMismatchError(f"{what} ({name}): payload has {dtype}, receiver holds {have_dt}")
-        expect.append(len(sh))
-        expect.extend(sh)
-        sizes.append(math.prod(sh))
-    return sizes
 
 
 def _decode_item(what, name, enc, lo, hi, n, loc, pl, npdt, is_bool, dt="") -> DecodedItem:
