@@ -137,7 +137,8 @@ def test_context_frames_round_trip_bit_exactly_on_every_dtype(dtype):
 
 
 def test_optimizer_like_float_steps_travel_as_differences_in_class_order_and_get_smaller():
-    old = (torch.randn(1 << 16) * 10.0 ** torch.randint(-5, 1, (1 << 16,))).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(7)  # fixed data: the per-item choice is an estimate, not a law
+    old = (torch.randn(1 << 16, generator=g) * 10.0 ** torch.randint(-5, 1, (1 << 16,), generator=g)).to(torch.bfloat16)
     new = small_step(old, seed=3, rate=0.01)
     ctx = encode(old, new, coding="context", chunk_elems=1 << 16)
     plain = encode(old, new, coding="plain", chunk_elems=1 << 16)
@@ -279,7 +280,9 @@ def test_context_items_made_absolute_for_a_capture_path_give_the_same_bits():
 
 
 def test_a_sender_skips_the_class_walk_where_changes_do_not_depend_on_magnitude():
-    old = bits_view((torch.randn(1 << 16) * 10.0 ** torch.randint(-5, 1, (1 << 16,))).to(torch.bfloat16))
+    g = torch.Generator().manual_seed(11)
+    old = bits_view((torch.randn(1 << 16, generator=g) * 10.0 ** torch.randint(-5, 1, (1 << 16,), generator=g))
+                    .to(torch.bfloat16))
     rng = np.random.default_rng(11)
     uniform = np.flatnonzero(rng.random(len(old)) < 0.02)
     cls = (old >> np.uint16(7)) & np.uint16(0xFF)
