@@ -17,29 +17,15 @@ Without numba (or with ``DCR_RAY_JIT=0``) :data:`ENABLED` is false and callers u
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
-from dcr_ray.codec.kernels import ENABLED
+from dcr_ray.codec.kernels import ENABLED, once
 
 __all__ = ["ENABLED", "scan", "xor_into", "add_into", "put_into", "take_from"]
 
-_lock = threading.Lock()
-_fns: dict | None = None
-
-
-def _compiled() -> dict:
-    """The kernels, compiled on first use (numba is slow to import; most processes never need them)."""
-    global _fns
-    if _fns is None:
-        with _lock:
-            if _fns is None:
-                _fns = _build()
-    return _fns
-
 
 def _build() -> dict:
+    """The pointer-walk and scan kernels (compiled by numba)."""
     import numba
     from numba import types
     from numba.extending import intrinsic
@@ -98,6 +84,10 @@ def _build() -> dict:
         return t, n
 
     return {"walk": walk, "scan": scan}
+
+
+#: The kernels by name, compiled on first use (numba is slow to import; most processes never need them).
+_compiled = once(_build)
 
 
 def xor_into(addrs: np.ndarray, offsets: np.ndarray, pos: np.ndarray, vals: np.ndarray) -> None:
