@@ -4,7 +4,7 @@ One memory map per tensor does not scale to MoE models: 10^5 expert tensors woul
 allows 65,530 per process by default, ``vm.max_map_count``) and 10^5 files. The arena hands out
 aligned slices of blocks of :data:`BLOCK_BYTES` (memory-mapped files in the store's directory, or plain
 memory), so the number of maps grows with the bytes, not the tensors. Each slice is an ordinary numpy
-array that stays valid for the arena's life; its data address (:attr:`Arena.address`) is stable, which
+array that stays valid for the arena's life; its data address (:func:`address`) is stable, which
 is what the pack kernels (:mod:`~dcr_ray.codec.ptrkernels`) read and write through.
 """
 
@@ -50,13 +50,13 @@ class Arena:
         advise_small_folios(block)
         return block
 
-    @staticmethod
-    def address(arr: np.ndarray) -> int:
-        """The data address of ``arr``."""
-        return arr.__array_interface__["data"][0]
-
     def close(self) -> None:
         self._blocks.clear()
+
+
+def address(arr: np.ndarray) -> int:
+    """The data address of a numpy array (what the pack kernels read and write through)."""
+    return arr.__array_interface__["data"][0]
 
 
 def advise_small_folios(arr: np.ndarray) -> None:

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from dcr_ray.codec import packed, ptrkernels
-from dcr_ray.codec.arena import Arena, advise_small_folios as _advise_small_folios
+from dcr_ray.codec.arena import Arena, address, advise_small_folios as _advise_small_folios
 from dcr_ray.codec.bits import bits_view, dtype_of, wire_name
 from dcr_ray.codec.diff import (
     DEFAULT_CHUNK_ELEMS,
@@ -88,7 +88,7 @@ class BaselineStore:
         if packed.packable(name, len(src)):
             arr = self._arena.allocate(src.dtype, len(src))
             arr[:] = src
-            self._addr[name] = Arena.address(arr)
+            self._addr[name] = address(arr)
         elif self.in_memory:
             arr = src.copy()
         else:

@@ -36,7 +36,7 @@ from dcr_ray.codec.format import (
 from dcr_ray.codec.header import FrameHeader, need, open_frame
 from dcr_ray.codec.packed import DecodedPack
 from dcr_ray.codec.packread import pack_jobs
-from dcr_ray.codec.sections import Job, SectionReader
+from dcr_ray.codec.sections import Job, SectionReader, receiver_holds
 from dcr_ray.errors import (
     BaseVersionMismatchError,
     DuplicateIndexError,
@@ -263,17 +263,7 @@ def _item_jobs(items: list, rd: SectionReader, targets, shapes) -> tuple[list[Jo
         enc = Encoding(enc)
         lo, hi, n = need(it, "lo", int, what), need(it, "hi", int, what), need(it, "n", int, what)
         dtype = dtype_of(dt_name)
-        if targets is not None:
-            t = targets.get(name)
-            if t is None:
-                raise TargetMismatchError(f"{what}: the receiver has no tensor named {name!r}")
-            have_dt, have_shape = t.dtype, tuple(t.shape)
-        elif shapes is not None:
-            if name not in shapes:
-                raise TargetMismatchError(f"{what}: the receiver has no tensor named {name!r}")
-            have_dt, have_shape = dtype_of(shapes[name][0]), tuple(shapes[name][1])
-        else:
-            have_dt, have_shape = dtype, tuple(shape)
+        have_dt, have_shape = receiver_holds(what, name, targets, shapes) or (dtype, tuple(shape))
         if have_dt != dtype or have_shape != tuple(shape):
             raise TargetMismatchError(
                 f"{what}: payload has {dt_name}{list(shape)}, receiver holds {have_dt}{list(have_shape)}"

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dcr_ray.codec import locations, ptrkernels
+from dcr_ray.codec.arena import address
 from dcr_ray.codec.bits import bits_view, wire_name
 from dcr_ray.codec.diff import ChunkDelta, TensorDelta, changed_positions
 from dcr_ray.codec.format import Encoding
@@ -72,11 +73,6 @@ class PackDelta:
             ch = ChunkDelta(0, numel, int(b - a), loc=locations.encode(rel, 0), xor=self.xor[a:b], new=self.new[a:b])
             out.append(TensorDelta(name, self.dtype, shape, numel, [ch]))
         return out
-
-
-def address(arr: np.ndarray) -> int:
-    """The data address of a numpy array."""
-    return arr.__array_interface__["data"][0]
 
 
 def diff_pack(names: Sequence[str], shapes: Sequence[tuple[int, ...]], old: Sequence[np.ndarray],

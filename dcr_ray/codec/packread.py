@@ -25,7 +25,7 @@ from dcr_ray.codec.format import (
     value_section,
 )
 from dcr_ray.codec.header import need
-from dcr_ray.codec.sections import Job, SectionReader
+from dcr_ray.codec.sections import Job, SectionReader, receiver_holds
 from dcr_ray.errors import (
     DuplicateIndexError,
     MalformedHeaderError,
@@ -119,18 +119,7 @@ def _receiver_sizes(what: str, names: list[str], dtype, targets, shapes, expect:
     tensor's (ndim, *shape) to ``expect`` (what the pack's shapes section must say)."""
     sizes = []
     for name in names:
-        if targets is not None:
-            t = targets.get(name)
-            if t is None:
-                raise TargetMismatchError(f"{what}: the receiver has no tensor named {name!r}")
-            have_dt, sh = t.dtype, tuple(t.shape)
-        elif shapes is not None:
-            spec = shapes.get(name)
-            if spec is None:
-                raise TargetMismatchError(f"{what}: the receiver has no tensor named {name!r}")
-            have_dt, sh = dtype_of(spec[0]), spec[1]
-        else:  # unreachable: _pack_jobs fills in the frame's own shapes
-            raise TargetMismatchError(f"{what}: packs need the receiver's tensors (targets or shapes)")
+        have_dt, sh = receiver_holds(what, name, targets, shapes)  # pack_jobs always gives shapes or targets
         if have_dt != dtype:
             raise TargetMismatchError(f"{what} ({name}): payload has {dtype}, receiver holds {have_dt}")
         expect.append(len(sh))

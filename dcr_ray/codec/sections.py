@@ -1,5 +1,6 @@
 """Shared by the frame readers (:mod:`~dcr_ray.codec.decode`, :mod:`~dcr_ray.codec.packread`): the cursor
-over a frame's decompressed sections, and what an item or pack is once its header fields are checked."""
+over a frame's decompressed sections, what an item or pack is once its header fields are checked, and
+what the receiver holds under a name."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import NamedTuple
 import numpy as np
 
 from dcr_ray.codec import locations
+from dcr_ray.codec.bits import dtype_of
 from dcr_ray.codec.format import Encoding
-from dcr_ray.errors import MalformedHeaderError
+from dcr_ray.errors import MalformedHeaderError, TargetMismatchError
 
 
 class Job(NamedTuple):
@@ -56,3 +58,20 @@ class SectionReader:
         for name, used in self.cursor.items():
             if used != len(self.sec[name]):
                 raise MalformedHeaderError(f"section {name!r} has {len(self.sec[name]) - used} bytes no item reads")
+
+
+def receiver_holds(what: str, name: str, targets, shapes) -> tuple | None:
+    """(torch dtype, shape) of tensor ``name`` as the receiver holds it: from ``targets`` (name -> tensor)
+    or ``shapes`` (name -> (wire dtype, shape)); None when the receiver gave neither (the frame's own
+    declaration stands). A name the receiver lacks raises :class:`TargetMismatchError`."""
+    if targets is not None:
+        t = targets.get(name)
+        if t is None:
+            raise TargetMismatchError(f"{what}: the receiver has no tensor named {name!r}")
+        return t.dtype, tuple(t.shape)
+    if shapes is not None:
+        spec = shapes.get(name)
+        if spec is None:
+            raise TargetMismatchError(f"{what}: the receiver has no tensor named {name!r}")
+        return dtype_of(spec[0]), tuple(spec[1])
+    return None
