@@ -16,9 +16,15 @@ META = FrameMeta(transfer="t", attempt=0, producer="p", payload=0, base=0, targe
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
 @pytest.mark.parametrize("n", [diff.PARALLEL_MIN_ELEMS + 3, 3 * diff.SCAN_BLOCK_ELEMS + 5])
-def test_the_threaded_scan_finds_exactly_the_changed_elements(itemsize, n):
+def test_the_threaded_scan_finds_exactly_the_changed_elements(itemsize, n, jit, monkeypatch):
+    from dcr_ray.codec import kernels
+
+    if jit and not kernels.ENABLED:
+        pytest.skip("numba is not installed (or DCR_RAY_JIT=0): only the numpy scan exists here")
+    monkeypatch.setattr(kernels, "ENABLED", jit)
     rng = np.random.default_rng(itemsize * n)
     dt = _UINT[itemsize]
     old = rng.integers(0, np.iinfo(dt).max, n + 1, dtype=dt, endpoint=True)[1:]  # unaligned start

@@ -44,7 +44,7 @@ from dcr_ray.codec.baseline import BaselineStore
 from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec.diff import TensorDelta, full_delta
 from dcr_ray.codec.packed import PackDelta
-from dcr_ray.codec import BOOTSTRAP_BASE, FrameMeta, PayloadKey, encode_frames
+from dcr_ray.codec import BOOTSTRAP_BASE, FrameMeta, PayloadKey, encode_frames, kernels
 from dcr_ray.sharding import Shard, ShardSpec, canonical_specs, project_all, resolve_shards
 from dcr_ray.sharding.device import DeviceBaseline, delta_from_changes
 from dcr_ray.sharding.digest import shard_digests
@@ -91,6 +91,7 @@ class DeltaOwner:
         self._numel_total = 0
         #: committed bits of this owner's GPU shards on their device (``OwnerConfig.gpu_baseline``)
         self.device = DeviceBaseline()
+        kernels.warm_up()  # load the scan kernels while the trainer starts
 
     # -- setup ------------------------------------------------------------------------------------
     def attach(self, tensors: Mapping[str, object], version: int = 0) -> dict[str, tuple]:

@@ -11,16 +11,17 @@ Cases (all measured in one run, on the same data for every encoder):
   elements, chosen uniformly, changes by a relative ``1e-2 * randn`` (an element that rounding leaves
   unchanged is nudged by one ulp, so exactly that fraction changes its bits).
 
-For every case: changed elements, dcr_ray wire bytes (mixed mode with the default ``context`` coding:
-XOR or ADD values, flat or class-order positions), the same changed set in *today's* coding (``plain``:
-XOR masks at flat positions, what the codec wrote before ADD and the class modes; measured in the same
-run, ``--coding`` picks what the throughput columns time) and overwrite-only bytes; three zero-order
+For every case: changed elements, dcr_ray wire bytes (mixed mode in the ``context`` coding: XOR or ADD
+values, flat or class-order positions), the same changed set in *today's* coding (``plain``: XOR masks at
+flat positions, the library's default, what the codec wrote before ADD and the class modes) and
+overwrite-only bytes, all in the same run; three zero-order
 bounds: the *global* entropy bound (positions: ``n * H(p)`` bits with ``p`` the change rate of the
 whole step; masks: the empirical entropy of the 16-bit XOR values times their count), the *per-tensor*
 bound (each tensor's ``n_t * H(p_t)``, and the empirical entropy of the zigzagged integer differences
 instead of the XOR masks) and the *class* bound (the per-tensor bound with each tensor's rate taken per
 exponent class of the old values, what class-order positions aim at); encode GB/s (diff + frame encoding, per canonical byte
-scanned) and decode+apply GB/s (``read_frame`` + ``apply_decoded``, per canonical byte), the bytes of two
+scanned) and decode+apply GB/s (``read_frame`` + ``apply_decoded``, per canonical byte) of both codings
+(``--coding``, default the library's, fills the main columns; the other coding's go under ``other_``), the bytes of two
 peer encodings (:mod:`dcr_ray.bench.peers`), and a bit-exactness check of every decode (integer views).
 A memory-bandwidth reference (numpy copy) and a zstd level sweep on the 3% stress case come from the
 same run. Throughputs are the best of several repeats (the machine may be shared).
@@ -63,10 +64,10 @@ class Settings:
     steps: int
     batch: tuple[int, int]
     memcpy_bytes: int
-    coding: str = "context"
+    coding: str = "plain"
 
     @classmethod
-    def make(cls, quick: bool, seed: int = 0, repeats: int | None = None, coding: str = "context") -> Settings:
+    def make(cls, quick: bool, seed: int = 0, repeats: int | None = None, coding: str = "plain") -> Settings:
         if quick:
             return cls(quick, seed, repeats or 7, 16 << 20, 1, 2, (2, 64), 128 << 20, coding)
         return cls(quick, seed, repeats or 9, 64 << 20, 2, 5, (4, 128), 512 << 20, coding)
@@ -89,10 +90,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the model, batches and stress data")
     p.add_argument("--repeats", type=int, default=None,
                    help="timing repeats per case (best is reported; default 7 quick, 9 full)")
-    p.add_argument("--coding", choices=("context", "plain"), default="context",
-                   help="first-attempt coding the throughput columns time (default: context, the codec's "
-                        "default; plain = XOR masks at flat positions, today's frames). Wire bytes of both "
-                        "codings are always measured")
+    p.add_argument("--coding", choices=("context", "plain"), default="plain",
+                   help="first-attempt coding of the main throughput columns (default: plain, the library's "
+                        "CodecConfig.coding: XOR masks at flat positions). The other coding is timed in the "
+                        "same run (other_* fields), and the wire bytes of both are always measured")
     p.set_defaults(func=_run_from_args)
     return p
 
@@ -151,6 +152,11 @@ class Acc:
     apply_cpu_s: float = 0.0
     diff_s: float = 0.0
     apply_s: float = 0.0
+    #: the same four times of the other coding
+    other_encode_s: float = 0.0
+    other_encode_cpu_s: float = 0.0
+    other_apply_s: float = 0.0
+    other_apply_cpu_s: float = 0.0
     frames: int = 0
     exact: bool = True
     peers_exact: bool = True
@@ -196,11 +202,12 @@ def _best(fn, repeats: int, setup=None, cpu: list | None = None):
 
 
 def _encode(step: Step, *, mode="mixed", zstd_level=None, coding="context"):
-    """(deltas, frames) of ``step``: the owner's encode path (diff every tensor, then frames)."""
+    """(deltas, frames) of ``step``: the owner's encode path (diff every tensor, then frames; class-order
+    positions only for the context coding, as owners do)."""
     from dcr_ray.codec import diff_tensor, encode_frames
     from dcr_ray.codec.encode import DEFAULT_ZSTD_LEVEL
 
-    deltas = [diff_tensor(n, step.old[n], t) for n, t in step.new.items()]
+    deltas = [diff_tensor(n, step.old[n], t, class_order=coding == "context") for n, t in step.new.items()]
     frames = list(encode_frames(deltas, _meta(), mode=mode, coding=coding,
                                 zstd_level=DEFAULT_ZSTD_LEVEL if zstd_level is None else zstd_level))
     return deltas, frames
@@ -285,10 +292,17 @@ def measure_step(step: Step, acc: Acc, repeats: int, coding: str = "context") ->
     acc.mask_bits += changed * _entropy_bits(hist) if changed else 0.0
     acc.diff_bits += changed * _entropy_bits(dhist) if changed else 0.0
 
-    # encode: diff + frames (best of repeats), and diff alone for the breakdown
+    # encode: diff + frames (best of repeats), and diff alone for the breakdown; both codings
+    other_coding = "plain" if coding == "context" else "context"
     cpu: list[float] = []
     t_enc, (deltas, frames) = _best(lambda: _encode(step, coding=coding), repeats, cpu=cpu)
-    t_diff, _ = _best(lambda: [diff_tensor(n, step.old[n], t) for n, t in step.new.items()], repeats)
+    t_diff, _ = _best(lambda: [diff_tensor(n, step.old[n], t, class_order=coding == "context")
+                               for n, t in step.new.items()], repeats)
+    other_cpu: list[float] = []
+    t_other, (other_deltas, other) = _best(lambda: _encode(step, coding=other_coding), repeats, cpu=other_cpu)
+    if coding == "plain":
+        deltas = other_deltas  # with class-order positions: the context frames below need them
+    del other_deltas
     got = {d.name: d for d in deltas}
     for n, (pos, _nb) in changes.items():
         d = got[n]
@@ -301,22 +315,24 @@ def measure_step(step: Step, acc: Acc, repeats: int, coding: str = "context") ->
     acc.wire += sum(map(len, frames))
     acc.frames += len(frames)
 
-    # decode + apply into fresh receiver copies (copy untimed), then check every bit
+    # decode + apply into fresh receiver copies (copy untimed), then check every bit; both codings
     t_app, _ = _best(lambda tg: _decode_apply(frames, tg), repeats, setup=lambda: _fresh_targets(step), cpu=cpu)
+    t_other_app, _ = _best(lambda tg: _decode_apply(other, tg), repeats, setup=lambda: _fresh_targets(step),
+                           cpu=other_cpu)
     acc.apply_s += t_app
     acc.encode_cpu_s += cpu[0]
     acc.apply_cpu_s += cpu[1]
-    tg = _fresh_targets(step)
-    _decode_apply(frames, tg)
-    acc.exact &= _exact(tg, step)
+    acc.other_encode_s += t_other
+    acc.other_apply_s += t_other_app
+    acc.other_encode_cpu_s += other_cpu[0]
+    acc.other_apply_cpu_s += other_cpu[1]
+    for fr in (frames, other):
+        tg = _fresh_targets(step)
+        _decode_apply(fr, tg)
+        acc.exact &= _exact(tg, step)
 
-    # the same changed set in the other coding (bytes on the wire, and bit-exact too)
     from dcr_ray.codec import encode_frames
 
-    other = list(encode_frames(deltas, _meta(), coding="plain" if coding == "context" else "context"))
-    tg = _fresh_targets(step)
-    _decode_apply(other, tg)
-    acc.exact &= _exact(tg, step)
     ctx_frames, plain_frames = (frames, other) if coding == "context" else (other, frames)
     acc.wire = acc.wire - sum(map(len, frames)) + sum(map(len, ctx_frames))
     acc.wire_plain += sum(map(len, plain_frames))
@@ -373,6 +389,10 @@ def case_result(name: str, source: str, acc: Acc, **extra) -> dict:
         "apply_gbps": acc.canon_bytes / acc.apply_s / 1e9,
         "encode_cpu_gbps": acc.canon_bytes / acc.encode_cpu_s / 1e9,
         "apply_cpu_gbps": acc.canon_bytes / acc.apply_cpu_s / 1e9,
+        "other_encode_gbps": acc.canon_bytes / acc.other_encode_s / 1e9,
+        "other_apply_gbps": acc.canon_bytes / acc.other_apply_s / 1e9,
+        "other_encode_cpu_gbps": acc.canon_bytes / acc.other_encode_cpu_s / 1e9,
+        "other_apply_cpu_gbps": acc.canon_bytes / acc.other_apply_cpu_s / 1e9,
         "canonical_bytes": acc.canon_bytes,
         "frames": acc.frames,
         "bit_exact": bool(acc.exact),
@@ -721,12 +741,19 @@ def format_table(r: dict) -> str:
         if c.get("step_change_rates"):
             lines.append(f"  {c['name']} per-step change rates: "
                          + ", ".join(f"{x:.3%}" for x in c["step_change_rates"]))
-    lines += ["", "throughput, GB/s of canonical BF16 bytes (best wall time of the repeats; 'cpu' = per "
-              "CPU-second of all threads):"]
+    coding = r.get("settings", {}).get("coding", "plain")
+    other = "plain" if coding == "context" else "context"
+    lines += ["", f"throughput, GB/s of canonical BF16 bytes (best wall time of the repeats; 'cpu' = per "
+              f"CPU-second of all threads), {coding} coding, then {other} coding:"]
     cols = [("case", 14, "{}"), ("encode", 7, "{:.2f}"), ("(diff)", 7, "{:.2f}"), ("apply", 7, "{:.2f}"),
-            ("enc cpu", 8, "{:.2f}"), ("apply cpu", 9, "{:.2f}")]
+            ("enc cpu", 8, "{:.2f}"), ("apply cpu", 9, "{:.2f}"), (f"{other[:4]} enc", 8, "{:.2f}"),
+            (f"{other[:4]} apply", 10, "{:.2f}"), (f"{other[:4]} enc cpu", 12, "{:.2f}"),
+            (f"{other[:4]} apply cpu", 14, "{:.2f}")]
+    nan = float("nan")
     lines += _rows(cols, [[c["name"], c["encode_gbps"], c["diff_gbps"], c["apply_gbps"],
-                           c.get("encode_cpu_gbps", float("nan")), c.get("apply_cpu_gbps", float("nan"))]
+                           c.get("encode_cpu_gbps", nan), c.get("apply_cpu_gbps", nan),
+                           c.get("other_encode_gbps", nan), c.get("other_apply_gbps", nan),
+                           c.get("other_encode_cpu_gbps", nan), c.get("other_apply_cpu_gbps", nan)]
                           for c in r["cases"]])
     mt = r.get("many_tensors")
     if mt:

@@ -5,8 +5,9 @@ full-size temporary: the scan works in cache-sized blocks) and returns the *chan
 each chunk with changes, the coded positions, the XOR masks ``new ^ old`` and the absolute new bits,
 or, when sparse coding would not be smaller than the whole chunk, the chunk's new bits (``DENSE``).
 
-The fast path compares 64-bit words (four BF16 elements at a time), finds the differing words and only
-then splits those few words into lanes, one cache-sized block at a time. The codec threads
+The scan works one cache-sized block at a time: a compiled branch-free compaction
+(:func:`dcr_ray.codec.kernels.changed_in_block`) where numba is available, else numpy comparing 64-bit
+words (four BF16 elements at a time) and splitting only the differing words into lanes. The codec threads
 (:mod:`~dcr_ray.codec.threads`) take one chunk each when a tensor has several, or share a lone
 chunk's blocks; equality is always on integer views, so
 ``-0 != +0`` and NaN payloads are compared by their bits. Nothing chunk-sized is allocated besides
@@ -22,7 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dcr_ray.codec import context, locations
+import threading
+
+from dcr_ray.codec import context, kernels, locations
 from dcr_ray.codec.threads import codec_threads, run_all
 from dcr_ray.codec.bits import bits_view, np_uint, wire_name
 from dcr_ray.codec.format import LocationMode
@@ -113,15 +116,32 @@ PARALLEL_MIN_ELEMS = 1 << 19
 NARROW_SPAN = 1 << 31
 
 
+_scratch = threading.local()
+
+
+def _scan_compiled(old: np.ndarray, new: np.ndarray, values: bool):
+    """:func:`_scan_words` by the compiled kernels, into this thread's block-sized scratch buffer (reused,
+    so its pages stay mapped), copied out at the changes' size."""
+    out = getattr(_scratch, "pos", None)
+    if out is None:
+        out = _scratch.pos = np.empty(SCAN_BLOCK_ELEMS, np.int32)
+    pos = out[:kernels.changed_in_block(old, new, out[:len(old)])].copy()
+    if not values:
+        return pos, None, None
+    return (pos, *kernels.gather_changes(old, new, pos))
+
+
 def _scan_words(old: np.ndarray, new: np.ndarray, values: bool = True):
     """(positions, xor, new bits) of one block (at most :data:`SCAN_BLOCK_ELEMS` elements) whose length is
     a multiple of ``8 // itemsize``; positions int32, relative to the block; xor and new bits None unless
     ``values``.
 
-    Compares 64-bit words (four BF16 elements at a time) without writing a full-size XOR, finds the
+    With numba, :func:`_scan_compiled`. Otherwise the numpy path compares 64-bit words (four BF16 elements at a time) without writing a full-size XOR, finds the
     few differing words and only splits those into lanes. Indices are narrowed to int32 as soon as they
     exist, and the per-word copies are released before the per-change positions are made.
     """
+    if kernels.ENABLED:
+        return _scan_compiled(old, new, values)
     s = old.dtype.itemsize
     if s == 8:
         pos = np.flatnonzero(old != new).astype(np.int32)
@@ -272,7 +292,10 @@ GATHER_BLOCK = 1 << 12
 
 
 def _gather(old: np.ndarray, new: np.ndarray, rel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(XOR masks, new bits) at positions ``rel``, gathered a block of positions at a time."""
+    """(XOR masks, new bits) at positions ``rel``: one compiled pass, or numpy a block of positions at a
+    time."""
+    if kernels.ENABLED:
+        return kernels.gather_changes(old, new, rel)
     nv = np.empty(len(rel), new.dtype)
     xor = np.empty(len(rel), old.dtype)
     for a in range(0, len(rel), GATHER_BLOCK):

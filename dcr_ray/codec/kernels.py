@@ -1,5 +1,6 @@
-"""Compiled CPU kernels (numba) for the receiver's hot loops: decoding positions and values, and
-scattering them into a tensor; and the class-order walks of :mod:`~dcr_ray.codec.context`.
+"""Compiled CPU kernels (numba) for the codec's hot loops: the sender's scan for changed elements, the
+receiver's decoding of positions and values and its scatter into a tensor, and the class-order walks
+of :mod:`~dcr_ray.codec.context`.
 
 numpy applies an XOR item as a take / xor / put round trip, three passes over the changed positions
 with two temporaries; :func:`xor_into` (``view[pos] ^= vals``) and :func:`put_into`
@@ -11,9 +12,12 @@ on every dtype), release the GIL (``nogil``) so the codec threads apply items in
 compiled once per machine (``cache=True`` keeps the machine code next to this file, or under
 ``NUMBA_CACHE_DIR``).
 
-The sender's scan stays in numpy (:mod:`dcr_ray.codec.diff`'s blocked scan): a compiled scan is bound
-by branch mispredictions on scattered changes and page faults of its outputs, and is no faster on this
-codec's data (BENCHMARKS.md).
+The sender's scan (:func:`changed_in_block`) compacts without a branch: every element's index is stored
+at the next free slot and the slot advances by ``old != new``, so scattered changes cost no branch
+mispredictions, and the output is a reused block-sized buffer, so its pages are not faulted in anew
+per block. It runs 2-3x faster than numpy's word compare and lane split
+(:mod:`dcr_ray.codec.diff`; BENCHMARKS.md); branching on each element or each differing word was tried
+and is slower.
 
 Set ``DCR_RAY_JIT=0`` to use the numpy path (or when numba is not installed, which is detected here).
 Every caller checks :data:`ENABLED` and falls back; bounds are never checked inside a kernel, so
@@ -77,6 +81,22 @@ def _build() -> dict:
     def join2(p0, p1, out):  # pragma: no cover - compiled
         for i in range(len(out)):
             out[i] = np.uint16(p0[i]) | (np.uint16(p1[i]) << np.uint16(8))
+
+    @jit
+    def changed_in_block(old, new, out):  # pragma: no cover - compiled
+        # branch-free compaction: write every index, keep it by advancing past it only if it differs
+        k = 0
+        for i in range(len(old)):
+            out[k] = i
+            k += old[i] != new[i]
+        return k
+
+    @jit
+    def gather_changes(old, new, pos, xor, nv):  # pragma: no cover - compiled
+        for j in range(len(pos)):
+            a = new[pos[j]]
+            nv[j] = a
+            xor[j] = a ^ old[pos[j]]
 
     @jit
     def add_into(view, pos, vals):  # pragma: no cover - compiled
@@ -188,7 +208,8 @@ def _build() -> dict:
 
     return {"xor_into": xor_into, "put_into": put_into, "gap_positions": gap_positions,
             "join2": join2, "add_into": add_into, "class_ranks": class_ranks,
-            "class_positions": class_positions, "class_positions_sparse": class_positions_sparse}
+            "class_positions": class_positions, "class_positions_sparse": class_positions_sparse,
+            "changed_in_block": changed_in_block, "gather_changes": gather_changes}
 
 
 #: The kernels by name, defined on first use.
@@ -208,6 +229,21 @@ def put_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> Non
 def add_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
     """``view[positions] += values`` modulo the word size, for validated, in-bounds positions."""
     _compiled()["add_into"](view, positions, values)
+
+
+def changed_in_block(old: np.ndarray, new: np.ndarray, out: np.ndarray) -> int:
+    """Write the indices where ``old`` and ``new`` differ (same length and dtype) to the front of ``out``
+    (int32, at least as long as the block: the kernel writes one slot past the last kept index) and
+    return their count."""
+    return _compiled()["changed_in_block"](old, new, out)
+
+
+def gather_changes(old: np.ndarray, new: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(XOR masks ``new ^ old``, new bits) at in-bounds ``positions``, in one pass."""
+    nv = np.empty(len(positions), new.dtype)
+    xor = np.empty(len(positions), old.dtype)
+    _compiled()["gather_changes"](old, new, positions, xor, nv)
+    return xor, nv
 
 
 def class_ranks(old: np.ndarray, positions: np.ndarray, shift: int, mask: int) -> np.ndarray:
@@ -247,8 +283,8 @@ def join2(p0: np.ndarray, p1: np.ndarray) -> np.ndarray:
 def warm_up(background: bool = True) -> None:
     """Load (or compile, the first time on a machine) the kernels for the common element widths.
 
-    Receivers call this at start-up so that the first delta refit does not pay for numba's start-up
-    (and, the first time on a machine, for compiling). A no-op when the kernels are disabled.
+    Owners and receivers call this at start-up so that the first delta refit does not pay for numba's
+    start-up (and, the first time on a machine, for compiling). A no-op when the kernels are disabled.
     """
     if not ENABLED:
         return
@@ -264,6 +300,8 @@ def warm_up(background: bool = True) -> None:
                 put_into(view, pos, vals)
                 add_into(view, pos, vals)
                 gap_positions(vals, 0)
+                changed_in_block(view, vals[:1].repeat(4), np.empty(4, np.int32))
+                gather_changes(view, vals, pos.astype(np.int32))
         b = np.frombuffer(bytes(2), np.uint8)
         join2(b, b)
         for dt in (np.uint8, np.uint16):  # class arrays (codec.context narrows the old bits to these)
