@@ -166,3 +166,27 @@ def test_warming_up_the_kernels_loads_every_width_and_is_harmless_when_disabled(
     kernels.warm_up(background=False)
     monkeypatch.setattr(kernels, "ENABLED", False)
     kernels.warm_up(background=False)  # a no-op
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["compiled", "numpy"])
+def test_an_undo_log_of_a_frame_large_enough_for_the_codec_threads_restores_the_committed_bits(jit, monkeypatch):
+    from dcr_ray.actors.undo import UndoLog
+    from dcr_ray.codec import kernels
+    from dcr_ray.engines.hf import TransformersBackend
+
+    if jit and not kernels.ENABLED:
+        pytest.skip("numba is not installed (or DCR_RAY_JIT=0): only the numpy path exists here")
+    monkeypatch.setattr(kernels, "ENABLED", jit)
+    pairs = {f"w{i}": _bf16_pair(200_000 + i, 0.2, 10 + i) for i in range(3)}
+    deltas = [diff_tensor(n, bits_view(o).copy(), w) for n, (o, w) in pairs.items()]
+    assert sum(d.changed for d in deltas) >= apply.APPLY_PARALLEL_MIN
+    backend = TransformersBackend(lambda: torch.nn.Module())
+    backend._tensors = {n: o.clone() for n, (o, _) in pairs.items()}
+    log = UndoLog()
+    for f in encode_frames(deltas, META, coding="plain"):
+        d = read_frame(f, backend.tensors())
+        log.record("t", d, backend.tensors())
+        backend.apply(d)
+    assert all(torch.equal(backend.tensors()[n].view(torch.int16), w.view(torch.int16)) for n, (_, w) in pairs.items())
+    assert log.rollback(backend) >= 1
+    assert all(torch.equal(backend.tensors()[n].view(torch.int16), o.view(torch.int16)) for n, (o, _) in pairs.items())

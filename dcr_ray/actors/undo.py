@@ -20,7 +20,32 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, bits_view, context, packed
+from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, bits_view, context, kernels, packed, threads
+from dcr_ray.codec.apply import APPLY_PARALLEL_MIN
+
+
+def _inverse_item(it, tensors: Mapping[str, torch.Tensor]) -> DecodedItem:
+    """The bits ``it`` is about to replace, as an OVERWRITE of its positions (DENSE for a dense item)."""
+    view = bits_view(tensors[it.name])
+    if it.encoding == Encoding.DENSE:
+        return DecodedItem(it.name, Encoding.DENSE, it.lo, it.hi, None, np.array(view[it.lo:it.hi], copy=True))
+    old = kernels.take(view, it.positions) if kernels.ENABLED else np.take(view, it.positions)
+    return DecodedItem(it.name, Encoding.OVERWRITE, it.lo, it.hi, it.positions, old)
+
+
+def _read_back(items: list, tensors: Mapping[str, torch.Tensor]) -> list[DecodedItem]:
+    """The inverse of every item, in order; on the codec threads when the frame is large (the reads are
+    bound by memory bandwidth, as the apply that follows is)."""
+    n_threads = threads.codec_threads()
+    if n_threads < 2 or len(items) < 2 or sum(len(it.values) for it in items) < APPLY_PARALLEL_MIN:
+        return [_inverse_item(it, tensors) for it in items]
+    shares = threads.balance(range(len(items)), lambda i: len(items[i].values), n_threads)
+    done = threads.run_all([lambda s=s: [(i, _inverse_item(items[i], tensors)) for i in s] for s in shares])
+    out: list = [None] * len(items)
+    for share in done:
+        for i, inv in share:
+            out[i] = inv
+    return out
 
 
 class UndoLog:
@@ -37,17 +62,9 @@ class UndoLog:
             self.clear()
             self.transfer = transfer
         context.resolve(frame.items, tensors)  # class-mode positions: from the bits about to be replaced
-        items = []
-        for it in frame.items:
-            view = bits_view(tensors[it.name])
-            if it.encoding == Encoding.DENSE:
-                old = np.array(view[it.lo:it.hi], copy=True)
-                items.append(DecodedItem(it.name, Encoding.DENSE, it.lo, it.hi, None, old))
-            else:
-                old = np.take(view, it.positions)
-                items.append(DecodedItem(it.name, Encoding.OVERWRITE, it.lo, it.hi, it.positions, old))
-                self.nbytes += it.positions.nbytes
-            self.nbytes += old.nbytes
+        items = _read_back(frame.items, tensors)
+        for it in items:
+            self.nbytes += it.values.nbytes + (0 if it.positions is None else it.positions.nbytes)
         packs = []
         for pk in frame.packs:
             old = packed.old_values(pk, tensors)
