@@ -128,8 +128,8 @@ class CodecConfig:
     positions; receivers write only the changed elements. ``"context"``: XOR masks or integer differences
     and flat or class-order positions, picked per item; 0.54-0.72x the bytes of ``"plain"`` on AdamW
     refits (``dcr-ray bench codec``), but each receiver reads the old bits of every class-ordered item's
-    whole range to place the changes (6-9x the apply CPU time on AdamW steps). Choose it when the link, not the
-    receivers' CPU, bounds a refit (slow cross-region links). Not with vLLM's capture mode under tensor
+    whole range to place the changes (6-9x the apply CPU time on AdamW steps). Choose it when the link,
+    not the receivers' CPU, bounds a refit (slow cross-region links). Not with vLLM's capture mode under tensor
     parallelism: a rank holds only its shard, cannot read the old bits class order needs, and fails the
     attempt (the overwrite retry repairs it, at the cost of a second send)."""
     key: bytes | None = None
