@@ -129,9 +129,9 @@ class CodecConfig:
     and flat or class-order positions, picked per item; 0.54-0.72x the bytes of ``"plain"`` on AdamW
     refits (``dcr-ray bench codec``), but each receiver reads the old bits of every class-ordered item's
     whole range to place the changes (6-9x the apply CPU time on AdamW steps). Choose it when the link,
-    not the receivers' CPU, bounds a refit (slow cross-region links). Not with vLLM's capture mode under tensor
-    parallelism: a rank holds only its shard, cannot read the old bits class order needs, and fails the
-    attempt (the overwrite retry repairs it, at the cost of a second send)."""
+    not the receivers' CPU, bounds a refit (slow cross-region links). Not with vLLM's capture mode under
+    tensor parallelism: a rank holds only its shard, cannot read the old bits class order needs, and
+    fails the attempt (the overwrite retry repairs it, at the cost of a second send)."""
     key: bytes | None = None
     """Shared secret for keyed BLAKE2b frame digests; receivers reject frames not signed with it."""
 

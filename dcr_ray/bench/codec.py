@@ -14,15 +14,16 @@ Cases (all measured in one run, on the same data for every encoder):
 For every case: changed elements, dcr_ray wire bytes (mixed mode in the ``context`` coding: XOR or ADD
 values, flat or class-order positions), the same changed set in *today's* coding (``plain``: XOR masks at
 flat positions, the library's default, what the codec wrote before ADD and the class modes) and
-overwrite-only bytes, all in the same run; three zero-order
-bounds: the *global* entropy bound (positions: ``n * H(p)`` bits with ``p`` the change rate of the
-whole step; masks: the empirical entropy of the 16-bit XOR values times their count), the *per-tensor*
-bound (each tensor's ``n_t * H(p_t)``, and the empirical entropy of the zigzagged integer differences
-instead of the XOR masks) and the *class* bound (the per-tensor bound with each tensor's rate taken per
-exponent class of the old values, what class-order positions aim at); encode GB/s (diff + frame encoding, per canonical byte
-scanned) and decode+apply GB/s (``read_frame`` + ``apply_decoded``, per canonical byte) of both codings
-(``--coding``, default the library's, fills the main columns; the other coding's go under ``other_``), the bytes of two
-peer encodings (:mod:`dcr_ray.bench.peers`), and a bit-exactness check of every decode (integer views).
+overwrite-only bytes, all in the same run; three zero-order bounds: the *global* entropy bound
+(positions: ``n * H(p)`` bits with ``p`` the change rate of the whole step; masks: the empirical
+entropy of the 16-bit XOR values times their count), the *per-tensor* bound (each tensor's
+``n_t * H(p_t)``, and the empirical entropy of the zigzagged integer differences instead of the XOR
+masks) and the *class* bound (the per-tensor bound with each tensor's rate taken per exponent class of
+the old values, what class-order positions aim at); encode GB/s (diff + frame encoding, per canonical
+byte scanned) and decode+apply GB/s (``read_frame`` + ``apply_decoded``, per canonical byte) of both
+codings (``--coding``, by default the library's, fills the main columns; the other coding's go under
+``other_``), the bytes of two peer encodings (:mod:`dcr_ray.bench.peers`), and a bit-exactness check of
+every decode (integer views).
 A memory-bandwidth reference (numpy copy) and a zstd level sweep on the 3% stress case come from the
 same run. Throughputs are the best of several repeats (the machine may be shared).
 """
@@ -259,7 +260,7 @@ def _class_pos_bits(old, pos, dtype: str) -> float:
     return float(sum(int(tot[c]) * _h2(hit[c] / tot[c]) for c in np.flatnonzero(tot)))
 
 
-def measure_step(step: Step, acc: Acc, repeats: int, coding: str = "context") -> None:
+def measure_step(step: Step, acc: Acc, repeats: int, coding: str = "plain") -> None:
     """Measure one step of a case into ``acc`` (``coding`` is what the throughput columns time)."""
     import numpy as np
 

@@ -18,12 +18,11 @@ of a chunk's positions exists while it is coded (:func:`encode_locations_in_plac
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-import threading
 
 from dcr_ray.codec import context, kernels, locations
 from dcr_ray.codec.threads import codec_threads, run_all
@@ -136,9 +135,10 @@ def _scan_words(old: np.ndarray, new: np.ndarray, values: bool = True):
     a multiple of ``8 // itemsize``; positions int32, relative to the block; xor and new bits None unless
     ``values``.
 
-    With numba, :func:`_scan_compiled`. Otherwise the numpy path compares 64-bit words (four BF16 elements at a time) without writing a full-size XOR, finds the
-    few differing words and only splits those into lanes. Indices are narrowed to int32 as soon as they
-    exist, and the per-word copies are released before the per-change positions are made.
+    With numba, :func:`_scan_compiled`. Otherwise numpy compares 64-bit words (four BF16 elements at a
+    time) without writing a full-size XOR, finds the few differing words and only splits those into
+    lanes. Indices are narrowed to int32 as soon as they exist, and the per-word copies are released
+    before the per-change positions are made.
     """
     if kernels.ENABLED:
         return _scan_compiled(old, new, values)
