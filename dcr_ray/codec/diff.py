@@ -122,8 +122,8 @@ def _scan_compiled(old: np.ndarray, new: np.ndarray, values: bool):
     """:func:`_scan_words` by the compiled kernels, into this thread's block-sized scratch buffer (reused,
     so its pages stay mapped), copied out at the changes' size."""
     out = getattr(_scratch, "pos", None)
-    if out is None:
-        out = _scratch.pos = np.empty(SCAN_BLOCK_ELEMS, np.int32)
+    if out is None or len(out) < len(old):  # the kernel checks no bounds: the buffer must hold the block
+        out = _scratch.pos = np.empty(max(SCAN_BLOCK_ELEMS, len(old)), np.int32)
     pos = out[:kernels.changed_in_block(old, new, out[:len(old)])].copy()
     if not values:
         return pos, None, None
