@@ -168,6 +168,27 @@ def test_warming_up_the_kernels_loads_every_width_and_is_harmless_when_disabled(
     kernels.warm_up(background=False)  # a no-op
 
 
+def test_a_fresh_process_loads_every_warmed_kernel_from_numbas_cache_without_compiling():
+    # Every owner and engine warms the kernels at start-up: a kernel that misses the on-disk cache is
+    # compiled again in every process (seconds of CPU each; kernels that call kernels held in a closure did).
+    import subprocess
+    import sys
+
+    from dcr_ray.codec import kernels
+
+    if not kernels.ENABLED:
+        pytest.skip("numba is not installed (or DCR_RAY_JIT=0): no kernels to cache")
+    kernels.warm_up(background=False)  # fills the cache (or finds it filled)
+    code = ("from dcr_ray.codec import kernels, ptrkernels\n"
+            "kernels.warm_up(background=False)\n"
+            "ds = {**kernels._compiled(), **{'ptr.' + k: v for k, v in ptrkernels._compiled().items()}}\n"
+            "print({n: sum(d.stats.cache_misses.values()) for n, d in ds.items() if d.stats.cache_misses})\n"
+            "print(sum(sum(d.stats.cache_hits.values()) for d in ds.values()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    misses, hits = " ".join(out[:-1]), int(out[-1])
+    assert misses == "{}" and hits > 0
+
+
 @pytest.mark.parametrize("jit", [True, False], ids=["compiled", "numpy"])
 def test_an_undo_log_of_a_frame_large_enough_for_the_codec_threads_restores_the_committed_bits(jit, monkeypatch):
     from dcr_ray.actors.undo import UndoLog

@@ -9,8 +9,9 @@ in one pass (numpy: widen, add, cumsum, offset) and :func:`join2` interleaves th
 16-bit values in one pass (their effect on decode+apply is in BENCHMARKS.md, ``dcr-ray bench
 codec``). They compute exactly what the numpy path computes (the tests compare both
 on every dtype), release the GIL (``nogil``) so the codec threads apply items in parallel, and are
-compiled once per machine (``cache=True`` keeps the machine code next to this file, or under
-``NUMBA_CACHE_DIR``).
+compiled once per machine (``cache=True`` keeps the machine code next to their definitions in
+:mod:`~dcr_ray.codec.kernels_numba`, or under ``NUMBA_CACHE_DIR``); later processes load it in
+milliseconds (a test checks that every kernel :func:`warm_up` loads comes from that cache).
 
 The sender's scan (:func:`changed_in_block`) compacts without a branch: every element's index is stored
 at the next free slot and the slot advances by ``old != new``, so scattered changes cost no branch
@@ -53,168 +54,13 @@ def once(build):
 
 
 def _build() -> dict:
-    """The kernels, defined on first use (importing numba is slow, and most processes never apply)."""
-    import numba
+    """The kernels by name (:mod:`~dcr_ray.codec.kernels_numba`, imported on first use: numba is slow to
+    import, and most processes never apply)."""
+    from dcr_ray.codec import kernels_numba as k
 
-    jit = numba.njit(nogil=True, cache=True, boundscheck=False)
-
-    @jit
-    def xor_into(view, pos, vals):  # pragma: no cover - compiled
-        for i in range(len(pos)):
-            view[pos[i]] ^= vals[i]
-
-    @jit
-    def put_into(view, pos, vals):  # pragma: no cover - compiled
-        for i in range(len(pos)):
-            view[pos[i]] = vals[i]
-
-    @jit
-    def gap_positions(sym, lo):  # pragma: no cover - compiled
-        out = np.empty(len(sym), np.int64)
-        p = lo - 1
-        for i in range(len(sym)):
-            p += np.int64(sym[i]) + 1
-            out[i] = p
-        return out
-
-    @jit
-    def join2(p0, p1, out):  # pragma: no cover - compiled
-        for i in range(len(out)):
-            out[i] = np.uint16(p0[i]) | (np.uint16(p1[i]) << np.uint16(8))
-
-    @jit
-    def changed_in_block(old, new, out):  # pragma: no cover - compiled
-        # branch-free compaction: write every index, keep it by advancing past it only if it differs
-        k = 0
-        for i in range(len(old)):
-            out[k] = i
-            k += old[i] != new[i]
-        return k
-
-    @jit
-    def take_into(view, pos, out):  # pragma: no cover - compiled
-        for i in range(len(pos)):
-            out[i] = view[pos[i]]
-
-    @jit
-    def gather_changes(old, new, pos, xor, nv):  # pragma: no cover - compiled
-        for j in range(len(pos)):
-            a = new[pos[j]]
-            nv[j] = a
-            xor[j] = a ^ old[pos[j]]
-
-    @jit
-    def add_into(view, pos, vals):  # pragma: no cover - compiled
-        for i in range(len(pos)):  # stores truncate to the view's width: a wrapping add
-            view[pos[i]] += vals[i]
-
-    @jit
-    def class_starts(old, shift, mask):  # pragma: no cover - compiled
-        # start[c]: rank of the first class-c element. Four interleaved histograms, so that
-        # runs of one class do not chain every increment through one counter.
-        ncls = np.int64(mask) + 1
-        h = np.zeros((4, ncls), np.int64)
-        n = len(old)
-        m = n - n % 4
-        for i in range(0, m, 4):
-            h[0, np.int64((old[i] >> shift) & mask)] += 1
-            h[1, np.int64((old[i + 1] >> shift) & mask)] += 1
-            h[2, np.int64((old[i + 2] >> shift) & mask)] += 1
-            h[3, np.int64((old[i + 3] >> shift) & mask)] += 1
-        for i in range(m, n):
-            h[0, np.int64((old[i] >> shift) & mask)] += 1
-        start = np.zeros(ncls + 1, np.int64)
-        for c in range(ncls):
-            start[c + 1] = start[c] + h[0, c] + h[1, c] + h[2, c] + h[3, c]
-        return start
-
-    @jit
-    def class_ranks(old, pos, shift, mask):  # pragma: no cover - compiled
-        # count the elements between two changes into four interleaved counters (no branch,
-        # no chained increments), then read the changed element's rank from their sum
-        start = class_starts(old, shift, mask)
-        cnt = np.zeros((4, np.int64(mask) + 1), np.int64)
-        out = np.empty(len(pos), np.int64)
-        i = 0
-        for j in range(len(pos)):
-            p = pos[j]
-            while i + 4 <= p:
-                cnt[0, np.int64((old[i] >> shift) & mask)] += 1
-                cnt[1, np.int64((old[i + 1] >> shift) & mask)] += 1
-                cnt[2, np.int64((old[i + 2] >> shift) & mask)] += 1
-                cnt[3, np.int64((old[i + 3] >> shift) & mask)] += 1
-                i += 4
-            while i < p:
-                cnt[0, np.int64((old[i] >> shift) & mask)] += 1
-                i += 1
-            c = np.int64((old[p] >> shift) & mask)
-            out[j] = start[c] + cnt[0, c] + cnt[1, c] + cnt[2, c] + cnt[3, c]
-        return out
-
-    @jit
-    def class_positions(old, ranks, shift, mask):  # pragma: no cover - compiled
-        # branch-free walk: element i is the next wanted one of its class when the class's
-        # next wanted rank equals its running count. Past a class's last wanted rank the
-        # next rank belongs to a later class (>= its start, above any count of this class),
-        # and a sentinel ends the list, so the comparison is always safe.
-        start = class_starts(old, shift, mask)
-        ncls = np.int64(mask) + 1
-        n = len(ranks)
-        r = np.empty(n + 1, np.int64)
-        r[:n] = ranks
-        r[n] = -1
-        ptr = np.searchsorted(r[:n], start[:ncls])  # next wanted rank of each class
-        cnt = start[:ncls].copy()
-        out = np.empty(n + 1, np.int64)
-        k = 0
-        for i in range(len(old)):
-            if k == n:
-                break
-            c = np.int64((old[i] >> shift) & mask)
-            q = ptr[c]
-            hit = np.int64(r[q] == cnt[c])
-            out[k] = i
-            k += hit
-            ptr[c] = q + hit
-            cnt[c] += 1
-        return out[:n]
-
-    @jit
-    def class_positions_sparse(old, ranks, shift, mask):  # pragma: no cover - compiled
-        # the same walk with a branch on hits: cheaper where hits are rare (predictable),
-        # and it stops at the last wanted element
-        start = class_starts(old, shift, mask)
-        ncls = np.int64(mask) + 1
-        n = len(ranks)
-        r = np.empty(n + 1, np.int64)
-        r[:n] = ranks
-        r[n] = -1
-        ptr = np.searchsorted(r[:n], start[:ncls])
-        st = np.empty(2 * ncls, np.int64)  # (next wanted rank, running rank) per class
-        for c in range(ncls):
-            st[2 * c] = r[ptr[c]]
-            st[2 * c + 1] = start[c]
-        out = np.empty(n, np.int64)
-        k = 0
-        if n == 0:
-            return out
-        for i in range(len(old)):
-            c = np.int64((old[i] >> shift) & mask)
-            hit = st[2 * c] == st[2 * c + 1]
-            st[2 * c + 1] += 1
-            if hit:
-                out[k] = i
-                k += 1
-                if k == n:
-                    break
-                ptr[c] += 1
-                st[2 * c] = r[ptr[c]]
-        return out
-
-    return {"xor_into": xor_into, "put_into": put_into, "gap_positions": gap_positions,
-            "join2": join2, "add_into": add_into, "class_ranks": class_ranks,
-            "class_positions": class_positions, "class_positions_sparse": class_positions_sparse,
-            "changed_in_block": changed_in_block, "gather_changes": gather_changes, "take_into": take_into}
+    return {name: getattr(k, name) for name in (
+        "xor_into", "put_into", "add_into", "take_into", "gap_positions", "join2", "changed_in_block",
+        "gather_changes", "class_ranks", "class_positions", "class_positions_sparse")}
 
 
 #: The kernels by name, defined on first use.
@@ -302,6 +148,8 @@ def warm_up(background: bool = True) -> None:
         return
 
     def run() -> None:
+        from dcr_ray.codec import ptrkernels  # (it imports this module)
+
         pos = np.arange(2, dtype=np.int64)
         for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
             view = np.zeros(4, dt)
@@ -321,6 +169,7 @@ def warm_up(background: bool = True) -> None:
             cls = np.zeros(64, dt)
             for ranks in (pos, np.arange(1, dtype=np.int64)):  # the dense and the sparse walk
                 class_positions(cls, class_ranks(cls, ranks, 0, 1), 0, 1)
+        ptrkernels.warm_up()
 
     if background:
         threading.Thread(target=run, name="dcr-kernels-warm-up", daemon=True).start()

@@ -25,65 +25,10 @@ __all__ = ["ENABLED", "scan", "xor_into", "add_into", "put_into", "take_from"]
 
 
 def _build() -> dict:
-    """The pointer-walk and scan kernels (compiled by numba)."""
-    import numba
-    from numba import types
-    from numba.extending import intrinsic
+    """The pointer-walk and scan kernels (:mod:`~dcr_ray.codec.ptrkernels_numba`, imported on first use)."""
+    from dcr_ray.codec import ptrkernels_numba as k
 
-    @intrinsic
-    def as_pointer(typingctx, addr, like):
-        """``addr`` (int64) as a pointer to elements of ``like``'s dtype."""
-        sig = types.CPointer(like.dtype)(addr, like)
-
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-        return sig, codegen
-
-    jit = numba.njit(nogil=True, cache=True, boundscheck=False)
-
-    @jit
-    def walk(addrs, offsets, pos, vals, op):  # pragma: no cover - compiled
-        # one pass over the sorted pack positions; op 0: ^=, 1: +=, 2: =, 3: read into vals
-        t = 0
-        for i in range(len(pos)):
-            p = pos[i]
-            while p >= offsets[t + 1]:
-                t += 1
-            a = numba.carray(as_pointer(addrs[t], vals), offsets[t + 1] - offsets[t])
-            j = p - offsets[t]
-            if op == 0:
-                a[j] ^= vals[i]
-            elif op == 1:
-                a[j] += vals[i]
-            elif op == 2:
-                a[j] = vals[i]
-            else:
-                vals[i] = a[j]
-
-    @jit
-    def scan(old_addrs, new_addrs, offsets, t0, pos, xor, new):  # pragma: no cover - compiled
-        # whole tensors from t0 on while the outputs can hold all of the next one: (next tensor, written)
-        n = 0
-        t = t0
-        cap = len(pos)
-        while t < len(offsets) - 1:
-            size = offsets[t + 1] - offsets[t]
-            if n + size > cap:
-                break
-            o = numba.carray(as_pointer(old_addrs[t], xor), size)
-            w = numba.carray(as_pointer(new_addrs[t], xor), size)
-            base = offsets[t]
-            for j in range(size):
-                if o[j] != w[j]:
-                    pos[n] = base + j
-                    xor[n] = o[j] ^ w[j]
-                    new[n] = w[j]
-                    n += 1
-            t += 1
-        return t, n
-
-    return {"walk": walk, "scan": scan}
+    return {"walk": k.walk, "scan": k.scan}
 
 
 #: The kernels by name, compiled on first use (numba is slow to import; most processes never need them).
@@ -133,3 +78,19 @@ def scan(old_addrs: np.ndarray, new_addrs: np.ndarray, offsets: np.ndarray, dtyp
     if len(parts) == 1:
         return parts[0]
     return tuple(np.concatenate(col) for col in zip(*parts))
+
+
+def warm_up() -> None:
+    """Load (or compile) the kernels for every element width, as :func:`dcr_ray.codec.kernels.warm_up`
+    does for the per-tensor kernels (which calls this). Writes only zeros into scratch arrays."""
+    offsets = np.array([0, 4], np.int64)
+    pos = np.arange(2, dtype=np.int64)
+    for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
+        a, b = np.zeros(4, dt), np.zeros(4, dt)
+        addrs, other = (np.array([x.__array_interface__["data"][0]], np.int64) for x in (a, b))
+        scan(addrs, other, offsets, dt)
+        take_from(addrs, offsets, pos, dt)
+        vals = np.zeros(2, dt)  # (one kernel also reads into its values, so they are always writable)
+        xor_into(addrs, offsets, pos, vals)
+        add_into(addrs, offsets, pos, vals)
+        put_into(addrs, offsets, pos, vals)

@@ -1,0 +1,178 @@
+"""The numba definitions behind :mod:`~dcr_ray.codec.kernels` (imported on first use: importing numba
+is slow). They live at module level so that numba's on-disk cache can find them again in the next
+process: a kernel that calls another kernel held in a closure gets a new cache key in every process
+and is compiled anew each time.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+jit = numba.njit(nogil=True, cache=True, boundscheck=False)
+
+
+@jit
+def xor_into(view, pos, vals):  # pragma: no cover - compiled
+    for i in range(len(pos)):
+        view[pos[i]] ^= vals[i]
+
+
+@jit
+def put_into(view, pos, vals):  # pragma: no cover - compiled
+    for i in range(len(pos)):
+        view[pos[i]] = vals[i]
+
+
+@jit
+def gap_positions(sym, lo):  # pragma: no cover - compiled
+    out = np.empty(len(sym), np.int64)
+    p = lo - 1
+    for i in range(len(sym)):
+        p += np.int64(sym[i]) + 1
+        out[i] = p
+    return out
+
+
+@jit
+def join2(p0, p1, out):  # pragma: no cover - compiled
+    for i in range(len(out)):
+        out[i] = np.uint16(p0[i]) | (np.uint16(p1[i]) << np.uint16(8))
+
+
+@jit
+def changed_in_block(old, new, out):  # pragma: no cover - compiled
+    # branch-free compaction: write every index, keep it by advancing past it only if it differs
+    k = 0
+    for i in range(len(old)):
+        out[k] = i
+        k += old[i] != new[i]
+    return k
+
+
+@jit
+def take_into(view, pos, out):  # pragma: no cover - compiled
+    for i in range(len(pos)):
+        out[i] = view[pos[i]]
+
+
+@jit
+def gather_changes(old, new, pos, xor, nv):  # pragma: no cover - compiled
+    for j in range(len(pos)):
+        a = new[pos[j]]
+        nv[j] = a
+        xor[j] = a ^ old[pos[j]]
+
+
+@jit
+def add_into(view, pos, vals):  # pragma: no cover - compiled
+    for i in range(len(pos)):  # stores truncate to the view's width: a wrapping add
+        view[pos[i]] += vals[i]
+
+
+@jit
+def class_starts(old, shift, mask):  # pragma: no cover - compiled
+    # start[c]: rank of the first class-c element. Four interleaved histograms, so that
+    # runs of one class do not chain every increment through one counter.
+    ncls = np.int64(mask) + 1
+    h = np.zeros((4, ncls), np.int64)
+    n = len(old)
+    m = n - n % 4
+    for i in range(0, m, 4):
+        h[0, np.int64((old[i] >> shift) & mask)] += 1
+        h[1, np.int64((old[i + 1] >> shift) & mask)] += 1
+        h[2, np.int64((old[i + 2] >> shift) & mask)] += 1
+        h[3, np.int64((old[i + 3] >> shift) & mask)] += 1
+    for i in range(m, n):
+        h[0, np.int64((old[i] >> shift) & mask)] += 1
+    start = np.zeros(ncls + 1, np.int64)
+    for c in range(ncls):
+        start[c + 1] = start[c] + h[0, c] + h[1, c] + h[2, c] + h[3, c]
+    return start
+
+
+@jit
+def class_ranks(old, pos, shift, mask):  # pragma: no cover - compiled
+    # count the elements between two changes into four interleaved counters (no branch,
+    # no chained increments), then read the changed element's rank from their sum
+    start = class_starts(old, shift, mask)
+    cnt = np.zeros((4, np.int64(mask) + 1), np.int64)
+    out = np.empty(len(pos), np.int64)
+    i = 0
+    for j in range(len(pos)):
+        p = pos[j]
+        while i + 4 <= p:
+            cnt[0, np.int64((old[i] >> shift) & mask)] += 1
+            cnt[1, np.int64((old[i + 1] >> shift) & mask)] += 1
+            cnt[2, np.int64((old[i + 2] >> shift) & mask)] += 1
+            cnt[3, np.int64((old[i + 3] >> shift) & mask)] += 1
+            i += 4
+        while i < p:
+            cnt[0, np.int64((old[i] >> shift) & mask)] += 1
+            i += 1
+        c = np.int64((old[p] >> shift) & mask)
+        out[j] = start[c] + cnt[0, c] + cnt[1, c] + cnt[2, c] + cnt[3, c]
+    return out
+
+
+@jit
+def class_positions(old, ranks, shift, mask):  # pragma: no cover - compiled
+    # branch-free walk: element i is the next wanted one of its class when the class's
+    # next wanted rank equals its running count. Past a class's last wanted rank the
+    # next rank belongs to a later class (>= its start, above any count of this class),
+    # and a sentinel ends the list, so the comparison is always safe.
+    start = class_starts(old, shift, mask)
+    ncls = np.int64(mask) + 1
+    n = len(ranks)
+    r = np.empty(n + 1, np.int64)
+    r[:n] = ranks
+    r[n] = -1
+    ptr = np.searchsorted(r[:n], start[:ncls])  # next wanted rank of each class
+    cnt = start[:ncls].copy()
+    out = np.empty(n + 1, np.int64)
+    k = 0
+    for i in range(len(old)):
+        if k == n:
+            break
+        c = np.int64((old[i] >> shift) & mask)
+        q = ptr[c]
+        hit = np.int64(r[q] == cnt[c])
+        out[k] = i
+        k += hit
+        ptr[c] = q + hit
+        cnt[c] += 1
+    return out[:n]
+
+
+@jit
+def class_positions_sparse(old, ranks, shift, mask):  # pragma: no cover - compiled
+    # the same walk with a branch on hits: cheaper where hits are rare (predictable),
+    # and it stops at the last wanted element
+    start = class_starts(old, shift, mask)
+    ncls = np.int64(mask) + 1
+    n = len(ranks)
+    r = np.empty(n + 1, np.int64)
+    r[:n] = ranks
+    r[n] = -1
+    ptr = np.searchsorted(r[:n], start[:ncls])
+    st = np.empty(2 * ncls, np.int64)  # (next wanted rank, running rank) per class
+    for c in range(ncls):
+        st[2 * c] = r[ptr[c]]
+        st[2 * c + 1] = start[c]
+    out = np.empty(n, np.int64)
+    k = 0
+    if n == 0:
+        return out
+    for i in range(len(old)):
+        c = np.int64((old[i] >> shift) & mask)
+        hit = st[2 * c] == st[2 * c + 1]
+        st[2 * c + 1] += 1
+        if hit:
+            out[k] = i
+            k += 1
+            if k == n:
+                break
+            ptr[c] += 1
+            st[2 * c] = r[ptr[c]]
+    return out
