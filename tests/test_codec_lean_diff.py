@@ -21,13 +21,13 @@ def _positions(rng, span, rate, clustered):
 @pytest.mark.parametrize("span,rate", [(1, 1.0), (300, 0.5), (70_000, 0.05), (300_000, 0.01), (5_000_000, 1e-4),
                                        ((1 << 31) - 1, 1e-8), ((1 << 31) - 1, 1e-6)])
 @pytest.mark.parametrize("clustered", [False, True])
-def test_encode_locations_in_place_is_locations_encode(dtype, span, rate, clustered):
+def test_coding_locations_in_place_gives_exactly_the_bytes_of_locations_encode(dtype, span, rate, clustered):
     rng = np.random.default_rng(span)
     for _ in range(5):
         pos = _positions(rng, span, rate, clustered)
         want = locations.encode(pos, 0)
-        assert diff.encode_locations_in_place(pos.astype(dtype)) == want
-    assert diff.encode_locations_in_place(np.empty(0, np.int32)) == locations.EMPTY
+        assert locations.encode_in_place(pos.astype(dtype)) == want
+    assert locations.encode_in_place(np.empty(0, np.int32)) == locations.EMPTY
 
 
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])

@@ -13,7 +13,7 @@ chunk's blocks; equality is always on integer views, so
 ``-0 != +0`` and NaN payloads are compared by their bits. Nothing chunk-sized is allocated besides
 the changed set itself, and the per-change working set stays small: each block's positions are kept as
 int32 and the location symbols are computed in that buffer, so no int64 copy
-of a chunk's positions exists while it is coded (:func:`encode_locations_in_place`).
+of a chunk's positions exists while it is coded (:func:`~dcr_ray.codec.locations.encode_in_place`).
 """
 
 from __future__ import annotations
@@ -242,51 +242,6 @@ def changed_positions(old: np.ndarray, new: np.ndarray):
     return pos, xor
 
 
-#: Symbols turned into gaps per step of :func:`_gaps_in_place` (bounds its overlap temporary).
-GAP_BLOCK = 1 << 12
-
-
-def _gaps_in_place(rel: np.ndarray) -> None:
-    """Turn sorted positions (relative to the item's ``lo``) into the ``gaps`` symbols of
-    :mod:`~dcr_ray.codec.locations`: ``p0``, then ``p[i] - p[i-1] - 1``; block by block from the end, so
-    every block still reads its predecessor's original last position."""
-    for a in range(((len(rel) - 1) // GAP_BLOCK) * GAP_BLOCK, -1, -GAP_BLOCK):
-        b = min(len(rel), a + GAP_BLOCK)
-        lo = max(a, 1)
-        if lo < b:
-            d = rel[lo:b] - rel[lo - 1:b - 1]
-            d -= 1
-            rel[lo:b] = d
-
-
-def encode_locations_in_place(rel: np.ndarray) -> locations.EncodedLocations:
-    """``locations.encode(rel, 0)``, byte for byte, without its int64 symbol copies: the gap symbols are
-    written over ``rel`` (sorted, unique, relative to the item's ``lo``, int32 or int64; consumed). Items where runs could win (at least
-    half the positions adjacent to their predecessor) go to :func:`locations.encode` itself."""
-    n = len(rel)
-    if n == 0:
-        return locations.EMPTY
-    _gaps_in_place(rel)
-    nruns = int(np.count_nonzero(rel[1:])) + 1
-    if nruns * 2 < n:  # runs may be the smaller coding: let the codec choose, on restored positions
-        pos = rel.astype(np.int64)
-        pos += 1
-        np.cumsum(pos, out=pos)
-        pos -= 1
-        return locations.encode(pos, 0)
-    _, w, nesc = locations._best_width(rel)
-    if w == 8:
-        return locations.EncodedLocations(LocationMode.GAPS, 8, n, rel.astype("<u8").tobytes(), b"")
-    prim = rel.astype(np.dtype(np_uint(w)).newbyteorder("<"))  # escaped symbols wrap, then get the marker
-    esc = b""
-    if nesc:
-        cap = (1 << (8 * w)) - 1
-        big = np.flatnonzero(rel >= cap)
-        esc = rel[big].astype("<u8").tobytes()
-        prim[big] = cap
-    return locations.EncodedLocations(LocationMode.GAPS, w, n, prim.tobytes(), esc)
-
-
 #: Positions per step of :func:`_gather` (bounds its index-conversion temporary).
 GATHER_BLOCK = 1 << 12
 
@@ -330,7 +285,7 @@ def _diff_chunk(o: np.ndarray, w: np.ndarray, lo: int, dense_crossover: float,
         else None
     xor, nv = _gather(o, w, rel)
     count = len(rel)
-    loc = encode_locations_in_place(rel)
+    loc = locations.encode_in_place(rel)
     del rel
     if loc.nbytes + count * itemsize >= dense_crossover * span * itemsize:
         return ChunkDelta(lo, lo + span, span, dense=np.array(w, copy=True))

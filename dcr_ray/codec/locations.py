@@ -107,6 +107,11 @@ def encode(positions: np.ndarray, lo: int) -> EncodedLocations:
         if best is None or size < best[0]:
             best = (size, mode, w, sym, esc)
     _, mode, w, sym, nesc = best
+    return _stream(mode, sym, w, nesc)
+
+
+def _stream(mode: str, sym: np.ndarray, w: int, nesc: int) -> EncodedLocations:
+    """The stream of symbols ``sym`` at width ``w`` bytes, the ``nesc`` symbols that do not fit escaped."""
     if w == 8:
         return EncodedLocations(mode, 8, len(sym), sym.astype("<u8").tobytes(), b"")
     dt = np.dtype(np_uint(w)).newbyteorder("<")
@@ -118,6 +123,43 @@ def encode(positions: np.ndarray, lo: int) -> EncodedLocations:
     prim = sym.astype(dt)  # escaped symbols wrap here and are overwritten by the marker
     prim[big] = cap
     return EncodedLocations(mode, w, len(sym), prim.tobytes(), esc)
+
+
+#: Symbols turned into gaps per step of :func:`_gaps_in_place` (bounds its overlap temporary).
+GAP_BLOCK = 1 << 12
+
+
+def _gaps_in_place(rel: np.ndarray) -> None:
+    """Turn sorted positions (relative to the item's ``lo``) into the ``gaps`` symbols: ``p0``, then
+    ``p[i] - p[i-1] - 1``; block by block from the end, so every block still reads its predecessor's
+    original last position."""
+    for a in range(((len(rel) - 1) // GAP_BLOCK) * GAP_BLOCK, -1, -GAP_BLOCK):
+        b = min(len(rel), a + GAP_BLOCK)
+        lo = max(a, 1)
+        if lo < b:
+            d = rel[lo:b] - rel[lo - 1:b - 1]
+            d -= 1
+            rel[lo:b] = d
+
+
+def encode_in_place(rel: np.ndarray) -> EncodedLocations:
+    """:func:`encode` ``(rel, 0)``, byte for byte, without its int64 symbol copies (what owners call while
+    they diff): the gap symbols are written over ``rel`` (sorted, unique, relative to the item's ``lo``,
+    int32 or int64; consumed). Items where runs could win (at least half the positions adjacent to their
+    predecessor) go to :func:`encode` itself."""
+    n = len(rel)
+    if n == 0:
+        return EMPTY
+    _gaps_in_place(rel)
+    nruns = int(np.count_nonzero(rel[1:])) + 1
+    if nruns * 2 < n:  # runs may be the smaller coding: let the codec choose, on restored positions
+        pos = rel.astype(np.int64)
+        pos += 1
+        np.cumsum(pos, out=pos)
+        pos -= 1
+        return encode(pos, 0)
+    _, w, nesc = _best_width(rel)
+    return _stream(LocationMode.GAPS, rel, w, nesc)
 
 
 def decode(enc: EncodedLocations, lo: int, hi: int, count: int) -> np.ndarray:

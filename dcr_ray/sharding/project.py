@@ -28,7 +28,8 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from dcr_ray.codec.diff import NARROW_SPAN, ChunkDelta, TensorDelta, encode_locations_in_place
+from dcr_ray.codec import locations
+from dcr_ray.codec.diff import NARROW_SPAN, ChunkDelta, TensorDelta
 from dcr_ray.codec.packed import PackDelta
 from dcr_ray.sharding.spec import ShardSpec, contiguous_strides
 
@@ -265,7 +266,7 @@ def _grid_chunks(pos: np.ndarray, xor: np.ndarray | None, new: np.ndarray, chunk
         hi = min(numel, lo + chunk_elems)
         rel = np.empty(b - a, dtype=np.int32 if chunk_elems < NARROW_SPAN else np.int64)
         np.subtract(pos[a:b], lo, out=rel, casting="unsafe")  # every value is below chunk_elems
-        loc = encode_locations_in_place(rel)
+        loc = locations.encode_in_place(rel)
         del rel
         yield ChunkDelta(lo, hi, b - a, loc=loc, xor=None if xor is None else xor[a:b], new=new[a:b])
 
