@@ -117,18 +117,26 @@ def class_ranks(old, pos, shift, mask):  # pragma: no cover - compiled
 
 
 @jit
-def class_positions(old, ranks, shift, mask):  # pragma: no cover - compiled
-    # branch-free walk: element i is the next wanted one of its class when the class's
-    # next wanted rank equals its running count. Past a class's last wanted rank the
-    # next rank belongs to a later class (>= its start, above any count of this class),
-    # and a sentinel ends the list, so the comparison is always safe.
+def _wanted(old, ranks, shift, mask):  # pragma: no cover - compiled
+    # what both receiver walks start from: each class's first rank, the wanted ranks with a -1
+    # sentinel after the last, and each class's index of its next wanted rank among them
     start = class_starts(old, shift, mask)
     ncls = np.int64(mask) + 1
     n = len(ranks)
     r = np.empty(n + 1, np.int64)
     r[:n] = ranks
     r[n] = -1
-    ptr = np.searchsorted(r[:n], start[:ncls])  # next wanted rank of each class
+    return start, ncls, r, np.searchsorted(r[:n], start[:ncls])
+
+
+@jit
+def class_positions(old, ranks, shift, mask):  # pragma: no cover - compiled
+    # branch-free walk: element i is the next wanted one of its class when the class's
+    # next wanted rank equals its running count. Past a class's last wanted rank the
+    # next rank belongs to a later class (>= its start, above any count of this class),
+    # and a sentinel ends the list, so the comparison is always safe.
+    start, ncls, r, ptr = _wanted(old, ranks, shift, mask)
+    n = len(ranks)
     cnt = start[:ncls].copy()
     out = np.empty(n + 1, np.int64)
     k = 0
@@ -149,13 +157,8 @@ def class_positions(old, ranks, shift, mask):  # pragma: no cover - compiled
 def class_positions_sparse(old, ranks, shift, mask):  # pragma: no cover - compiled
     # the same walk with a branch on hits: cheaper where hits are rare (predictable),
     # and it stops at the last wanted element
-    start = class_starts(old, shift, mask)
-    ncls = np.int64(mask) + 1
+    start, ncls, r, ptr = _wanted(old, ranks, shift, mask)
     n = len(ranks)
-    r = np.empty(n + 1, np.int64)
-    r[:n] = ranks
-    r[n] = -1
-    ptr = np.searchsorted(r[:n], start[:ncls])
     st = np.empty(2 * ncls, np.int64)  # (next wanted rank, running rank) per class
     for c in range(ncls):
         st[2 * c] = r[ptr[c]]
