@@ -103,10 +103,6 @@ class BaselineStore:
     def names(self) -> list[str]:
         return list(self._bits)
 
-    def address(self, name: str) -> int:
-        """The data address of ``name``'s committed bits in the arena (packable tensors only)."""
-        return self._addr[name]
-
     def in_arena(self, name: str) -> bool:
         """Whether ``name`` is a small tensor held in the arena (it can join a pack)."""
         return name in self._addr
@@ -264,11 +260,15 @@ class BaselineStore:
             pages = [chunk_changes(self._bits[td.name], ch) * itemsize // page_bytes for ch in td.chunks]
             total += len(np.unique(np.concatenate(pages))) if pages else 0
         for pd in self._pending_packs:  # arena blocks are page-aligned maps: pages by address
-            counts = np.diff(np.searchsorted(pd.positions, pd.offsets))
-            w = pd.new.itemsize
-            where = np.repeat(self._pack_addrs(pd) - pd.offsets[:-1] * w, counts) + pd.positions * w
-            total += len(np.unique(where // page_bytes))
+            total += len(np.unique(self.pack_change_addresses(pd) // page_bytes))
         return total
+
+    def pack_change_addresses(self, pd: PackDelta) -> np.ndarray:
+        """The byte address in the arena of every change of ``pd`` (arena tensors share pages, so pages
+        holding changes are counted by address)."""
+        counts = np.diff(np.searchsorted(pd.positions, pd.offsets))
+        w = pd.new.itemsize
+        return np.repeat(self._pack_addrs(pd) - pd.offsets[:-1] * w, counts) + pd.positions * w
 
     def discard(self) -> None:
         """Drop the pending set; the committed baseline is unchanged."""

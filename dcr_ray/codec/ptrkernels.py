@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dcr_ray.codec.arena import address
 from dcr_ray.codec.kernels import ENABLED, once
 
 __all__ = ["ENABLED", "scan", "xor_into", "add_into", "put_into", "take_from"]
@@ -87,7 +88,7 @@ def warm_up() -> None:
     pos = np.arange(2, dtype=np.int64)
     for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
         a, b = np.zeros(4, dt), np.zeros(4, dt)
-        addrs, other = (np.array([x.__array_interface__["data"][0]], np.int64) for x in (a, b))
+        addrs, other = (np.array([address(x)], np.int64) for x in (a, b))
         scan(addrs, other, offsets, dt)
         take_from(addrs, offsets, pos, dt)
         vals = np.zeros(2, dt)  # (one kernel also reads into its values, so they are always writable)

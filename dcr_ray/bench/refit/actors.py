@@ -203,10 +203,7 @@ def _timed_promote(store, version: int) -> int:
     pack_pages = []  # arena tensors share pages: count them by address
     for td in store.pending():
         if isinstance(td, PackDelta):
-            addrs = np.fromiter((store.address(n) for n in td.names), np.int64, len(td.names))
-            counts = np.diff(np.searchsorted(td.positions, td.offsets))
-            w = td.new.itemsize
-            pack_pages.append(np.repeat(addrs - td.offsets[:-1] * w, counts) + td.positions * w)
+            pack_pages.append(store.pack_change_addresses(td))
             changes.extend((n, 1, lambda: np.empty(0, np.int64)) for n in td.names)
             continue
         arr = store.bits(td.name)
