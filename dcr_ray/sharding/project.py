@@ -190,10 +190,16 @@ def _map_runs(pos: np.ndarray, xor: np.ndarray | None, new: np.ndarray, runs: li
             at += b - a
         cx = None if xor is None else _take_segments(xor, segs)
         cn = _take_segments(new, segs)
-        if len(cp) > 1 and not (cp[1:] > cp[:-1]).all():
-            order = np.argsort(cp, kind="stable")
-            cp, cx, cn = cp[order], None if cx is None else cx[order], cn[order]
-        yield name, segs[0][2].shape, cp, cx, cn
+        yield (name, segs[0][2].shape, *_in_order(cp, cx, cn))
+
+
+def _in_order(cp: np.ndarray, cx: np.ndarray | None, cn: np.ndarray):
+    """Canonical positions with their masks and new bits, sorted by position where the map was not
+    monotone."""
+    if len(cp) > 1 and not (cp[1:] > cp[:-1]).all():
+        order = np.argsort(cp, kind="stable")
+        cp, cx, cn = cp[order], None if cx is None else cx[order], cn[order]
+    return cp, cx, cn
 
 
 def _take_segments(a: np.ndarray, segs) -> np.ndarray:
@@ -246,10 +252,7 @@ def _map(pos: np.ndarray, xor: np.ndarray | None, new: np.ndarray, spec: ShardSp
             cp, cx, cn = canon[sel], None if xor is None else xor[sel], new[sel]
         if len(cp) == 0:
             continue
-        if len(cp) > 1 and not (cp[1:] > cp[:-1]).all():
-            order = np.argsort(cp, kind="stable")
-            cp, cx, cn = cp[order], None if cx is None else cx[order], cn[order]
-        yield name, shapes[k], cp, cx, cn
+        yield (name, shapes[k], *_in_order(cp, cx, cn))
 
 
 def _grid_chunks(pos: np.ndarray, xor: np.ndarray | None, new: np.ndarray, chunk_elems: int,
