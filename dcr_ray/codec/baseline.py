@@ -172,9 +172,8 @@ class BaselineStore:
         """The committed bits at every position of ``pd``."""
         if ptrkernels.ENABLED:
             return ptrkernels.take_from(self._pack_addrs(pd), pd.offsets, pd.positions, pd.new.dtype)
-        cuts = np.searchsorted(pd.positions, pd.offsets)
-        return np.concatenate([self._bits[n][pd.positions[cuts[t]:cuts[t + 1]] - pd.offsets[t]]
-                               for t, n in enumerate(pd.names)])
+        parts = [self._bits[pd.names[t]][rel] for t, _, rel in packed.per_tensor(pd.positions, pd.offsets)]
+        return np.concatenate(parts)
 
     # -- diff / pending --------------------------------------------------------------------------
     def diff(self, name: str, tensor: torch.Tensor, *, class_order: bool = True) -> TensorDelta:
@@ -245,10 +244,8 @@ class BaselineStore:
         if ptrkernels.ENABLED:
             ptrkernels.put_into(self._pack_addrs(pd), pd.offsets, pd.positions, pd.new)
         else:
-            cuts = np.searchsorted(pd.positions, pd.offsets)
-            for t, name in enumerate(pd.names):
-                a, b = cuts[t], cuts[t + 1]
-                self._bits[name][pd.positions[a:b] - pd.offsets[t]] = pd.new[a:b]
+            for t, s, rel in packed.per_tensor(pd.positions, pd.offsets):
+                self._bits[pd.names[t]][rel] = pd.new[s]
         return pd.changed
 
     def pending_pages(self, page_bytes: int = mmap.PAGESIZE) -> int:

@@ -64,15 +64,21 @@ class PackDelta:
 
     def tensor_deltas(self) -> list[TensorDelta]:
         """The same changes as one sparse :class:`~dcr_ray.codec.diff.TensorDelta` per tensor."""
-        cuts = np.searchsorted(self.positions, self.offsets)
         out = []
-        for t, (name, shape) in enumerate(zip(self.names, self.shapes)):
-            a, b = cuts[t], cuts[t + 1]
+        for t, s, rel in per_tensor(self.positions, self.offsets):
             numel = int(self.offsets[t + 1] - self.offsets[t])
-            rel = self.positions[a:b] - self.offsets[t]
-            ch = ChunkDelta(0, numel, int(b - a), loc=locations.encode(rel, 0), xor=self.xor[a:b], new=self.new[a:b])
-            out.append(TensorDelta(name, self.dtype, shape, numel, [ch]))
+            ch = ChunkDelta(0, numel, len(rel), loc=locations.encode(rel, 0), xor=self.xor[s], new=self.new[s])
+            out.append(TensorDelta(self.names[t], self.dtype, self.shapes[t], numel, [ch]))
         return out
+
+
+def per_tensor(positions: np.ndarray, offsets: np.ndarray):
+    """Per tensor of a pack: (its index, the slice of the pack's changes in it, their positions within the
+    tensor), from the sorted pack ``positions`` and the tensors' ``offsets``."""
+    cuts = np.searchsorted(positions, offsets)
+    for t in range(len(offsets) - 1):
+        s = slice(int(cuts[t]), int(cuts[t + 1]))
+        yield t, s, positions[s] - offsets[t]
 
 
 def diff_pack(names: Sequence[str], shapes: Sequence[tuple[int, ...]], old: Sequence[np.ndarray],
@@ -156,10 +162,9 @@ class DecodedPack:
         """The pack as one :class:`~dcr_ray.codec.decode.DecodedItem` per tensor (whole range)."""
         from dcr_ray.codec.decode import DecodedItem
 
-        cuts = np.searchsorted(self.positions, self.offsets)
-        return [DecodedItem(name, self.encoding, 0, int(self.offsets[t + 1] - self.offsets[t]),
-                            self.positions[cuts[t]:cuts[t + 1]] - self.offsets[t], self.values[cuts[t]:cuts[t + 1]])
-                for t, name in enumerate(self.names)]
+        return [DecodedItem(self.names[t], self.encoding, 0, int(self.offsets[t + 1] - self.offsets[t]), rel,
+                            self.values[s])
+                for t, s, rel in per_tensor(self.positions, self.offsets)]
 
     def addresses(self, targets: Mapping[str, torch.Tensor]) -> np.ndarray:
         """Data addresses of the pack's tensors in ``targets``, each checked (CPU, contiguous, the
