@@ -88,6 +88,7 @@ class DeltaOwner:
         self._promote_lock = threading.RLock()
         self.specs: dict[str, ShardSpec] = {}
         self._plans: list = []  # packs of small direct tensors (BaselineStore.plan_packs), fixed at attach
+        self._unpacked: list[str] = []  # the other tensors, diffed one by one
         self._numel_total = 0
         #: committed bits of this owner's GPU shards on their device (``OwnerConfig.gpu_baseline``)
         self.device = DeviceBaseline()
@@ -108,6 +109,8 @@ class DeltaOwner:
                 self.specs[name] = sh.spec
             self.store.version = version
             self._plans = self.store.plan_packs([n for n in self.store.names() if self._packable(n)])
+            packed_names = {n for plan in self._plans for n in plan.names}
+            self._unpacked = [n for n in self.store.names() if n not in packed_names]
             self._numel_total = sum(self._numel(n) for n in self.store.names())
         else:
             self._check_layout(shards)
@@ -185,10 +188,7 @@ class DeltaOwner:
             if pd is not None:
                 self.store.add_pending(pd)
                 yield pd
-        packed_names = {n for plan in self._plans for n in plan.names}
-        for name in self.store.names():
-            if name in packed_names:
-                continue
+        for name in self._unpacked:
             t = shards[name].tensor
             if name in self.device:  # diffed on its GPU: only the changes come to the host
                 pos, new = self.device.changes(name, t)
