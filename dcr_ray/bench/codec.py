@@ -415,6 +415,17 @@ MOE_RATE = 0.01
 FIXED_COST_MAX_S = 0.5
 
 
+def expert_shapes(n: int = MOE_TENSORS, shape: tuple[int, ...] = MOE_SHAPE) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of ``n`` small expert tensors, named like an MoE model's (gate/up/down of 128
+    experts per layer); the refit bench's experts case uses the same tensors."""
+    out = {}
+    for i in range(n):
+        layer, rest = divmod(i, 3 * 128)
+        out[f"model.layers.{layer}.mlp.experts.{rest // 3}.{('gate_proj', 'up_proj', 'down_proj')[rest % 3]}.weight"] \
+            = shape
+    return out
+
+
 def moe_step(n_tensors: int, shape: tuple[int, int], rate: float, seed: int) -> Step:
     """``n_tensors`` small BF16 tensors named like the experts of an MoE model (gate/up/down per expert,
     128 experts per layer), with the stress case's uniform changes at ``rate`` across all of them."""
@@ -424,9 +435,7 @@ def moe_step(n_tensors: int, shape: tuple[int, int], rate: float, seed: int) -> 
     big = stress_step(n_tensors * per, rate, seed)
     (old_all,), (new_all,) = big.old.values(), big.new.values()
     old, new = {}, {}
-    for i in range(n_tensors):
-        layer, rest = divmod(i, 3 * 128)
-        name = f"model.layers.{layer}.mlp.experts.{rest // 3}.{('gate_proj', 'up_proj', 'down_proj')[rest % 3]}.weight"
+    for i, name in enumerate(expert_shapes(n_tensors, shape)):
         old[name] = old_all[i * per:(i + 1) * per]
         new[name] = new_all[i * per:(i + 1) * per].view(torch.bfloat16).reshape(shape)
     return Step(old=old, new=new)

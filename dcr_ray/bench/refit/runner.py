@@ -6,6 +6,7 @@ import os
 import platform
 import time
 
+from dcr_ray.bench.codec import MOE_TENSORS, expert_shapes
 from dcr_ray.bench.refit.large_models import projection
 from dcr_ray.bench.refit.measure import check_exact_elementwise, measure_refit
 from dcr_ray.bench.refit.progress import log
@@ -13,7 +14,7 @@ from dcr_ray.bench.refit.reference import attach_references, measure_references
 from dcr_ray.bench.refit.settings import RECEIVER_CASE, TRANSPORTS, Settings
 from dcr_ray.bench.refit.sweep import link_table
 from dcr_ray.bench.refit.targets import TARGETS, checks
-from dcr_ray.bench.refit.topology import EXPERT_TENSORS, expert_shapes, launch_adamw, launch_stress
+from dcr_ray.bench.refit.topology import launch_adamw, launch_stress
 
 
 def run_bench(s: Settings) -> dict:
@@ -114,7 +115,7 @@ def run_stress(s: Settings, transport: str, result: dict) -> list[dict]:
 
 
 def run_experts(s: Settings, transport: str, rate: float = 0.01) -> list[dict]:
-    """The many-tensor case: :data:`~.topology.EXPERT_TENSORS` small expert tensors at ``rate``, after a
+    """The many-tensor case: :data:`~dcr_ray.bench.codec.MOE_TENSORS` small expert tensors at ``rate``, after a
     warm-up refit; what it shows is the fixed cost per tensor (owner construct, engine apply), which packs
     (:mod:`dcr_ray.codec.packed`) keep to microseconds."""
     import ray
@@ -129,7 +130,7 @@ def run_experts(s: Settings, transport: str, rate: float = 0.01) -> list[dict]:
         c["case"] = "experts"
         c["change_rate"] = sum(x["changed"] for x in r) / sum(x["numel"] for x in r)
         c["bit_exact"] = c["bit_exact"] and check_exact_elementwise(topo)
-        log(f"  experts: one owner of {EXPERT_TENSORS:,} tensors: {_short(c)}")
+        log(f"  experts: one owner of {MOE_TENSORS:,} tensors: {_short(c)}")
     finally:
         topo.shutdown()
     return [c]

@@ -123,21 +123,6 @@ def _finish_launch(kind, transport, refit, owners, canonical, numel, model, s, s
     return topo
 
 
-#: The many-tensor case: 10^5 MoE expert tensors of (16, 32) BF16 (gate/up/down of 128 experts per layer).
-EXPERT_TENSORS = 100_000
-EXPERT_SHAPE = (16, 32)
-
-
-def expert_shapes(n: int = EXPERT_TENSORS, shape: tuple = EXPERT_SHAPE) -> dict[str, tuple[int, ...]]:
-    """Canonical names and shapes of ``n`` small expert tensors, named like an MoE model's."""
-    out = {}
-    for i in range(n):
-        layer, rest = divmod(i, 3 * 128)
-        out[f"model.layers.{layer}.mlp.experts.{rest // 3}.{('gate_proj', 'up_proj', 'down_proj')[rest % 3]}.weight"] \
-            = shape
-    return out
-
-
 def launch_stress(s: Settings, transport: str, shapes: dict | None = None, kind: str = "stress",
                   owners: int | None = None) -> Topology:
     """``s.owners`` (or ``owners``) synthetic owners of ``s.size``'s canonical tensors (or of ``shapes``),
