@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, get_args
@@ -66,8 +67,14 @@ class ClusterSpec:
     group cannot be placed within ``CommitConfig.timeout_s``."""
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name or any(c in self.name for c in "/\\ "):
-            raise ConfigError(f"ClusterSpec.name {self.name!r} must be non-empty without '/', '\\' or spaces")
+        if not isinstance(self.name, str) or not _CLUSTER_NAME.fullmatch(self.name):
+            raise ConfigError(f"ClusterSpec.name {self.name!r} must be letters, digits, '.', '_' or '-' (it "
+                              f"becomes part of actor names such as 'dcr_engine:<name>/e0'), e.g. 'us-east'")
+        if not isinstance(self.resources, dict) or not all(
+                isinstance(k, str) and k and not isinstance(v, bool) and isinstance(v, (int, float))
+                and math.isfinite(v) and v > 0 for k, v in self.resources.items()):
+            raise ConfigError(f"ClusterSpec({self.name}).resources must map Ray resource names to amounts > 0, "
+                              f"e.g. {{'cluster-{self.name}': 0.001}}; got {self.resources!r}")
         for f in ("engines", "fanout"):
             v = getattr(self, f)
             if (v is not None or f == "fanout") and (isinstance(v, bool) or not isinstance(v, int)):
@@ -105,6 +112,16 @@ def _choice(owner: str, name: str, value, allowed: tuple) -> None:
         raise ConfigError(f"{owner}.{name} must be one of {allowed}, got {value!r}")
 
 
+def _int_in(owner: str, name: str, value, lo: int, hi: int, why: str = "") -> None:
+    """``value`` is an integer (not a bool, not a float) in ``lo..hi``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"{owner}.{name} must be an integer in {lo}..{hi}{why}, got {value!r}")
+
+
+#: What a cluster name may hold: it becomes part of actor names (``dcr_engine:<cluster>/e0``) and metric tags.
+_CLUSTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
 @dataclass(kw_only=True, slots=True)
 class CodecConfig:
     """How owners encode payload frames."""
@@ -136,12 +153,9 @@ class CodecConfig:
     """Shared secret for keyed BLAKE2b frame digests; receivers reject frames not signed with it."""
 
     def __post_init__(self):
-        if not 1 <= self.chunk_elems <= (1 << 31):
-            raise ConfigError(f"CodecConfig.chunk_elems must be in 1..2**31, got {self.chunk_elems}")
-        if not 1 << 12 <= self.bucket_bytes <= MAX_BUCKET_BYTES:
-            raise ConfigError(
-                f"CodecConfig.bucket_bytes must be in 4 KiB..{MAX_BUCKET_BYTES >> 20} MiB (receivers refuse to "
-                f"inflate frames over two buckets of the largest size), got {self.bucket_bytes}")
+        _int_in("CodecConfig", "chunk_elems", self.chunk_elems, 1, 1 << 31)
+        _int_in("CodecConfig", "bucket_bytes", self.bucket_bytes, 1 << 12, MAX_BUCKET_BYTES,
+                " (4 KiB up to the largest bucket: receivers refuse to inflate frames over two buckets of it)")
         if self.chunk_elems * 8 > self.bucket_bytes:
             raise ConfigError(
                 f"CodecConfig.chunk_elems * 8 ({self.chunk_elems * 8}) must not exceed bucket_bytes "
@@ -173,8 +187,7 @@ class TransportConfig:
 
     def __post_init__(self):
         _choice("TransportConfig", "kind", self.kind, TRANSPORTS)
-        if not 1 <= self.max_inflight_payloads <= 1024:
-            raise ConfigError("TransportConfig.max_inflight_payloads must be in 1..1024")
+        _int_in("TransportConfig", "max_inflight_payloads", self.max_inflight_payloads, 1, 1024)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,6 +207,9 @@ class CommitConfig:
     model, dense frames of the whole model): these move the whole model, not a delta."""
 
     def __post_init__(self):
+        if self.dir is not None and not (isinstance(self.dir, str) and self.dir.strip()):
+            raise ConfigError(f"CommitConfig.dir must be a directory path (or None for a fresh temporary "
+                              f"directory), got {self.dir!r}")
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ConfigError(f"CommitConfig.max_attempts must be an integer >= 1, got {self.max_attempts!r}")
         for name in ("timeout_s", "start_timeout_s"):

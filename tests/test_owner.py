@@ -126,3 +126,12 @@ def test_a_column_sharded_owner_sends_frames_that_rebuild_its_part_of_the_canoni
         for f in sink.frames:
             apply_frame(f, engine, expect_base=0)
     assert torch.equal(engine["w"].view(torch.int16), new.view(torch.int16))
+
+
+def test_a_standalone_owners_set_tensors_replaces_the_whole_dict_so_a_stray_name_does_not_stick():
+    owner = dcr_ray.StandaloneOwner(_tensors(0))
+    owner.set_tensors({**_tensors(1), "stray": torch.zeros(3, dtype=torch.bfloat16)})
+    owner.set_tensors(_tensors(2))
+    got = owner.dcr_tensors()
+    assert sorted(got) == ["a", "b"]
+    assert all(torch.equal(got[n].view(torch.int16), t.view(torch.int16)) for n, t in _tensors(2).items())

@@ -378,9 +378,9 @@ class StandaloneOwner(OwnerMixin):
         self._tensors = {n: _copy(t) for n, t in (tensors or {}).items()}
 
     def set_tensors(self, tensors: Mapping[str, object]) -> None:
-        """Replace the current tensors (the next refit diffs them against the baseline)."""
-        for n, t in tensors.items():
-            self._tensors[n] = _copy(t)
+        """Replace the current tensors with ``tensors`` (names not in it are gone; the next refit diffs
+        them against the baseline, which refuses names it does not cover)."""
+        self._tensors = {n: _copy(t) for n, t in tensors.items()}
 
     def dcr_tensors(self) -> Mapping[str, torch.Tensor]:
         return self._tensors

@@ -1,0 +1,38 @@
+"""Settings are checked where they are made: a bad value raises ConfigError naming the field and a fix."""
+
+from __future__ import annotations
+
+import pytest
+
+import dcr_ray
+from dcr_ray.errors import ConfigError
+
+BAD = [
+    (lambda: dcr_ray.ClusterSpec(name="a:b"), r"ClusterSpec.name 'a:b' must be letters"),
+    (lambda: dcr_ray.ClusterSpec(name="a/b"), "ClusterSpec.name"),
+    (lambda: dcr_ray.ClusterSpec(name=""), "ClusterSpec.name"),
+    (lambda: dcr_ray.ClusterSpec(name="a", resources={"x": -1}), r"resources must map .* amounts > 0"),
+    (lambda: dcr_ray.ClusterSpec(name="a", resources={"x": float("nan")}), "resources"),
+    (lambda: dcr_ray.ClusterSpec(name="a", resources={"x": True}), "resources"),
+    (lambda: dcr_ray.ClusterSpec(name="a", resources=[("x", 1)]), "resources"),
+    (lambda: dcr_ray.CommitConfig(dir=""), "CommitConfig.dir must be a directory path"),
+    (lambda: dcr_ray.CommitConfig(dir=3), "CommitConfig.dir"),
+    (lambda: dcr_ray.CodecConfig(chunk_elems=2.5), r"chunk_elems must be an integer in 1\.\."),
+    (lambda: dcr_ray.CodecConfig(bucket_bytes=float(1 << 20)), "bucket_bytes must be an integer"),
+    (lambda: dcr_ray.CodecConfig(chunk_elems=True), "chunk_elems"),
+    (lambda: dcr_ray.TransportConfig(max_inflight_payloads=2.5), r"max_inflight_payloads must be an integer in 1\.\.1024"),
+    (lambda: dcr_ray.TransportConfig(max_inflight_payloads=0), "max_inflight_payloads"),
+]
+
+
+@pytest.mark.parametrize("make,msg", BAD, ids=[m for _, m in BAD])
+def test_a_bad_setting_is_refused_where_it_is_made_with_the_field_named(make, msg):
+    with pytest.raises(ConfigError, match=msg):
+        make()
+
+
+def test_good_settings_still_pass():
+    dcr_ray.ClusterSpec(name="us-east.1_b", resources={"cluster-us-east": 0.001})
+    dcr_ray.CommitConfig(dir="/tmp/x")
+    dcr_ray.CodecConfig(chunk_elems=1 << 16, bucket_bytes=1 << 20)
+    dcr_ray.TransportConfig(max_inflight_payloads=2)
