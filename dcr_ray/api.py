@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Callable, Mapping
 
 import ray
@@ -34,7 +35,7 @@ from dcr_ray.config import ClusterSpec, RefitConfig, validate
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray import progress
 from dcr_ray.errors import ConfigError, RefitTimeoutError
-from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, actor_options
+from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, OWNER_PREFIX, actor_options
 from dcr_ray.relay.transport import Transport
 from dcr_ray.report import RefitReport
 
@@ -78,9 +79,8 @@ class Refit:
     :meth:`run` is the blocking shortcut.
     """
 
-    def __init__(self, actor, *, owns_owners: bool = False):
+    def __init__(self, actor):
         self._actor = actor
-        self._owns_owners = owns_owners  # launch() created the owner actors (owner_tensors=...)
 
     @classmethod
     def get(cls) -> "Refit":
@@ -88,8 +88,14 @@ class Refit:
         return cls(ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE))
 
     def remote(self) -> ray.ObjectRef:
-        """Start a refit; returns the ObjectRef of its :class:`RefitReport` (``ray.get`` it)."""
-        return self._actor.refit.remote()
+        """Start a refit; returns the ObjectRef of its :class:`RefitReport` (``ray.get`` it).
+
+        The call carries a fresh request id. If the coordinator's process dies during the refit, Ray
+        restarts it and retries the call: a refit whose commit record was already written is answered
+        from the record (with a warning), one that had not committed runs again on the resumed
+        coordinator. Either way the answer is a report or a :class:`~dcr_ray.errors.RefitError`.
+        """
+        return self._actor.refit.options(max_task_retries=REFIT_CALL_RETRIES).remote(uuid.uuid4().hex)
 
     @property
     def actor(self):
@@ -129,8 +135,8 @@ class Refit:
         return ray.get(self._actor.replace_owner.remote(owner_id, handle))
 
     def shutdown(self) -> None:
-        """Kill the coordinator, engines and relays and remove their placement groups (owners given by
-        the caller are left alone).
+        """Kill the coordinator, engines and relays and remove their placement groups; also the owners
+        ``launch(owner_tensors=...)`` made (owners given by the caller are left alone).
 
         Engines and relays outlive the coordinator (they are detached), so this also works when the
         coordinator already died: it then finds them by name.
@@ -143,8 +149,7 @@ class Refit:
             ray.get(self._actor.teardown.remote(), timeout=_SHUTDOWN_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             _kill_named(_TOPOLOGY_PREFIXES, keep=keep)
-        if self._owns_owners:
-            _kill_named(("dcr_owner:",))
+        _kill_named((OWNER_PREFIX,))  # the owners launch(owner_tensors=...) made (detached, by name)
         ray.kill(self._actor, no_restart=True)
 
 
@@ -201,11 +206,19 @@ def launch(
     if _coordinator_exists():
         raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in this Ray cluster; "
                           "use dcr_ray.Refit.get() to reach it, or its shutdown() first")
+    if owner_tensors is not None and _named((OWNER_PREFIX,)):
+        raise ConfigError(f"owner actors {sorted(_named((OWNER_PREFIX,)))} of an earlier launch(owner_tensors=...) "
+                          f"still run in namespace {NAMESPACE!r} without a coordinator: kill them "
+                          f"(ray.kill(ray.get_actor(name, namespace={NAMESPACE!r}))) or resume that topology "
+                          f"with launch(owners=..., resume=True)")
     foreign = _named(_TOPOLOGY_PREFIXES)  # a failed launch must not sweep another topology's actors
     own_owners = owner_tensors is not None
     if own_owners:
+        # detached and named, like engines and relays: they outlive this driver's handles and a coordinator
+        # restart (a restarted coordinator reaches them through the handles it was constructed with)
         Owner = ray.remote(StandaloneOwner)
-        owners = {f"owner{i}": Owner.options(**actor_options("owner", f"dcr_owner:owner{i}")).remote(t)
+        owners = {f"owner{i}": Owner.options(**actor_options("owner", f"{OWNER_PREFIX}owner{i}",
+                                                             detached=True)).remote(t)
                   for i, t in enumerate(owner_tensors)}
     Coordinator = ray.remote(CoordinatorActor)
     # detached and restarted by Ray when its process dies: it resumes from the commit record
@@ -215,7 +228,7 @@ def launch(
     n_eng = sum(c.started + len(c.adopt) for c in clusters)
     log.info("starting %d engines in %d clusters, %d owners, transport=%s; dense bootstrap...", n_eng,
              len(clusters), len(owners), config.transport.kind)
-    refit = Refit(actor, owns_owners=own_owners)
+    refit = Refit(actor)
     limit = timeout_s if timeout_s is not None else config.commit.start_timeout_s
     try:
         try:
@@ -242,6 +255,8 @@ def launch(
     return refit
 
 
+#: How often Ray re-sends a ``refit`` call to a coordinator restarted after its process died.
+REFIT_CALL_RETRIES = 3
 #: How long shutdown waits for the coordinator to tear down before killing actors by name.
 _SHUTDOWN_TIMEOUT_S = 120
 #: How long a failed launch waits for its coordinator to be gone before the last sweep by name.

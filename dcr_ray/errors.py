@@ -95,6 +95,11 @@ class CommitConflictError(RefitError):
     """The commit record's compare-and-set failed: another writer moved the version."""
 
 
+class CommitError(RefitError):
+    """The commit record could not be written (a read-only or full disk): the attempt failed and the
+    committed version is unchanged."""
+
+
 class EngineStateError(RefitError):
     """An engine is not in the state the protocol step needs (e.g. prepare for a version it does not hold)."""
 

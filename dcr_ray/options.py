@@ -10,6 +10,8 @@ from __future__ import annotations
 
 NAMESPACE = "dcr_ray"
 COORDINATOR_NAME = "dcr_coordinator"
+#: Name prefix of the owner actors ``launch(owner_tensors=...)`` makes (detached: they outlive the driver).
+OWNER_PREFIX = "dcr_owner:"
 #: Concurrency of actors that serve calls while a long call (a refit, a flush wait) is running.
 COORDINATOR_CONCURRENCY = 8
 ENGINE_CONCURRENCY = 8

@@ -52,8 +52,30 @@ def check_engines(refit, trainer, engines=None) -> None:
             assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), (eid, n)
 
 
-def half_written(refit, trainer, committed, engine_id: str = "a/e0"):
-    """Drive one engine's protocol by hand: after a trainer step, prepare transfer ``T`` (0 -> 1), apply
+def assert_no_wrong_bits(refit, committed: dict, version: int) -> None:
+    """The wrong-bits sweep that ends every fault test: the commit record and the coordinator say
+    ``version``, and every alive engine holds it, tagged ``version``, bit for bit equal to ``committed``
+    (int16 views of what the engine serves from, never allclose). An engine that holds no version says
+    so (it refuses to serve); one that claims a version must hold exactly its bits."""
+    st = refit.status()
+    assert st["version"] == version and st["commit_record"]["version"] == version, st
+    for eid, eng in refit.engines().items():
+        try:
+            have = ray.get(eng.get_version.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            continue  # dead: it serves nothing
+        if have is None:
+            assert eid not in st["required"], f"{eid} holds no version but is required"
+            continue
+        assert have == version, (eid, have, version)
+        got = ray.get(eng.tensors.remote())
+        assert sorted(got) == sorted(committed), eid
+        for n, t in committed.items():
+            assert torch.equal(got[n].view(torch.int16), t.view(torch.int16)), (eid, n)
+
+
+def half_written(refit, trainer, committed, engine_id: str = "a/e0", base: int = 0):
+    """Drive one engine's protocol by hand: after a trainer step, prepare transfer ``T`` (base -> base+1), apply
     half of its mixed frames in place, then open attempt 1 and apply one OVERWRITE frame over part of
     what attempt 0 wrote as XOR. Returns the engine handle (its transfer left open)."""
     from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
@@ -65,13 +87,13 @@ def half_written(refit, trainer, committed, engine_id: str = "a/e0"):
     for n, t in committed.items():
         store.add(n, t)
     deltas = [d for d in (store.diff(n, t) for n, t in new.items()) if d.chunks]
-    meta = FrameMeta(transfer="T", attempt=0, producer="hand", payload=0, base=0, target=1)
+    meta = FrameMeta(transfer="T", attempt=0, producer="hand", payload=0, base=base, target=base + 1)
     frames = list(encode_frames(deltas, meta, bucket_bytes=1 << 12))
-    ray.get(eng.prepare.remote("T", 0, 0, 1))
+    ray.get(eng.prepare.remote("T", 0, base, base + 1))
     for f in frames[: max(1, len(frames) // 2)]:
         assert ray.get(eng.deliver.remote(f)) == "applied"
-    meta = FrameMeta(transfer="T", attempt=1, producer="hand", payload=0, base=0, target=1)
-    ray.get(eng.prepare.remote("T", 1, 0, 1))
+    meta = FrameMeta(transfer="T", attempt=1, producer="hand", payload=0, base=base, target=base + 1)
+    ray.get(eng.prepare.remote("T", 1, base, base + 1))
     first = next(iter(encode_frames(deltas, meta, mode="overwrite", bucket_bytes=1 << 12)))
     assert ray.get(eng.deliver.remote(first)) == "applied"
     return eng

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import raytools  # noqa: F401
-from raytools import check_engines, half_written, local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
+from raytools import assert_no_wrong_bits, check_engines, half_written, local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
 
 import pytest
 import ray
@@ -16,7 +16,9 @@ import dcr_ray
 from dcr_ray.actors.commit import CommitLog, CommitRecord
 from dcr_ray.errors import CommitConflictError
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE
-from dcr_ray.testing.models import ModelSpec
+from dcr_ray.engines.base import checkpoint_state_dict
+from dcr_ray.testing.faults import TrainerThatKillsTheCoordinatorAtPromote
+from dcr_ray.testing.models import ModelSpec, build_model
 from dcr_ray.testing.trainer import TinyTrainer
 
 SPEC = ModelSpec(size="tiny")
@@ -146,5 +148,49 @@ def test_a_dead_head_relay_is_replaced_and_only_its_cluster_notices_a_retry(loca
         ray.get(trainer.step.remote(seed=1))
         assert refit.run().retries == 0
         check_engines(refit, trainer)
+    finally:
+        refit.shutdown()
+
+
+def _config(commit_dir) -> dcr_ray.RefitConfig:
+    return dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(bucket_bytes=1 << 18, chunk_elems=1 << 15),
+                               commit=dcr_ray.CommitConfig(dir=str(commit_dir / "commit"), timeout_s=60))
+
+
+@pytest.mark.slow
+def test_owners_made_by_launch_survive_a_coordinator_restart(local_ray, tmp_path):
+    state = {n: t.to(torch.bfloat16).contiguous() for n, t in checkpoint_state_dict(build_model(SPEC)).items()}
+    refit = dcr_ray.launch(owner_tensors=[state], engine=dcr_ray.HFEngine(SPEC), config=_config(tmp_path),
+                           clusters=[dcr_ray.ClusterSpec(name="a", engines=2)])
+    try:
+        del state
+        ray.kill(refit.actor, no_restart=False)  # the coordinator's process dies; Ray restarts it
+        _resumed(refit)
+        (owner,) = refit.owners().values()
+        new = {n: t.clone() for n, t in ray.get(owner.dcr_tensors.remote()).items()}
+        for t in new.values():
+            t.view(-1).view(torch.int16)[::7] ^= 1
+        ray.get(owner.set_tensors.remote(new))
+        assert refit.run().version == 1
+        assert_no_wrong_bits(refit, new, 1)
+    finally:
+        refit.shutdown()
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("dcr_owner:")]
+
+
+@pytest.mark.slow
+def test_a_coordinator_killed_right_after_its_commit_record_answers_with_the_committed_report(local_ray, tmp_path):
+    trainer = ray.remote(num_cpus=0)(TrainerThatKillsTheCoordinatorAtPromote).remote(SPEC, lr=1e-3)
+    refit = dcr_ray.launch(owners=[trainer], engine=dcr_ray.HFEngine(SPEC), config=_config(tmp_path),
+                           clusters=[dcr_ray.ClusterSpec(name="a", engines=2)])
+    try:
+        ray.get(trainer.step.remote(seed=0))
+        report = refit.run()  # the coordinator dies in this call, after the record; Ray retries the call
+        assert report.version == 1
+        assert any("from the commit record" in w for w in report.warnings), report.warnings
+        assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 1)
+        ray.get(trainer.step.remote(seed=1))
+        assert refit.run().version == 2  # not refit twice: the retried call did not make a version 2
+        assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 2)
     finally:
         refit.shutdown()

@@ -14,8 +14,8 @@ sends OVERWRITE frames of the same pending changed set, which repairs any partia
     commit    compare-and-set of the durable record v -> v+1 (members = the engines that ACKed)
     promote   owners fold pending into their baselines; engines activate v+1; relays drop copies
 
-Any failure before the record is written leaves the committed state as it was and starts the next
-attempt; an engine whose actor died leaves the required set (it rejoins later by dense bootstrap);
+Any failure before the record is durable (an actor's error, a timeout, a commit record that cannot
+be written) leaves the committed state as it was and starts the next attempt; an engine whose actor died leaves the required set (it rejoins later by dense bootstrap);
 after ``max_attempts`` the owners discard their pending sets, engines that an abandoned attempt wrote
 into in place are re-bootstrapped densely to the committed version (or leave the required set when
 that fails too), and ``refit`` raises ``RefitError``.
@@ -54,7 +54,7 @@ from dcr_ray.actors.recovery import Recovery
 from dcr_ray.actors.topology import Topology
 from dcr_ray.codec.bits import dtype_of, itemsize
 from dcr_ray.config import ClusterSpec, RefitConfig
-from dcr_ray.errors import BaselineError, ConfigError, DcrError, RefitError
+from dcr_ray.errors import BaselineError, CommitConflictError, ConfigError, DcrError, RefitError
 from dcr_ray.relay.transport import Transport, make_transport
 from dcr_ray.report import RefitReport
 
@@ -185,12 +185,32 @@ class CoordinatorActor(Recovery, Inspection):
 
     # -- helpers ----------------------------------------------------------------------------------
     # -- one refit ----------------------------------------------------------------------------------
-    def refit(self) -> RefitReport:
-        """Move the owners' current tensors to every required engine as version v+1 and commit."""
+    def refit(self, request: str | None = None) -> RefitReport:
+        """Move the owners' current tensors to every required engine as version v+1 and commit.
+
+        ``request`` names the call (``Refit.remote()`` sends a fresh id): Ray retries the call on a
+        coordinator restarted after the record was written, and the retry is answered from the record
+        (:meth:`_answered`) instead of refitting a second time.
+        """
         try:
-            return self._refit()
+            return self._answered(request) or self._refit(request or "")
         finally:
             self._phase("idle")
+
+    def _answered(self, request: str | None) -> RefitReport | None:
+        """The report of ``request`` if it already committed (a retried call), else None."""
+        if not request:
+            return None
+        for r in reversed(self.history):
+            if r.get("request") == request:
+                return RefitReport(**{k: v for k, v in r.items() if k in RefitReport.__slots__})
+        with self._lock:
+            rec = self.commits.read()
+        if rec is None or rec.request != request:
+            return None
+        return RefitReport(version=rec.version, transfer=rec.transfer, attempts=1, engine_versions={},
+                           warnings=[f"the coordinator restarted after committing version {rec.version}; "
+                                     f"this answer comes from the commit record (per-stage figures were lost)"])
 
     def _phase(self, phase: str, transfer: str | None = None, attempt: int | None = None,
                target: int | None = None) -> None:
@@ -198,7 +218,7 @@ class CoordinatorActor(Recovery, Inspection):
         self.phase = {"phase": phase, "transfer": transfer, "attempt": attempt, "target": target,
                       "since": time.time()}
 
-    def _refit(self) -> RefitReport:
+    def _refit(self, request: str) -> RefitReport:
         with self._lock:
             if not self._started:
                 if self._resume_error is not None:
@@ -217,15 +237,11 @@ class CoordinatorActor(Recovery, Inspection):
                     last = RefitError("no required engine is alive")
                     break
                 try:
-                    report = self._attempt(transfer, attempt, base, target, t_start)
-                    report.dropped_engines = dropped
-                    self._heal(dropped, report)
-                    report.warnings += rejoined
-                    self._readmit(report.warnings)
-                    report.warnings += [f"engine {e} did not answer and is evicted; it rejoins when it answers"
-                                        for e in sorted(self.evicted)]
-                    return report
+                    report = self._attempt(transfer, attempt, base, target, t_start, request)
+                    return self._after_commit(report, dropped, rejoined)
                 except ActorsDied as d:
+                    if self.version == target:
+                        return self._committed_anyway(transfer, attempt, d)
                     gone = [x for x in d.ids if x in self.engines]
                     if len(gone) < len(d.ids):  # an owner died: its data is gone, cannot continue
                         last = RefitError(f"owner actor(s) died: {[x for x in d.ids if x not in gone]}")
@@ -234,11 +250,13 @@ class CoordinatorActor(Recovery, Inspection):
                     dropped += gone
                     last = RefitError(f"engines died: {gone}")
                     log.warning("dcr_ray: %s died; retrying without them", gone)
-                except DcrError as e:
-                    last = e
-                    log.warning("dcr_ray: attempt %d of %s failed: %s", attempt, transfer, e)
-                    if isinstance(e, (BaselineError, ConfigError)):
-                        break  # an owner's committed state or the setup is wrong: retrying cannot help
+                except Exception as e:  # every exception is a failed attempt until the record is durable
+                    if self.version == target:
+                        return self._committed_anyway(transfer, attempt, e)
+                    last = e if isinstance(e, DcrError) else RefitError(f"{type(e).__name__}: {e}")
+                    log.warning("dcr_ray: attempt %d of %s failed: %r", attempt, transfer, e)
+                    if isinstance(e, (BaselineError, ConfigError, CommitConflictError)):
+                        break  # an owner's committed state, the setup or the record's owner: retrying cannot help
                 metrics.record("refit_retries")
                 self._abort(transfer)
                 self._repair()
@@ -250,6 +268,27 @@ class CoordinatorActor(Recovery, Inspection):
                 f"committed version stays {base}{restored}. Last error: {type(last).__name__}: {last}"
             ) from last
 
+    def _after_commit(self, report: RefitReport, dropped: list[str], rejoined: list[str]) -> RefitReport:
+        """Heal and readmit after a commit; their failures become warnings of the committed report."""
+        report.dropped_engines = dropped
+        try:
+            self._heal(dropped, report)
+            report.warnings += rejoined
+            self._readmit(report.warnings)
+        except Exception as e:
+            report.warnings.append(f"healing after the commit failed: {e!r}")
+        report.warnings += [f"engine {e} did not answer and is evicted; it rejoins when it answers"
+                            for e in sorted(self.evicted)]
+        return report
+
+    def _committed_anyway(self, transfer: str, attempt: int, err: BaseException) -> RefitReport:
+        """The report of a refit whose record is durable although a step after it raised ``err``: the
+        version stays committed (never rolled back), the failure is a warning."""
+        log.warning("dcr_ray: version %d is committed; a step after the record failed: %r", self.version, err)
+        warning = f"version {self.version} is committed, but a step after the commit record failed: {err!r}"
+        return RefitReport(version=self.version, transfer=transfer, attempts=attempt + 1, warnings=[warning],
+                           engine_versions={e: self.version for e in sorted(self.required)})
+
     def _abort(self, transfer: str, final: bool = False) -> list[str]:
         """Close ``transfer`` on the required engines; with ``final``, the engines left dirty.
 
@@ -257,7 +296,10 @@ class CoordinatorActor(Recovery, Inspection):
         otherwise close the next attempt that a later ``prepare`` just opened.
         """
         calls = {e: self.engines[e].abort.remote(transfer, final) for e in self.required}
-        self.transport.release(transfer)
+        try:
+            self.transport.release(transfer)
+        except Exception as e:  # payload copies outlive the attempt; the engines must still be closed
+            log.warning("dcr_ray: releasing the payloads of %s failed: %r", transfer, e)
         dirty = []
         for e, ref in calls.items():
             try:
@@ -265,9 +307,14 @@ class CoordinatorActor(Recovery, Inspection):
                     dirty.append(e)
             except (RayActorError, GetTimeoutError):
                 pass  # a dead or hung engine is dropped by the next refit's prepare
+            except Exception as err:  # its abort failed: what it holds is unknown, so it is restored densely
+                log.warning("dcr_ray: engine %s could not abort %s: %r", e, transfer, err)
+                if final:
+                    dirty.append(e)
         return sorted(dirty)
 
-    def _attempt(self, transfer: str, attempt: int, base: int, target: int, t_start: float) -> RefitReport:
+    def _attempt(self, transfer: str, attempt: int, base: int, target: int, t_start: float,
+                 request: str = "") -> RefitReport:
         t = self.config.commit.timeout_s
         req = sorted(self.required)
         base_id = self._last_transfer()  # frames are bound to the committed content, not only its number
@@ -288,7 +335,7 @@ class CoordinatorActor(Recovery, Inspection):
         t2 = time.perf_counter()
         self._phase("commit", transfer, attempt, target)
         self.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer, epoch=self.epoch,
-                                                        baseline=base_id, members=req))
+                                                        baseline=base_id, members=req, request=request))
         t_rec = time.perf_counter()
         # Committed: v+1 is durable. From here on roll forward (never retry, never abort): a failure
         # now takes the failing actor out of service and is reported, the version stays v+1.
@@ -325,7 +372,7 @@ class CoordinatorActor(Recovery, Inspection):
             engine_versions=versions, warnings=warnings,
             marks={"start": t_start, "prepare": t0, "stream": t1, "flushed": t2, "record": t_rec,
                    "promoted": t_pro, "activated": t_act, "end": time.perf_counter()})
-        self.history.append(report.to_dict())
+        self.history.append({**report.to_dict(), "request": request})
         metrics.record("refit_seconds", report.seconds["total"])
         metrics.record("refit_wire", report.wire_bytes)
         metrics.record("refit_changed", report.changed)

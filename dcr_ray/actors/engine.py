@@ -109,6 +109,14 @@ class EngineActor(DigestMembership):
         ``base_id`` is given, that it holds that content (the transfer that produced ``base``): its
         frames are then refused unless built on exactly that content."""
         with self._cv:
+            if self._touched is not None and self._touched != transfer:
+                # it holds writes of another transfer that was never rolled back or committed: no delta
+                # may build on them; a dense bootstrap replaces them, so it may start, from no version
+                if base != BOOTSTRAP_BASE:
+                    raise EngineStateError(
+                        f"engine {self.engine_id} holds in-place writes of transfer {self._touched} that was "
+                        f"neither committed nor rolled back; abort({self._touched!r}, final=True) first")
+                self._mark_dirty(f"transfer {self._touched} wrote into it and was never settled")
             if base != BOOTSTRAP_BASE and self._dirty is not None:
                 raise EngineStateError(f"engine {self.engine_id} holds no version ({self._dirty}); "
                                        f"it must be bootstrapped (dense) first: Refit.rejoin({self.engine_id!r})")
@@ -324,15 +332,24 @@ class EngineActor(DigestMembership):
                     self._undo.clear()
                     log.warning("engine %s: in-place rollback failed (%r)", self.engine_id, e)
             if final and self._touched == transfer:
-                self._touched = None
-                abandon = getattr(self.backend, "abandon", None)
-                if abandon is not None:  # a backend with an open update of its own closes it unapplied
-                    abandon()
-                self._dirty = (f"transfer {transfer} was abandoned after writing into this engine's "
-                               f"weights in place")
-                self.version = self.version_id = None
+                self._mark_dirty(f"transfer {transfer} was abandoned after writing into this engine's weights "
+                                 f"in place")
             self._cv.notify_all()
             return {"engine": self.engine_id, "dirty": self._dirty is not None}
+
+    def _mark_dirty(self, why: str) -> None:
+        """This engine's weights match no version (``why``): it refuses deltas and generation until a
+        dense bootstrap. Its undo record and any open update of the backend's own are dropped."""
+        self._touched = None
+        self._undo.clear()
+        abandon = getattr(self.backend, "abandon", None)
+        if abandon is not None:  # a backend with an open update of its own closes it unapplied
+            try:
+                abandon()
+            except Exception as e:  # dirty either way: only a dense bootstrap trusts these weights again
+                log.warning("engine %s: closing the backend's open update failed (%r)", self.engine_id, e)
+        self._dirty = why
+        self.version = self.version_id = None
 
     # -- inspection ---------------------------------------------------------------------------------
     def info(self) -> dict:

@@ -14,6 +14,10 @@ at a chosen refit.
 ``SlowStartEngine(inner, delay_s)`` builds the ``inner`` backend ``delay_s`` seconds late (an engine
 whose start-up outlasts a launch's timeout).
 
+``TrainerThatKillsTheCoordinatorAtPromote`` is a real :class:`~dcr_ray.testing.trainer.TinyTrainer`
+owner whose first promote kills the coordinator's process (Ray restarts it): a coordinator that dies
+right after its commit record is written.
+
 ``TrainerThatFailsToPromoteOnce`` is a real :class:`~dcr_ray.testing.trainer.TinyTrainer` owner whose first
 promote fails: the failure lands right after the commit record is written, a moment a test cannot hit
 by killing an actor from outside.
@@ -170,4 +174,21 @@ class TrainerThatFailsToPromoteOnce(TinyTrainer):
         if not self._promote_failed:
             self._promote_failed = True
             raise BaselineError(f"injected fault: promote to v{version} failed")
+        return super().dcr_promote(version)
+
+
+class TrainerThatKillsTheCoordinatorAtPromote(TinyTrainer):
+    """A :class:`~dcr_ray.testing.trainer.TinyTrainer` whose first ``dcr_promote`` kills the coordinator
+    (``no_restart=False``: Ray restarts it, and it resumes from the record) before promoting."""
+
+    _killed = False
+
+    def dcr_promote(self, version: int) -> int:
+        if not self._killed:
+            import ray
+
+            from dcr_ray.options import COORDINATOR_NAME, NAMESPACE
+
+            self._killed = True
+            ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE), no_restart=False)
         return super().dcr_promote(version)
