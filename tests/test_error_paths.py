@@ -9,6 +9,7 @@ refuses to open another. (Coordinator restarts on error paths: ``test_resume.py`
 from __future__ import annotations
 
 import os
+import random
 import shutil
 
 import raytools  # noqa: F401
@@ -98,3 +99,20 @@ def test_an_engine_holding_writes_of_an_unsettled_transfer_refuses_to_open_anoth
     assert_no_wrong_bits(refit, committed, v)
     assert refit.run().version == v + 1
     assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), v + 1)
+
+
+def test_the_chaos_harness_aims_hostile_frames_only_at_engines_alive_now_found_by_name(topo):
+    refit, trainer, _ = topo
+    from dcr_ray.bench.chaos import _live_engine
+
+    victim = refit.engines()["a/e0"]
+    ray.kill(victim)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(victim.get_version.remote(), timeout=60)
+    assert _live_engine(random.Random(0), ["a/e0"]) is None  # no frame aimed at a dead handle
+    eng, name, shape = _live_engine(random.Random(0), ["a/e0", "a/e1"])
+    assert ray.get(eng.info.remote())["engine"] == "a/e1" and name and shape
+    ray.get(trainer.step.remote(seed=30))
+    report = refit.run()  # drops the dead engine, commits, re-creates it
+    assert "a/e0" in report.dropped_engines
+    assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), report.version)

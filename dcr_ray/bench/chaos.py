@@ -189,11 +189,12 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
                 victim = pool[rng.choice(sorted(pool))]
                 threads.append(threading.Timer(rng.uniform(0.0, 0.2), lambda v=victim: ray.kill(v)))
             elif kind is not None:
-                eid = rng.choice(sorted(handles["engines"]))
-                name, shape = _some_tensor(handles["engines"][eid])
-                frame = _hostile_frame(kind, name, shape, refit.status()["version"])
-                threads.append(threading.Timer(rng.uniform(0.0, 0.1), lambda e=handles["engines"][eid], f=frame:
-                                               bad.append(_deliver(e, f))))
+                target = _live_engine(rng, sorted(handles["engines"]))
+                if target is not None:  # else every engine is down: nothing to aim a frame at this refit
+                    eng, name, shape = target
+                    frame = _hostile_frame(kind, name, shape, refit.status()["version"])
+                    threads.append(threading.Timer(rng.uniform(0.0, 0.1), lambda e=eng, f=frame:
+                                                   bad.append(_deliver(e, f))))
             for th in threads:
                 th.start()
             start = time.monotonic()
@@ -267,6 +268,23 @@ def _deliver(engine, frame: bytes) -> str:
         return ray.get(engine.deliver.remote(frame), timeout=30)
     except Exception as e:  # a killed engine, or an error: not an application of the frame
         return f"error: {type(e).__name__}"
+
+
+def _live_engine(rng, engine_ids: list[str]):
+    """``(handle, tensor name, shape)`` of a live engine picked at random, its handle found by name now:
+    a handle taken before the engine was killed and re-created reaches the dead actor. None if none answers."""
+    import ray
+
+    from dcr_ray.actors.topology import engine_name
+    from dcr_ray.options import NAMESPACE
+
+    for eid in rng.sample(engine_ids, len(engine_ids)):
+        try:
+            eng = ray.get_actor(engine_name(eid), namespace=NAMESPACE)
+            return (eng, *_some_tensor(eng))
+        except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            continue  # killed (not yet re-created), or its name not registered again yet
+    return None
 
 
 def _some_tensor(engine) -> tuple[str, tuple]:
