@@ -110,8 +110,9 @@ def test_a_duplicate_delivery_is_applied_once_and_a_wrong_base_version_is_reject
         after_twice = ray.get(eng.tensors.remote())
         for n in before:
             assert torch.equal(after_once[n].view(torch.int16), after_twice[n].view(torch.int16))
-        # a frame of the same transfer built on base 7 is rejected and writes nothing
-        ray.get(eng.abort.remote("T"))
+        # T is abandoned (rolled back in place: no transfer opens over another's writes); a frame of the
+        # next transfer built on base 7 is rejected and writes nothing
+        assert ray.get(eng.abort.remote("T", True))["rolled_back"]
         ray.get(eng.prepare.remote("T2", 0, 0, 1))
         snapshot = ray.get(eng.tensors.remote())
         bad = _frames_for(new, base=7, target=8, transfer="T2")
