@@ -42,11 +42,16 @@ def local_ray():
 
 
 def check_engines(refit, trainer, engines=None) -> None:
-    """Every engine of ``refit`` (or those in ``engines``) holds ``trainer``'s rollout bits (int16 views)."""
+    """The wrong-bits sweep after a committed refit: every engine of ``refit`` (or those in ``engines``)
+    holds the committed version, tagged with it, bit for bit equal to ``trainer``'s rollout bits (int16
+    views), and the coordinator and the commit record name the same version."""
+    st = refit.status()
+    assert st["version"] == st["commit_record"]["version"], st
     want = ray.get(trainer.rollout_state.remote())
     for eid, eng in refit.engines().items():
         if engines is not None and eid not in engines:
             continue
+        assert ray.get(eng.get_version.remote()) == st["version"], eid
         got = ray.get(eng.tensors.remote())
         for n in want:
             assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), (eid, n)
