@@ -34,7 +34,7 @@ from dcr_ray.actors.owner import StandaloneOwner
 from dcr_ray.config import ClusterSpec, RefitConfig, validate
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray import progress
-from dcr_ray.errors import ConfigError, RefitTimeoutError
+from dcr_ray.errors import ConfigError, RefitError, RefitTimeoutError
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, OWNER_PREFIX, actor_options
 from dcr_ray.relay.transport import Transport
 from dcr_ray.report import RefitReport
@@ -123,8 +123,27 @@ class Refit:
         return ray.get(self._actor.relay_stats.remote())
 
     def rejoin(self, engine_id: str) -> dict:
-        """Dense-bootstrap ``engine_id`` to the committed version and add it to the required set."""
+        """Bring ``engine_id`` to the committed version now (from a peer of its cluster, else densely from
+        the owners) and add it to the required set; re-created first if its actor died."""
         return ray.get(self._actor.rejoin.remote(engine_id))
+
+    def wait_healed(self, timeout: float = 600.0, poll_s: float = 0.5) -> dict:
+        """Wait until no engine is healing in the background (dead, evicted or joining engines heal while
+        refits go on); returns the final ``status()``. Raises :class:`~dcr_ray.errors.RefitError` naming
+        the engines whose healing failed (``rejoin`` retries one), and
+        :class:`~dcr_ray.errors.RefitTimeoutError` past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.status()
+            failed = {e: r["error"] for e, r in st["healing"].items() if r["phase"] == "failed"}
+            if failed:
+                raise RefitError(f"healing failed for {sorted(failed)}: {failed}; Refit.rejoin(engine_id) retries")
+            if not st["healing"]:
+                return st
+            if time.monotonic() > deadline:
+                raise RefitTimeoutError(f"engines {sorted(st['healing'])} still heal after {timeout:.0f} s: "
+                                        f"{st['healing']}")
+            time.sleep(poll_s)
 
     def replace_owner(self, owner_id: str, handle) -> dict:
         """Attach ``handle`` in place of owner ``owner_id`` (e.g. one that died), without relaunching.

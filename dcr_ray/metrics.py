@@ -33,6 +33,9 @@ def _metrics():
         "link_bytes": Counter("dcr_coordinator_link_bytes", "Payload bytes that crossed each cluster's boundary",
                               tag_keys=("cluster",)),
         "required_engines": Gauge("dcr_coordinator_required_engines", "Engines in the required set"),
+        "heal_seconds": Histogram("dcr_coordinator_heal_seconds", "Wall time of healing one engine (background)",
+                                  boundaries=secs),
+        "healing_engines": Gauge("dcr_coordinator_healing_engines", "Engines healing in the background"),
         # owners
         "owner_wire": Counter("dcr_owner_wire_bytes", "Payload bytes an owner produced", tag_keys=("owner",)),
         "owner_seconds": Histogram("dcr_owner_stream_seconds", "Diff + encode time of one owner stream",
@@ -51,7 +54,8 @@ def _metrics():
 #: Every metric name Ray exports (Prometheus adds a ``ray_`` prefix), for dashboards and tests.
 NAMES = ("dcr_coordinator_refit_seconds", "dcr_coordinator_wire_bytes", "dcr_coordinator_changed_elements",
          "dcr_coordinator_retries_total", "dcr_coordinator_version", "dcr_coordinator_link_bytes",
-         "dcr_coordinator_required_engines", "dcr_owner_wire_bytes", "dcr_owner_stream_seconds",
+         "dcr_coordinator_required_engines", "dcr_coordinator_heal_seconds", "dcr_coordinator_healing_engines",
+         "dcr_owner_wire_bytes", "dcr_owner_stream_seconds",
          "dcr_relay_bytes_in_bytes", "dcr_engine_applied_payloads_total", "dcr_engine_rejected_payloads_total",
          "dcr_engine_apply_seconds", "dcr_engine_version")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import raytools  # noqa: F401
-from raytools import check_engines, half_written, local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
+from raytools import assert_no_wrong_bits, check_engines, half_written, local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
 
 import pytest
 import ray
@@ -58,13 +58,37 @@ def test_a_dead_engine_is_dropped_from_the_refit_and_comes_back_recreated_at_the
         report = refit.run()
         assert report.dropped_engines == ["a/e1"]
         assert set(report.engine_versions) == {"a/e0", "b/e0"}
-        assert any("a/e1 died and was re-created at version 1" in w for w in report.warnings)
+        assert any("a/e1 died; it is re-created and heals in the background" in w for w in report.warnings)
+        # the refit answered at commit; a/e1 heals beside it, from its cluster's peer a/e0 (not the owners)
+        st = refit.wait_healed(timeout=120)
+        assert [(h["engine"], h["source"], h["version"]) for h in st["healed"]] == [("a/e1", "a/e0", 1)]
         # the fleet is back at its configured size, every engine at v1, bit for bit
-        assert refit.status()["required"] == ["a/e0", "a/e1", "b/e0"]
+        assert st["required"] == ["a/e0", "a/e1", "b/e0"]
         assert refit.engines()["a/e1"] != dead
+        assert ray.get(refit.engines()["a/e1"].info.remote())["healed_from_peer"] == 1
         check_engines(refit, trainer)
         ray.get(trainer.step.remote(seed=1))
         assert set(refit.run().engine_versions) == {"a/e0", "a/e1", "b/e0"}
+        check_engines(refit, trainer)
+    finally:
+        refit.shutdown()
+
+
+def test_a_whole_lost_cluster_takes_its_first_engine_from_the_owners_once_and_the_next_from_it(local_ray):
+    refit, trainer = _start(dcr_ray.HFEngine(SPEC),
+                            [dcr_ray.ClusterSpec(name="a", engines=1), dcr_ray.ClusterSpec(name="b", engines=2)])
+    try:
+        for e in ("b/e0", "b/e1"):
+            ray.kill(refit.engines()[e])
+        ray.get(trainer.step.remote(seed=0))
+        report = refit.run()
+        assert report.version == 1 and report.dropped_engines == ["b/e0", "b/e1"]
+        st = refit.wait_healed(timeout=180)
+        assert [(h["engine"], h["source"]) for h in st["healed"]] == [("b/e0", "owners"), ("b/e1", "b/e0")]
+        assert st["required"] == ["a/e0", "b/e0", "b/e1"]
+        check_engines(refit, trainer)
+        ray.get(trainer.step.remote(seed=1))
+        assert set(refit.run().engine_versions) == {"a/e0", "b/e0", "b/e1"}
         check_engines(refit, trainer)
     finally:
         refit.shutdown()
@@ -74,11 +98,13 @@ def test_a_refit_that_keeps_failing_raises_and_the_committed_version_stays(local
     engine = FlakyEngine(dcr_ray.HFEngine(SPEC), fail_after=0)
     refit, trainer = _start(engine, [dcr_ray.ClusterSpec(name="a", engines=1)], max_attempts=1)
     try:
+        committed = ray.get(trainer.rollout_state.remote())
         ray.get(trainer.step.remote(seed=0))
         with pytest.raises(dcr_ray.RefitError, match="committed version stays 0"):
             refit.run()
         assert refit.status()["version"] == 0
         assert ray.get(trainer.dcr_version.remote()) == 0
+        assert_no_wrong_bits(refit, committed, 0)
     finally:
         refit.shutdown()
 
@@ -166,6 +192,7 @@ def test_an_engine_left_with_half_written_weights_refuses_work_until_it_rejoins(
         for n in committed:
             assert torch.equal(got[n].view(torch.int16), committed[n].view(torch.int16)), n
         assert ray.get(eng.generate.remote([[1, 2, 3]], 2))["version"] == 0
+        assert_no_wrong_bits(refit, committed, 0)
     finally:
         refit.shutdown()
 

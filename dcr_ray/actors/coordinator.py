@@ -49,6 +49,7 @@ from dcr_ray.actors.calls import ActorsDied, gather, get_all
 from dcr_ray.actors.commit import CommitLog, CommitRecord
 from dcr_ray.actors.coverage import check_coverage
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.actors.healing import Healing
 from dcr_ray.actors.inspection import Inspection
 from dcr_ray.actors.recovery import Recovery
 from dcr_ray.actors.topology import Topology
@@ -81,6 +82,7 @@ class CoordinatorActor(Recovery, Inspection):
         self._model_bytes = 0  # canonical bytes of one engine's tensors (known after attach)
         self._progress_total: int | None = None  # bytes the phase in flight delivers, when known
         self._resume_error: Exception | None = None
+        self.healer = Healing(self)  # engines outside the required set, healed in the background
         if ray.get_runtime_context().was_current_actor_reconstructed:
             try:
                 self.start(resume=True)  # Ray restarted this actor: carry on from the record
@@ -272,7 +274,9 @@ class CoordinatorActor(Recovery, Inspection):
         """Heal and readmit after a commit; their failures become warnings of the committed report."""
         report.dropped_engines = dropped
         try:
-            self._heal(dropped, report)
+            self.healer.schedule(dropped, "died", respawn=True)
+            report.warnings += [f"engine {e} died; it is re-created and heals in the background from a peer of "
+                                f"its cluster (Refit.status()['healing'])" for e in dropped]
             report.warnings += rejoined
             self._readmit(report.warnings)
         except Exception as e:
@@ -388,16 +392,23 @@ class CoordinatorActor(Recovery, Inspection):
 
     # -- membership & inspection ------------------------------------------------------------------
     def rejoin(self, engine_id: str) -> dict:
-        """Bring an engine (new or fallen out of the required set) back by dense bootstrap."""
+        """Bring an engine (new, dead, or fallen out of the required set) back at the committed version,
+        now: from a peer of its cluster, else densely from the owners (see :mod:`~dcr_ray.actors.healing`)."""
+        if engine_id not in self.engines:
+            raise ConfigError(f"unknown engine {engine_id!r}; known: {sorted(self.engines)}")
+        t = self.config.commit.timeout_s
         with self._lock:
-            if engine_id not in self.engines:
-                raise ConfigError(f"unknown engine {engine_id!r}; known: {sorted(self.engines)}")
+            self.required.discard(engine_id)
+            self.evicted.discard(engine_id)
             try:
-                ray.get(self.engines[engine_id].get_version.remote(), timeout=self.config.commit.timeout_s)
+                st = ray.get(self.engines[engine_id].state.remote(), timeout=t)
+                dead = False
             except (RayActorError, GetTimeoutError):
-                self.topology.respawn(engine_id, self.config)  # its actor died: a new one takes its place
-            self._bootstrap([engine_id])
-            return self.status()
+                dead = True  # its actor died (or hangs): a new one takes its place
+            if not dead and st["transfer"] is not None:  # close what it holds open before it takes a copy
+                ray.get(self.engines[engine_id].abort.remote(st["transfer"], True), timeout=t)
+        self.healer.heal_now(engine_id, "rejoin", respawn=dead)
+        return self.status()
 
     def teardown(self) -> None:
         """Kill the engines and relays and remove the placement groups (``Refit.shutdown``)."""

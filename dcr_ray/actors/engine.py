@@ -32,6 +32,7 @@ import ray
 from dcr_ray import metrics
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.actors.engine_digests import DigestMembership
+from dcr_ray.actors.engine_heal import PeerCopy
 from dcr_ray.actors.undo import UndoLog
 from dcr_ray.codec import kernels
 from dcr_ray.codec import DIGEST_SIZE, PayloadKey, decode_frame, open_frame
@@ -58,7 +59,7 @@ class _Attempt(NamedTuple):
     base_id: str | None = None  #: content identity the frames must be built on (None: not checked)
 
 
-class EngineActor(DigestMembership):
+class EngineActor(DigestMembership, PeerCopy):
     """Hosts one engine backend (built in this process by ``backend_factory()``).
 
     ``reader`` is the transport's engine side (:class:`~dcr_ray.relay.transport.PayloadReader`): it

@@ -34,14 +34,16 @@ class Inspection:
         return {"phase": phase, "bytes": done, "total": self._progress_total}
 
     def status(self, detail: bool = False) -> dict:
-        """The committed version and record, the required engines, the refit in flight (``phase``) and,
+        """The committed version and record, the required engines, the refit in flight (``phase``), the
+        engines healing in the background (``healing``, and the last completed heals in ``healed``) and,
         with ``detail``, each engine's state, the relays per cluster and the last refits
         (:mod:`dcr_ray.status` formats it for ``dcr-ray status``)."""
         rec = self.commits.read()
         out = {"version": self.version, "epoch": self.epoch, "required": sorted(self.required),
                "engines": sorted(self.engines), "owners": sorted(self.owners),
                "clusters": list(self.topology.clusters), "transport": self.transport.kind,
-               "commit_record": None if rec is None else asdict(rec), "phase": dict(self.phase)}
+               "commit_record": None if rec is None else asdict(rec), "phase": dict(self.phase),
+               **self.healer.status()}
         if detail:
             states, dead, errors = gather({e: h.state.remote() for e, h in self.engines.items()}, STATUS_TIMEOUT_S,
                                           "status")

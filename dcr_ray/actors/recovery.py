@@ -1,5 +1,6 @@
 """Recovery of the coordinator's topology: resuming from the commit record, re-planning around dead
-relays, re-creating dead engines, replacing a dead owner.
+relays, readmitting evicted engines, replacing a dead owner (dead engines heal in
+:mod:`~dcr_ray.actors.healing`).
 
 A mixin of :class:`~dcr_ray.actors.coordinator.CoordinatorActor` (it uses the coordinator's topology,
 commit log, ``_bootstrap`` and lock); kept apart so the refit state machine reads on its own.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -18,9 +18,6 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from dcr_ray.actors.calls import ActorsDied, NoAnswerError, gather, get_all
 from dcr_ray.actors.commit import CommitRecord
 from dcr_ray.errors import ConfigError
-
-if TYPE_CHECKING:
-    from dcr_ray.report import RefitReport
 
 log = logging.getLogger("dcr_ray")
 
@@ -110,21 +107,9 @@ class Recovery:
         if dead:
             log.warning("dcr_ray: relay(s) %s died; their cluster trees were re-planned", dead)
 
-    def _heal(self, engine_ids: list[str], report: RefitReport) -> None:
-        """Re-create engines that died and bootstrap them to the committed version (fleet back to size)."""
-        for e in engine_ids:
-            try:
-                self.topology.respawn(e, self.config)
-                self._bootstrap([e])
-                report.warnings.append(f"engine {e} died and was re-created at version {self.version}")
-            except Exception as err:
-                report.warnings.append(f"engine {e} died and could not be re-created ({err!r}); "
-                                       f"Refit.rejoin({e!r}) retries")
-                log.warning("dcr_ray: re-creating engine %s failed: %r", e, err)
-
     def _readmit(self, warnings: list[str]) -> None:
         """Engines evicted as hung that answer again rejoin: activated if they took the whole transfer
-        the record committed (they hung in its flush), else by dense bootstrap."""
+        the record committed (they hung in its flush), else healed in the background (:mod:`healing`)."""
         for e in sorted(self.evicted):
             try:
                 st = ray.get(self.engines[e].state.remote(), timeout=READMIT_PROBE_S)  # waits for the engine's lock
@@ -137,14 +122,14 @@ class Recovery:
                         and st["target"] == rec.version == self.version):
                     ray.get(self.engines[e].activate.remote(rec.version, rec.transfer), timeout=t)
                     self.required.add(e)
-                    how = "it had applied the committed transfer: activated, no dense bootstrap"
+                    how = "rejoined at version {v} (it had applied the committed transfer: activated, no dense bootstrap)"
                 else:
-                    if st["transfer"] is not None:  # close what it holds open before the dense frames
+                    if st["transfer"] is not None:  # close what it holds open before it takes a copy
                         ray.get(self.engines[e].abort.remote(st["transfer"], True), timeout=t)
-                    self._bootstrap([e])
-                    how = "dense bootstrap"
+                    self.healer.schedule([e], "answered again after it was evicted", respawn=False)
+                    how = "heals to version {v} in the background, from a peer of its cluster"
                 self.evicted.discard(e)
-                warnings.append(f"engine {e} answers again and rejoined at version {self.version} ({how})")
+                warnings.append(f"engine {e} answers again and " + how.format(v=self.version))
             except Exception as err:
                 log.warning("dcr_ray: readmitting engine %s failed: %r", e, err)
 

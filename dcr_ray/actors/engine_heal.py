@@ -1,0 +1,96 @@
+"""Healing an engine from a peer of its own cluster: the committed bits move inside the cluster only.
+
+A re-created, evicted or otherwise lagging engine does not need the owners (on the trainer's side of
+the cluster link) to get the committed version: any engine of its cluster that holds it settled can
+hand over its canonical tensors. Protocol (driven by the coordinator's healing part,
+:mod:`~dcr_ray.actors.healing`)::
+
+    peer.snapshot(v, id)      under the peer's lock, and only while it holds committed version v of
+                              content id settled (no transfer open, nothing written in place): its
+                              canonical tensors go into the Ray object store of the peer's node, with a
+                              digest of every tensor
+    engine.heal_from(peer, v, id)
+                              pulls that object (a copy between two nodes of one cluster), checks names,
+                              dtypes and shapes against its own specs before any write, loads the bits
+                              densely through its backend (and its loader), digests what the backend
+                              now holds and compares every tensor with the peer's digests; only then
+                              does it hold v (else it holds no version and says why)
+
+The engine is outside the required set throughout; the coordinator adds it once it holds the version
+the record names. A mixin of :class:`~dcr_ray.actors.engine.EngineActor` (its lock and state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import ray
+
+from dcr_ray.codec.bits import bits_view, wire_name
+from dcr_ray.errors import EngineStateError
+
+
+def tensor_digests(tensors) -> dict[str, str]:
+    """BLAKE2b-128 of each tensor's bits (canonical element order)."""
+    return {n: hashlib.blake2b(bits_view(t.contiguous()).tobytes(), digest_size=16).hexdigest()
+            for n, t in tensors.items()}
+
+
+class PeerCopy:
+    """``snapshot`` (the peer's side) and ``heal_from`` (the healing engine's side) of an engine actor."""
+
+    def snapshot(self, version: int, version_id: str | None) -> dict:
+        """This engine's committed bits for a healing peer: ``{"version", "version_id", "digests",
+        "ref": [ObjectRef of {name: tensor}]}``; refused unless it holds ``version`` of ``version_id``
+        settled."""
+        with self._cv:
+            if (self._cur is not None or self._touched is not None or self._dirty is not None
+                    or self.version != version or self.version_id != version_id):
+                raise EngineStateError(
+                    f"engine {self.engine_id} cannot hand over version {version} ({version_id}): it holds "
+                    f"v{self.version} ({self.version_id}), {self.state()['phase']}")
+            tensors = dict(self.backend.tensors())
+            ref = ray.put(tensors)  # copied into this node's object store while the lock holds the bits still
+            digests = tensor_digests(tensors)
+        return {"version": version, "version_id": version_id, "digests": digests, "ref": [ref],
+                "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+    def heal_from(self, peer, version: int, version_id: str | None, timeout_s: float) -> dict:
+        """Take committed ``version`` (content ``version_id``) from ``peer`` (see the module doc); returns
+        ``{"engine", "version", "bytes", "seconds"}``. Raises :class:`EngineStateError` (holding no
+        version when bits were written) if the copy does not match the peer's digests."""
+        t0 = time.perf_counter()
+        with self._cv:
+            if self._cur is not None:
+                raise EngineStateError(f"engine {self.engine_id} is inside transfer {self._cur.transfer}; "
+                                       f"it heals between transfers")
+        snap = ray.get(peer.snapshot.remote(version, version_id), timeout=timeout_s)
+        tensors = ray.get(snap["ref"][0], timeout=timeout_s)
+        bad = sorted(set(tensors) ^ set(self.specs))[:3] or [
+            n for n, t in tensors.items() if (wire_name(t.dtype), tuple(t.shape)) != tuple(
+                (self.specs[n][0], tuple(self.specs[n][1])))][:3]
+        if bad:  # checked before any write
+            raise EngineStateError(f"engine {self.engine_id}: the peer's tensors do not match this engine's "
+                                   f"(names, dtypes or shapes differ, e.g. {bad})")
+        with self._cv:
+            if self._cur is not None:
+                raise EngineStateError(f"engine {self.engine_id} opened transfer {self._cur.transfer} while "
+                                       f"healing; it heals between transfers")
+            self._mark_dirty(f"healing from a peer to version {version}")
+            self.backend.load_dense(tensors.items())
+            self.backend.flush()
+            got = tensor_digests(self.backend.tensors())
+            differ = sorted(n for n in snap["digests"] if got.get(n) != snap["digests"][n])
+            if differ:
+                self._dirty = (f"a copy from a peer did not land exactly ({len(differ)} tensors differ from the "
+                               f"peer's digests, e.g. {differ[:3]})")
+                raise EngineStateError(f"engine {self.engine_id}: {self._dirty}")
+            self.version, self.version_id, self._dirty = version, version_id, None
+            self._applied.clear()
+            if hasattr(self.backend, "activate"):
+                self.backend.activate(version)
+            self._stats["healed_from_peer"] = self._stats.get("healed_from_peer", 0) + 1
+            self._cv.notify_all()
+        return {"engine": self.engine_id, "version": version, "bytes": snap["bytes"],
+                "seconds": time.perf_counter() - t0}

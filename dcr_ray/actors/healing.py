@@ -1,0 +1,168 @@
+"""Healing, off the trainer's clock: engines outside the required set get the committed version in
+the background, from a peer of their own cluster, and join when they hold it.
+
+``refit.remote()`` answers at commit. An engine that died (re-created here), one evicted as hung that
+answers again, or one that asks to rejoin is *healing*: it has its own phase in ``status()["healing"]``
+while the refits go on without it. Where its bits come from, in order of preference:
+
+1. **A peer of its cluster** (:mod:`~dcr_ray.actors.engine_heal`): a required engine that holds the
+   committed version settled hands its canonical tensors over through the Ray object store; the copy
+   stays inside the cluster and is checked tensor by tensor against the peer's digests before the
+   healing engine holds the version. No byte crosses the cluster link; the owners do no work.
+2. **The owners**, only when no engine of the cluster can hand the version over (the whole cluster
+   was lost, or it holds only adopted engines that cannot read their bits back): a dense bootstrap
+   through the transport, once; the cluster's other healing engines then copy from that one.
+
+A healing engine joins the required set under the coordinator's lock, and only if the version it
+took is still the committed one; if a refit committed meanwhile, it takes the newer version the
+same way (a bounded number of rounds, then it stays out and says why). A part of
+:class:`~dcr_ray.actors.coordinator.CoordinatorActor` with its own state (the healing table and one
+worker thread); it reaches the coordinator's lock, topology, record and dense bootstrap through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+
+from dcr_ray import metrics
+
+log = logging.getLogger("dcr_ray")
+
+#: Copies one healing engine may take in a row before it gives up (refits kept committing meanwhile).
+MAX_ROUNDS = 5
+#: Completed heals ``status()`` lists.
+HEALED_KEPT = 20
+#: Pause before another round when a peer was busy (inside a transfer) or a copy went stale.
+RETRY_PAUSE_S = 0.5
+
+
+class Healing:
+    """The coordinator's healing table and worker: :meth:`schedule`, :meth:`heal_now`, :meth:`status`."""
+
+    def __init__(self, coordinator):
+        self._c = coordinator
+        self._table: dict[str, dict] = {}  # engine id -> its healing record (what status() shows)
+        self._guard = threading.Lock()  # guards the table and the worker's start
+        self._worker: threading.Thread | None = None
+        self.healed: list[dict] = []  # the last HEALED_KEPT completed heals, oldest first
+
+    # -- what the coordinator calls ----------------------------------------------------------------
+    def schedule(self, engine_ids, reason: str, *, respawn: bool) -> None:
+        """Heal ``engine_ids`` in the background (re-created first with ``respawn``: their actors died)."""
+        with self._guard:
+            for e in engine_ids:
+                rec = self._table.get(e)
+                if rec is not None and rec["phase"] not in ("failed",):
+                    rec["respawn"] = rec["respawn"] or respawn
+                    continue
+                self._table[e] = {"engine": e, "phase": "queued", "reason": reason, "respawn": respawn,
+                                  "source": None, "since": time.time(), "rounds": 0, "error": None}
+            metrics.record("healing_engines", len(self._table))
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._run, name="dcr-healing", daemon=True)
+                self._worker.start()
+
+    def heal_now(self, engine_id: str, reason: str, *, respawn: bool) -> dict:
+        """Heal one engine in the caller's thread (``Refit.rejoin``); raises what made it fail."""
+        with self._guard:
+            self._table[engine_id] = {"engine": engine_id, "phase": "queued", "reason": reason,
+                                      "respawn": respawn, "source": None, "since": time.time(), "rounds": 0,
+                                      "error": None}
+        return self._heal(engine_id)
+
+    def status(self) -> dict:
+        """``{"healing": {engine id: {"phase", "reason", "source", "since", "rounds", "error"}}, "healed":
+        [...]}``: every engine healing now or whose healing failed (``phase == "failed"``;
+        ``Refit.rejoin`` retries it), and the last completed heals (``source``: the peer or ``owners``)."""
+        with self._guard:
+            return {"healing": {e: {k: v for k, v in r.items() if k != "respawn"} for e, r in self._table.items()},
+                    "healed": list(self.healed)}
+
+    def pending(self) -> list[str]:
+        with self._guard:
+            return sorted(e for e, r in self._table.items() if r["phase"] != "failed")
+
+    # -- the work ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._guard:
+                todo = sorted(e for e, r in self._table.items() if r["phase"] == "queued")
+                if not todo:
+                    self._worker = None
+                    return
+            for e in todo:
+                try:
+                    self._heal(e)
+                except Exception as err:  # recorded; the engine stays out until Refit.rejoin
+                    log.warning("dcr_ray: healing engine %s failed: %r", e, err)
+
+    def _set(self, e: str, **kw) -> None:
+        with self._guard:
+            self._table[e].update(kw)
+
+    def _heal(self, e: str) -> dict:
+        c = self._c
+        t0 = time.perf_counter()
+        try:
+            if self._table[e]["respawn"]:
+                self._set(e, phase="re-creating")
+                with c._lock:
+                    c.topology.respawn(e, c.config)
+                self._set(e, respawn=False)
+            out = self._rounds(e)
+        except Exception as err:
+            self._set(e, phase="failed", error=f"{type(err).__name__}: {err}")
+            raise
+        secs = time.perf_counter() - t0
+        with self._guard:
+            rec = self._table.pop(e, None) or {}
+            self.healed = [*self.healed, {"engine": e, "reason": rec.get("reason"), "source": out["source"],
+                                          "version": out["version"], "seconds": secs, "at": time.time()}][-HEALED_KEPT:]
+            metrics.record("healing_engines", len(self._table))
+        metrics.record("heal_seconds", secs)
+        log.info("dcr_ray: engine %s healed to version %d from %s in %.1f s", e, out["version"], out["source"], secs)
+        return {**out, "seconds": secs}
+
+    def _rounds(self, e: str) -> dict:
+        c = self._c
+        t = c.config.commit.start_timeout_s
+        last: Exception | None = None
+        for r in range(MAX_ROUNDS):
+            self._set(e, rounds=r + 1)
+            with c._lock:
+                version, version_id = c.version, c._last_transfer()
+                peer = self._peer(e)
+                handle = c.engines[e]
+                if peer is None or c.topology.is_adopted(e):  # no peer can hand it over (or it cannot take a
+                    # copy: an adopted engine's bits are not addressable): the owners, once per cluster
+                    self._set(e, phase="bootstrapping", source="owners")
+                    c.required.discard(e)
+                    c._bootstrap([e])
+                    return {"engine": e, "version": version, "source": "owners"}
+                peer_handle = c.engines[peer]
+            self._set(e, phase="copying", source=peer)
+            try:
+                ray.get(handle.heal_from.remote(peer_handle, version, version_id, t), timeout=t)
+            except Exception as err:  # the peer opened a transfer, or died: try again (maybe another peer)
+                last = err
+                time.sleep(RETRY_PAUSE_S)
+                continue
+            with c._lock:
+                if c.version == version and ray.get(handle.get_version.remote(), timeout=t) == version:
+                    c.required.add(e)
+                    metrics.record("required_engines", len(c.required))
+                    return {"engine": e, "version": version, "source": peer}
+        raise RuntimeError(f"engine {e} did not catch up with the committed version in {MAX_ROUNDS} copies "
+                           f"(last error: {last!r}); Refit.rejoin({e!r}) tries again")
+
+    def _peer(self, e: str) -> str | None:
+        """A required engine of ``e``'s cluster that can hand over its bits (dcr_ray started it)."""
+        c = self._c
+        cluster = c.topology.engine_cluster[e]
+        ok = [p for p in sorted(c.required)
+              if p != e and c.topology.engine_cluster[p] == cluster and not c.topology.is_adopted(p)]
+        return ok[0] if ok else None
