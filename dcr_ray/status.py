@@ -2,7 +2,8 @@
 
 Connects to a Ray cluster (``--address``, default: the local one), finds the coordinator by its name
 and prints the committed version and record, the refit in flight and its phase, each engine's version
-and state (``ready`` / ``receiving`` / ``staging`` / ``dirty`` / ``dead``), the relays per cluster,
+and state (``ready`` / ``receiving`` / ``staging`` / ``dirty`` / ``dead``), the engines healing in the
+background (phase, source: a peer of their cluster or the owners) and the last heals, the relays per cluster,
 and the last refits (seconds per stage, wire bytes per cluster link, change rate, retries).
 ``--json`` prints the same as one JSON object (what :meth:`dcr_ray.Refit.status` returns with
 ``detail=True``).
@@ -62,6 +63,15 @@ def format_status(st: dict) -> str:
     for e in st.get("engine_states", []):
         lines.append(f"{e['engine']:<20} {str(e.get('cluster')):<12} {str(e.get('version')):>7}  "
                      f"{e.get('phase', '?'):<14} {'yes' if e.get('required') else 'no'}")
+    healing, healed = st.get("healing") or {}, st.get("healed") or []
+    if healing or healed:
+        lines += ["", f"{'healing engine':<20} {'phase':<14} {'source':<14} {'for s':>6}  reason / error"]
+        for e, h in sorted(healing.items()):
+            lines.append(f"{e:<20} {h.get('phase', '?'):<14} {str(h.get('source') or '-'):<14} "
+                         f"{time.time() - h.get('since', time.time()):>6.1f}  {h.get('error') or h.get('reason')}")
+        for h in healed[-5:]:
+            lines.append(f"{h['engine']:<20} {'healed v' + str(h['version']):<14} {str(h['source']):<14} "
+                         f"{h['seconds']:>6.1f}  {h.get('reason')}")
     relays = st.get("relays") or {}
     if relays:
         lines += ["", "relays: " + "; ".join(f"{c}: {', '.join(sorted(r))}" for c, r in sorted(relays.items()))]

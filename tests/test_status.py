@@ -49,6 +49,13 @@ def test_status_lists_versions_engine_states_relays_and_the_last_refits_and_the_
         ray.kill(refit.engines()["a/e1"])
         states = {e["engine"]: e["phase"] for e in refit.status(detail=True)["engine_states"]}
         assert states["a/e1"] == "dead" and states["a/e0"] == "ready"
+        # the next refit drops it; it heals in the background and status shows where from
+        ray.get(trainer.step.remote(seed=1))
+        refit.run()
+        st = refit.wait_healed(timeout=120)
+        assert st["healing"] == {} and [(h["engine"], h["source"]) for h in st["healed"]] == [("a/e1", "a/e0")]
+        text = format_status(refit.status(detail=True))
+        assert "healing engine" in text and "healed v2" in text and "a/e0" in text
     finally:
         refit.shutdown()
     out = subprocess.run([sys.executable, "-m", "dcr_ray.cli", "status"], env=env, capture_output=True, text=True,
