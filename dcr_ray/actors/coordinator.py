@@ -15,16 +15,17 @@ sends OVERWRITE frames of the same pending changed set, which repairs any partia
     promote   owners fold pending into their baselines; engines activate v+1; relays drop copies
 
 Any failure before the record is durable (an actor's error, a timeout, a commit record that cannot
-be written) leaves the committed state as it was and starts the next attempt; an engine whose actor died leaves the required set (it rejoins later by dense bootstrap);
-after ``max_attempts`` the owners discard their pending sets, engines that an abandoned attempt wrote
-into in place are re-bootstrapped densely to the committed version (or leave the required set when
-that fails too), and ``refit`` raises ``RefitError``.
-Every wait has a timeout (``CommitConfig.timeout_s``).
+be written) leaves the committed state as it was and starts the next attempt; an engine whose actor
+died leaves the required set. After ``max_attempts`` the owners discard their pending sets, engines
+that an abandoned attempt wrote into roll back in place (or, where they cannot, are re-bootstrapped
+densely or leave the required set), and ``refit`` raises ``RefitError``. Every wait has a timeout
+(``CommitConfig.timeout_s``).
 
 Failures of single actors are repaired, not fatal: a failed attempt first re-creates relays that died
 (the cluster's tree is re-planned) before the next attempt; engines that died during a refit are
-re-created and bootstrapped once it commits, so the fleet heals to its configured size; an owner
-that died fails the refit cleanly (engines roll back in place) until ``replace_owner``.
+re-created after it commits and heal in the background from a peer of their cluster
+(:mod:`~dcr_ray.actors.healing`), so the fleet returns to its configured size without the owners; an
+owner that died fails the refit cleanly (engines roll back in place) until ``replace_owner``.
 
 The coordinator itself is restartable: engines, relays and owners do not share its fate, and a new
 incarnation (Ray restarting the actor, or ``launch(..., resume=True)``) resumes from the durable record
@@ -274,9 +275,7 @@ class CoordinatorActor(Recovery, Inspection):
         """Heal and readmit after a commit; their failures become warnings of the committed report."""
         report.dropped_engines = dropped
         try:
-            self.healer.schedule(dropped, "died", respawn=True)
-            report.warnings += [f"engine {e} died; it is re-created and heals in the background from a peer of "
-                                f"its cluster (Refit.status()['healing'])" for e in dropped]
+            report.warnings += self._heal_later(dropped, "died")
             report.warnings += rejoined
             self._readmit(report.warnings)
         except Exception as e:
@@ -284,6 +283,12 @@ class CoordinatorActor(Recovery, Inspection):
         report.warnings += [f"engine {e} did not answer and is evicted; it rejoins when it answers"
                             for e in sorted(self.evicted)]
         return report
+
+    def _heal_later(self, dead: list[str], reason: str) -> list[str]:
+        """Re-create the engines in ``dead`` and heal them in the background; the report's warnings."""
+        self.healer.schedule(sorted(dead), reason, respawn=True)
+        return [f"engine {e} died; it is re-created and heals in the background from a peer of its cluster "
+                f"(Refit.status()['healing'])" for e in sorted(dead)]
 
     def _committed_anyway(self, transfer: str, attempt: int, err: BaseException) -> RefitReport:
         """The report of a refit whose record is durable although a step after it raised ``err``: the
@@ -358,10 +363,12 @@ class CoordinatorActor(Recovery, Inspection):
         versions, dead, errors = gather(
             {e: self.engines[e].activate.remote(target, transfer) for e in req}, t, "activate")
         if dead or errors:
-            bad = sorted({*dead, *errors})
-            self.required -= set(bad)
-            warnings.append(f"engine(s) {bad} did not activate v{target} and left the required set; "
-                            f"Refit.rejoin(engine_id) restores each")
+            self.required -= {*dead, *errors}
+            warnings += self._heal_later(dead, "died")
+            if errors:
+                warnings.append(f"engine(s) {sorted(errors)} did not activate v{target} and left the required set; "
+                                f"they heal in the background (Refit.status()['healing'])")
+                self.healer.schedule(sorted(errors), f"did not activate v{target}", respawn=False)
         for w in warnings:
             log.warning("dcr_ray: %s", w)
         t_act = time.perf_counter()

@@ -8,8 +8,9 @@ hand over its canonical tensors. Protocol (driven by the coordinator's healing p
     peer.snapshot(v, id)      under the peer's lock, and only while it holds committed version v of
                               content id settled (no transfer open, nothing written in place): its
                               canonical tensors go into the Ray object store of the peer's node, with a
-                              digest of every tensor
-    engine.heal_from(peer, v, id)
+                              digest of every tensor (the coordinator asks under its own lock, between
+                              refits)
+    engine.heal_from(snapshot)
                               pulls that object (a copy between two nodes of one cluster), checks names,
                               dtypes and shapes against its own specs before any write, loads the bits
                               densely through its backend (and its loader), digests what the backend
@@ -56,16 +57,16 @@ class PeerCopy:
         return {"version": version, "version_id": version_id, "digests": digests, "ref": [ref],
                 "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
-    def heal_from(self, peer, version: int, version_id: str | None, timeout_s: float) -> dict:
-        """Take committed ``version`` (content ``version_id``) from ``peer`` (see the module doc); returns
+    def heal_from(self, snap: dict, timeout_s: float) -> dict:
+        """Take the committed version a peer's :meth:`snapshot` handed over (see the module doc); returns
         ``{"engine", "version", "bytes", "seconds"}``. Raises :class:`EngineStateError` (holding no
         version when bits were written) if the copy does not match the peer's digests."""
         t0 = time.perf_counter()
+        version, version_id = snap["version"], snap["version_id"]
         with self._cv:
             if self._cur is not None:
                 raise EngineStateError(f"engine {self.engine_id} is inside transfer {self._cur.transfer}; "
                                        f"it heals between transfers")
-        snap = ray.get(peer.snapshot.remote(version, version_id), timeout=timeout_s)
         tensors = ray.get(snap["ref"][0], timeout=timeout_s)
         bad = sorted(set(tensors) ^ set(self.specs))[:3] or [
             n for n, t in tensors.items() if (wire_name(t.dtype), tuple(t.shape)) != tuple(

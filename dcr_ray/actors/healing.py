@@ -27,12 +27,14 @@ import threading
 import time
 
 import ray
+from ray.exceptions import RayActorError
 
 from dcr_ray import metrics
 
 log = logging.getLogger("dcr_ray")
 
-#: Copies one healing engine may take in a row before it gives up (refits kept committing meanwhile).
+#: Copies one healing engine may take in a row before it gives up (refits kept committing meanwhile,
+#: or its peers kept failing).
 MAX_ROUNDS = 5
 #: Completed heals ``status()`` lists.
 HEALED_KEPT = 20
@@ -143,11 +145,23 @@ class Healing:
                     c.required.discard(e)
                     c._bootstrap([e])
                     return {"engine": e, "version": version, "source": "owners"}
-                peer_handle = c.engines[peer]
+                try:  # between refits (they hold this lock), so the peer holds the version settled
+                    snap = ray.get(c.engines[peer].snapshot.remote(version, version_id), timeout=t)
+                except Exception as err:  # the peer died or will not hand over: another round, maybe another peer
+                    last = err
+                    snap = None
+            if snap is None:
+                time.sleep(RETRY_PAUSE_S)
+                continue
             self._set(e, phase="copying", source=peer)
             try:
-                ray.get(handle.heal_from.remote(peer_handle, version, version_id, t), timeout=t)
-            except Exception as err:  # the peer opened a transfer, or died: try again (maybe another peer)
+                ray.get(handle.heal_from.remote(snap, t), timeout=t)
+            except RayActorError as err:  # the healing engine itself died: re-create it, another round
+                last = err
+                with c._lock:
+                    c.topology.respawn(e, c.config)
+                continue
+            except Exception as err:  # e.g. the peer died before the copy was pulled: another round
                 last = err
                 time.sleep(RETRY_PAUSE_S)
                 continue

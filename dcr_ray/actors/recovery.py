@@ -71,10 +71,10 @@ class Recovery:
                 behind.append(e)
         for e in dead:
             self.topology.respawn(e, cfg)
-        if behind:
-            self._bootstrap(sorted(behind))
-        log.info("dcr_ray: coordinator epoch %d resumed at version %d (%d engines re-bootstrapped)", self.epoch,
-                 self.version, len(behind))
+        if behind:  # from a peer of their cluster where one holds the version, in the background
+            self.healer.schedule(sorted(behind), "behind the commit record at resume", respawn=False)
+        log.info("dcr_ray: coordinator epoch %d resumed at version %d (%d engines heal in the background)",
+                 self.epoch, self.version, len(behind))
 
     def _owners_path(self) -> str:
         return os.path.join(self.config.commit.dir, OWNERS_FILE)
@@ -109,12 +109,17 @@ class Recovery:
 
     def _readmit(self, warnings: list[str]) -> None:
         """Engines evicted as hung that answer again rejoin: activated if they took the whole transfer
-        the record committed (they hung in its flush), else healed in the background (:mod:`healing`)."""
+        the record committed (they hung in its flush), else healed in the background (:mod:`healing`);
+        one that died meanwhile is re-created and healed."""
         for e in sorted(self.evicted):
             try:
                 st = ray.get(self.engines[e].state.remote(), timeout=READMIT_PROBE_S)  # waits for the engine's lock
+            except RayActorError:  # it died while evicted (no prepare reaches it): re-created, healed
+                self.evicted.discard(e)
+                warnings += self._heal_later([e], "died while evicted")
+                continue
             except Exception:
-                continue  # still hung (or dead: the next prepare drops it)
+                continue  # still hung
             try:
                 rec = self.commits.read()
                 t = self.config.commit.timeout_s

@@ -25,8 +25,10 @@ healed.
 After every committed version every required engine is compared bit for bit (integer views) with the
 owners. The JSON has the fields of the issue's chaos suite: refits, committed, faults_injected,
 faults_by_kind, faults_survived, mismatched_engines, bad_frames_rejected, bad_frames_applied,
-hung_waits, engines_at_end, engines_configured, dense_rebootstraps (with recreated_engines: how many of
-them were engines re-created after a death), in_place_rollbacks.
+hung_waits, engines_at_end, engines_configured (counted after the engines healing in the background
+are done), dense_rebootstraps (engines the owners sent the whole model to: heals with no peer left in
+the cluster, and restores after abandoned refits), recreated_engines (re-created after a death),
+healed_from_peer / healed_from_owners (where healing engines got their bits), in_place_rollbacks.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ STALL_S = STAGE_TIMEOUT_S + 4
 QUIET_P = 0.3
 #: The frame key of the chaos topology (hostile frames sign with another one).
 KEY = b"dcr-chaos-key"
+#: How long the end of a run waits for engines still healing in the background.
+HEAL_WAIT_S = 300.0
 TARGETS = {"committed_min_fraction": 28 / 30, "mismatched_engines": 0, "bad_frames_applied": 0, "hung_waits": 0}
 
 
@@ -159,7 +163,8 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
     rng = random.Random(seed + 1)
     stats = Counter()
     by_kind, survived = Counter(), Counter()
-    mismatched, recreated, dense, t0 = 0, 0, 0, time.monotonic()
+    mismatched, recreated, t0 = 0, 0, time.monotonic()
+    healed: dict[tuple, str] = {}  # (engine, when) -> where its bits came from (a peer, or "owners")
     failures: list[str] = []  # messages of refits that failed (they name engines restored densely)
     try:
         plan = schedule(refits, seed)
@@ -217,13 +222,16 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
             if ok:
                 stats["committed"] += 1
                 committed_steps = len(steps)
-                recreated += sum("was re-created" in w for w in ok.warnings)
-                dense += sum("was re-created" in w or "(dense bootstrap)" in w for w in ok.warnings)
+                recreated += sum("died; it is re-created" in w for w in ok.warnings)
                 bad_engines = _check(refit, owners[0])
                 mismatched += len(bad_engines)
                 if kind is not None and not bad_engines:
                     survived[kind] += 1
             say(f"refit {i + 1}/{refits}: fault {kind or '-'}: {'committed v%d' % ok.version if ok else 'failed'}")
+            healed.update({(h["engine"], h["at"]): h["source"] for h in refit.status()["healed"]})
+        refit.wait_healed(timeout=HEAL_WAIT_S)  # engines heal in the background: the fleet at its size again
+        healed.update({(h["engine"], h["at"]): h["source"] for h in refit.status()["healed"]})
+        dense = sum(src == "owners" for src in healed.values())
         st = refit.status(detail=True)
         at_end = sum(e.get("phase") == "ready" and e.get("version") == st["version"] for e in st["engine_states"])
         rollbacks = sum(ray.get(h.info.remote()).get("rollbacks", 0) for h in refit.engines().values())
@@ -239,7 +247,8 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
             "bad_frames_rejected": stats["bad_frames_rejected"], "bad_frames_applied": stats["bad_frames_applied"],
             "hung_waits": stats["hung_waits"], "engines_at_end": at_end, "engines_configured": configured,
             "dense_rebootstraps": dense + sum(_restored(m) for m in failures),
-            "recreated_engines": recreated, "in_place_rollbacks": rollbacks,
+            "recreated_engines": recreated, "healed_from_peer": len(healed) - dense, "healed_from_owners": dense,
+            "in_place_rollbacks": rollbacks,
             "seconds": round(time.monotonic() - t0, 1)}
 
 
