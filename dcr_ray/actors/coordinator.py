@@ -79,6 +79,7 @@ class CoordinatorActor(Recovery, Inspection):
         self.epoch = 0
         self._owner_specs: dict[str, dict] = {}
         self.evicted: set[str] = set()  # engines that stopped answering (hung); readmitted when they answer
+        self._probes: dict[str, ray.ObjectRef] = {}  # evicted engine -> its pending readmission probe
         self.phase = {"phase": "idle", "transfer": None, "attempt": None, "target": None, "since": time.time()}
         self._model_bytes = 0  # canonical bytes of one engine's tensors (known after attach)
         self._progress_total: int | None = None  # bytes the phase in flight delivers, when known
@@ -153,12 +154,13 @@ class CoordinatorActor(Recovery, Inspection):
             self._started = True
             return self.status()
 
-    def _bootstrap(self, engine_ids: list[str]) -> None:
+    def _bootstrap(self, engine_ids: list[str]) -> int:
         """Dense refit of ``engine_ids`` to the committed version (joining engines); adopted engines that
-        show by digest that they already serve it join as they are (:meth:`_join_by_digest`)."""
+        show by digest that they already serve it join as they are (:meth:`_join_by_digest`). Returns the
+        payload bytes the owners sent."""
         engine_ids = self._join_by_digest(engine_ids)
         if not engine_ids:
-            return
+            return 0
         t = self.config.commit.start_timeout_s
         transfer = f"boot{self.version}-{uuid.uuid4().hex[:8]}"
         self._phase("bootstrap", transfer, 0, self.version)
@@ -185,6 +187,7 @@ class CoordinatorActor(Recovery, Inspection):
         self._progress_total = None
         self.required |= set(engine_ids)
         log.info("dcr_ray: bootstrapped %d engines densely at version %d", len(engine_ids), self.version)
+        return sum(s["wire_bytes"] for s in sums.values())
 
     # -- helpers ----------------------------------------------------------------------------------
     # -- one refit ----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ worker thread); it reaches the coordinator's lock, topology, record and dense bo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -79,7 +80,8 @@ class Healing:
     def status(self) -> dict:
         """``{"healing": {engine id: {"phase", "reason", "source", "since", "rounds", "error"}}, "healed":
         [...]}``: every engine healing now or whose healing failed (``phase == "failed"``;
-        ``Refit.rejoin`` retries it), and the last completed heals (``source``: the peer or ``owners``)."""
+        ``Refit.rejoin`` retries it), and the last completed heals (``source``: the peer or ``owners``;
+        ``owner_bytes``: what the owners sent for it; ``copy_bytes``: what a peer handed over)."""
         with self._guard:
             return {"healing": {e: {k: v for k, v in r.items() if k != "respawn"} for e, r in self._table.items()},
                     "healed": list(self.healed)}
@@ -122,20 +124,39 @@ class Healing:
         secs = time.perf_counter() - t0
         with self._guard:
             rec = self._table.pop(e, None) or {}
-            self.healed = [*self.healed, {"engine": e, "reason": rec.get("reason"), "source": out["source"],
-                                          "version": out["version"], "seconds": secs, "at": time.time()}][-HEALED_KEPT:]
+            self.healed = [*self.healed, {**out, "reason": rec.get("reason"), "seconds": secs,
+                                          "at": time.time()}][-HEALED_KEPT:]
             metrics.record("healing_engines", len(self._table))
         metrics.record("heal_seconds", secs)
         log.info("dcr_ray: engine %s healed to version %d from %s in %.1f s", e, out["version"], out["source"], secs)
         return {**out, "seconds": secs}
 
     def _rounds(self, e: str) -> dict:
-        c = self._c
-        t = c.config.commit.start_timeout_s
+        """Copies from a peer until one is still the committed version when it lands. The copies run
+        beside the refits; if refits keep committing faster than a copy lands, the last round holds the
+        coordinator's lock through one copy (refits wait for one in-cluster copy, never for the owners)."""
         last: Exception | None = None
         for r in range(MAX_ROUNDS):
             self._set(e, rounds=r + 1)
-            with c._lock:
+            out = self._round(e, final=r == MAX_ROUNDS - 1)
+            if isinstance(out, dict):
+                return out
+            last = out
+            if out is not None:  # a failure, not a stale copy: let the cluster settle first
+                time.sleep(RETRY_PAUSE_S)
+        raise RuntimeError(f"engine {e} did not catch up with the committed version in {MAX_ROUNDS} copies "
+                           f"(last error: {last!r}); Refit.rejoin({e!r}) tries again")
+
+    def _round(self, e: str, *, final: bool):
+        """One copy: the result dict once ``e`` joined, None when the copy landed on a version that is no
+        longer committed, or the error that failed it. The snapshot and the join hold the coordinator's
+        lock (between refits); the copy itself does only in the ``final`` round."""
+        c = self._c
+        t = c.config.commit.start_timeout_s
+        whole = c._lock if final else contextlib.nullcontext()
+        step = contextlib.nullcontext() if final else c._lock
+        with whole:
+            with step:
                 version, version_id = c.version, c._last_transfer()
                 peer = self._peer(e)
                 handle = c.engines[e]
@@ -143,35 +164,28 @@ class Healing:
                     # copy: an adopted engine's bits are not addressable): the owners, once per cluster
                     self._set(e, phase="bootstrapping", source="owners")
                     c.required.discard(e)
-                    c._bootstrap([e])
-                    return {"engine": e, "version": version, "source": "owners"}
-                try:  # between refits (they hold this lock), so the peer holds the version settled
+                    sent = c._bootstrap([e])
+                    return {"engine": e, "version": version, "source": "owners", "owner_bytes": sent}
+                try:  # between refits (they hold the lock), so the peer holds the version settled
                     snap = ray.get(c.engines[peer].snapshot.remote(version, version_id), timeout=t)
-                except Exception as err:  # the peer died or will not hand over: another round, maybe another peer
-                    last = err
-                    snap = None
-            if snap is None:
-                time.sleep(RETRY_PAUSE_S)
-                continue
+                except Exception as err:  # the peer died or will not hand over: another round
+                    return err
             self._set(e, phase="copying", source=peer)
             try:
                 ray.get(handle.heal_from.remote(snap, t), timeout=t)
-            except RayActorError as err:  # the healing engine itself died: re-create it, another round
-                last = err
-                with c._lock:
+            except RayActorError as err:  # the healing engine itself died: re-created for the next round
+                with step:
                     c.topology.respawn(e, c.config)
-                continue
-            except Exception as err:  # e.g. the peer died before the copy was pulled: another round
-                last = err
-                time.sleep(RETRY_PAUSE_S)
-                continue
-            with c._lock:
-                if c.version == version and ray.get(handle.get_version.remote(), timeout=t) == version:
-                    c.required.add(e)
-                    metrics.record("required_engines", len(c.required))
-                    return {"engine": e, "version": version, "source": peer}
-        raise RuntimeError(f"engine {e} did not catch up with the committed version in {MAX_ROUNDS} copies "
-                           f"(last error: {last!r}); Refit.rejoin({e!r}) tries again")
+                return err
+            except Exception as err:  # e.g. the peer died before the copy was pulled
+                return err
+            with step:
+                if c.version != version or ray.get(handle.get_version.remote(), timeout=t) != version:
+                    return None  # a refit committed while it copied
+                c.required.add(e)
+                metrics.record("required_engines", len(c.required))
+                return {"engine": e, "version": version, "source": peer, "owner_bytes": 0,
+                        "copy_bytes": snap["bytes"]}
 
     def _peer(self, e: str) -> str | None:
         """A required engine of ``e``'s cluster that can hand over its bits (dcr_ray started it)."""

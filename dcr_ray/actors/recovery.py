@@ -21,8 +21,8 @@ from dcr_ray.errors import ConfigError
 
 log = logging.getLogger("dcr_ray")
 
-#: How long a hung engine has to answer before it is tried for readmission.
-READMIT_PROBE_S = 2.0
+#: How long a refit waits for a hung engine's readmission probe (a pending probe is kept for the next).
+READMIT_PROBE_S = 0.0
 #: Owner handles replaced since launch, beside the commit record (read back on resume).
 OWNERS_FILE = "owners.pkl"
 
@@ -112,14 +112,24 @@ class Recovery:
         the record committed (they hung in its flush), else healed in the background (:mod:`healing`);
         one that died meanwhile is re-created and healed."""
         for e in sorted(self.evicted):
+            # a probe answers once the engine's lock is free; one still pending is kept for the next refit,
+            # so a hung engine costs a refit nothing
+            if e not in self._probes:
+                self._probes[e] = self.engines[e].state.remote()
+            probe = self._probes[e]
+            if not ray.wait([probe], timeout=READMIT_PROBE_S)[0]:
+                continue  # still hung
             try:
-                st = ray.get(self.engines[e].state.remote(), timeout=READMIT_PROBE_S)  # waits for the engine's lock
+                st = ray.get(probe)
             except RayActorError:  # it died while evicted (no prepare reaches it): re-created, healed
+                self._probes.pop(e, None)
                 self.evicted.discard(e)
                 warnings += self._heal_later([e], "died while evicted")
                 continue
             except Exception:
-                continue  # still hung
+                self._probes.pop(e, None)
+                continue
+            self._probes.pop(e, None)
             try:
                 rec = self.commits.read()
                 t = self.config.commit.timeout_s

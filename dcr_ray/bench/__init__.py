@@ -9,6 +9,7 @@ matplotlib) inside the functions that run, so ``dcr-ray --help`` stays fast.
 - :mod:`~dcr_ray.bench.refit`  end-to-end refits over an emulated cross-cluster link vs a full-checkpoint
   reference and peers; link sweep; projection to large models
 - :mod:`~dcr_ray.bench.projection`  sharded owners projecting their changes vs gather-then-convert-then-diff
+- :mod:`~dcr_ray.bench.heal`  healing a dead, lagging or lost engine: bytes across the link, owner bytes, refit stall
 - :mod:`~dcr_ray.bench.peers`  compact peer encodings (AReaL-DTE style, slime style) for comparison
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import importlib
 
 #: Benchmark modules (under ``dcr_ray.bench``) that add a ``dcr-ray bench <name>`` subcommand.
-MODULES: tuple[str, ...] = ("codec", "refit", "projection")
+MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal")
 
 
 def add_parsers(subparsers) -> None:

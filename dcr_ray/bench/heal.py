@@ -1,0 +1,237 @@
+"""``dcr-ray bench heal [--quick] [--json PATH]``: what healing an engine costs, and who pays.
+
+What runs (real Ray on this machine, loopback only): a multi-node ``ray.cluster_utils.Cluster`` (a
+training node and one node per rollout "cluster", marked by custom resources), one
+:class:`~dcr_ray.testing.trainer.TinyTrainer` owner taking real AdamW steps (``small`` model, ``tiny``
+with ``--quick``), two clusters of two ``transformers`` engines behind relay trees. After quiet refits
+(their median is the reference), three cases run one after another on the same topology:
+
+* ``recreated_with_peer``: engine ``a/e1`` is killed; the next refit drops it, and it is re-created
+  and heals while refits go on;
+* ``lagging_3_versions``: ``a/e1``'s flush hangs past the stage timeout, so it is evicted; two more
+  refits commit without it, and when it answers it is three versions behind; then it heals;
+* ``whole_cluster_lost``: both engines of cluster ``b`` are killed; the first heals from the owners
+  (no peer is left), the second from the first.
+
+After the fault, refits run back to back until nothing heals any more (at least two). Per case:
+``cross_cluster_bytes`` (bytes that entered the healing engine's cluster through its head relay for
+anything but those refits: measured by the relays' own counters), ``owner_bytes`` (payload bytes the
+owners produced for the heal: their bootstrap summaries), ``copy_bytes`` (what a peer handed over
+inside the cluster), ``union_delta_bytes`` (wire bytes of the versions a lagging engine missed),
+``heal_seconds`` (the coordinator's healing record, re-creation included), ``refit_blocked_ratio``
+(the slowest refit that ran while the engine healed, over the quiet median; the refit that met the
+fault is reported apart as ``fault_refit_seconds``: it includes detecting a death or a stage timeout),
+and ``bit_exact`` (every engine's tensors vs the trainer's on integer views after the case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+#: Stage timeout of the bench topology; the lagging engine's flush hangs longer than this.
+STAGE_TIMEOUT_S = 8.0
+#: Targets from the healing issue.
+TARGETS = {"recreated_with_peer": {"cross_cluster_bytes": 0, "owner_bytes": 0},
+           "lagging_cross_over_union_max": 1.05, "refit_blocked_ratio_max": 1.5}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``heal`` to the ``bench`` subcommands."""
+    p = subparsers.add_parser("heal", help="healing a dead, lagging or lost engine: bytes, seconds, refit stall",
+                              description=__doc__.split("\n\n")[1])
+    p.add_argument("--quick", action="store_true", help="tiny model (seconds instead of minutes)")
+    p.add_argument("--json", metavar="PATH", help="write results as JSON here and a PNG plot beside it")
+    p.set_defaults(func=_run_from_args)
+    return p
+
+
+def _run_from_args(args) -> int:
+    result = run(quick=args.quick, progress=sys.stderr)
+    print(format_table(result))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        plot(result, os.path.splitext(args.json)[0] + ".png")
+    return 0
+
+
+def run(quick: bool = False, progress=None) -> dict:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import dcr_ray
+    from dcr_ray.testing.faults import StallOnSignal
+    from dcr_ray.testing.models import ModelSpec
+    from dcr_ray.testing.trainer import TinyTrainer
+
+    say = (lambda m: print(f"[bench heal] {m}", file=progress, flush=True)) if progress else (lambda m: None)
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"train": 10}})
+    for c in ("a", "b"):
+        cluster.add_node(num_cpus=1, resources={f"cluster-{c}": 10})
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    cluster.wait_for_nodes()
+    spec = ModelSpec(size="tiny" if quick else "small")
+    work = tempfile.mkdtemp(prefix="dcr_bench_heal_")
+    stall = os.path.join(work, "stall")
+    trainer = ray.remote(num_cpus=0, resources={"train": 0.01})(TinyTrainer).remote(spec, lr=1e-3)
+    clusters = [dcr_ray.ClusterSpec(name=c, engines=2, fanout=2, resources={f"cluster-{c}": 0.01}) for c in "ab"]
+    config = dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(dir=os.path.join(work, "commit"),
+                                                             timeout_s=STAGE_TIMEOUT_S))
+    lag_stall_s = STAGE_TIMEOUT_S + (12.0 if quick else 30.0)  # hung through the eviction and a few refits
+    refit = dcr_ray.launch(owners=[trainer], clusters=clusters, config=config,
+                           coordinator_resources={"train": 0.01},
+                           engine=StallOnSignal(dcr_ray.HFEngine(spec), stall, lag_stall_s))
+    steps = [0]
+
+    def one() -> object:
+        ray.get(trainer.step.remote(seed=steps[0]))
+        steps[0] += 1
+        return refit.run()
+
+    try:
+        quiet = [one().seconds["total"] for _ in range(3)]
+        base = statistics.median(quiet)
+        say(f"quiet refits: {', '.join(f'{q:.2f}' for q in quiet)} s")
+        out = {"model": spec.size, "quiet_refit_seconds": quiet, "targets": TARGETS, "cases": {}}
+        cases = out["cases"]
+
+        cases["recreated_with_peer"] = _case(refit, one, base, "a", lambda: ray.kill(refit.engines()["a/e1"]))
+        say(f"recreated_with_peer: {cases['recreated_with_peer']}")
+
+        def hang():
+            with open(stall, "w") as f:
+                f.write("a/e1")
+        cases["lagging_3_versions"] = _case(refit, one, base, "a", hang, lag_until=time.monotonic() + lag_stall_s)
+        say(f"lagging_3_versions: {cases['lagging_3_versions']}")
+
+        def lose_b():
+            for e in ("b/e0", "b/e1"):
+                ray.kill(refit.engines()[e])
+        cases["whole_cluster_lost"] = _case(refit, one, base, "b", lose_b)
+        say(f"whole_cluster_lost: {cases['whole_cluster_lost']}")
+        out["targets_met"] = _targets_met(cases)
+        return out
+    finally:
+        try:
+            refit.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def _head_bytes(refit, cluster: str) -> dict[str, int]:
+    """Bytes per transfer that entered ``cluster`` through its head relay (the relay's own counter)."""
+    for s in refit.relay_stats():
+        if s["cluster"] == cluster and s["head"]:
+            return dict(s["bytes_in"])
+    return {}
+
+
+def _case(refit, one, base: float, cluster: str, fault, lag_until: float | None = None) -> dict:
+    import ray
+
+    before = _head_bytes(refit, cluster)
+    healed_before = {(h["engine"], h["at"]) for h in refit.status()["healed"]}
+    t_fault = time.monotonic()
+    fault()
+    first = one()  # meets the fault: drops the dead engines, or evicts the hung one at the stage timeout
+    reports, missed_from = [first], None
+    if lag_until is not None:  # the evicted engine hangs on: refits go on without it until it answers
+        missed_from = first.version  # it applied this version's frames but never activated it
+        while len(reports) < 3:  # three versions committed without it...
+            reports.append(one())
+        time.sleep(max(0.0, lag_until - time.monotonic()))  # ...then it answers again
+    during = []
+    while True:
+        st = refit.status()
+        if not st["healing"] and len(during) >= 2:
+            break
+        if any(h["phase"] == "failed" for h in st["healing"].values()):
+            raise RuntimeError(f"healing failed: {st['healing']}")
+        during.append(one())
+    heals = [h for h in refit.status()["healed"] if (h["engine"], h["at"]) not in healed_before]
+    refits = {r.transfer for r in [*reports, *during]}
+    after = _head_bytes(refit, cluster)
+    cross = sum(b for t, b in after.items() if t not in refits) - sum(b for t, b in before.items() if t not in refits)
+    union = sum(r.wire_bytes for r in reports if missed_from is not None and r.version >= missed_from)
+    want = ray.get(refit.owners()["owner0"].rollout_state.remote())
+    exact = True
+    for eng in refit.engines().values():
+        got = ray.get(eng.tensors.remote())
+        exact &= all(got[n].view(-1).view(__import__("torch").int16).equal(t.view(-1).view(__import__("torch").int16))
+                     for n, t in want.items())
+    slowest = max((r.seconds["total"] for r in [*reports[1:], *during]), default=0.0)
+    return {"heals": [{k: h.get(k) for k in ("engine", "source", "version", "seconds", "owner_bytes", "copy_bytes")}
+                      for h in heals],
+            "cross_cluster_bytes": int(cross), "owner_bytes": int(sum(h.get("owner_bytes") or 0 for h in heals)),
+            "copy_bytes": int(sum(h.get("copy_bytes") or 0 for h in heals)),
+            "union_delta_bytes": int(union) if missed_from is not None else None,
+            "missed_versions": (max(h["version"] for h in heals) - missed_from + 1) if missed_from is not None and heals
+            else None,
+            "heal_seconds": max((h["seconds"] for h in heals), default=None),
+            "fault_refit_seconds": first.seconds["total"], "refits_while_healing": len(reports) - 1 + len(during),
+            "slowest_refit_while_healing_seconds": slowest, "refit_blocked_ratio": slowest / base if base else None,
+            "wall_seconds": time.monotonic() - t_fault, "bit_exact": bool(exact)}
+
+
+def _targets_met(cases: dict) -> dict:
+    rp, lag = cases["recreated_with_peer"], cases["lagging_3_versions"]
+    out = {"recreated_with_peer_cross_cluster_bytes_zero": rp["cross_cluster_bytes"] == 0,
+           "recreated_with_peer_owner_bytes_zero": rp["owner_bytes"] == 0,
+           "lagging_cross_le_1.05x_union": lag["cross_cluster_bytes"] <= 1.05 * (lag["union_delta_bytes"] or 0)}
+    for name, c in cases.items():
+        out[f"{name}_refit_blocked_ratio_le_1.5"] = c["refit_blocked_ratio"] <= TARGETS["refit_blocked_ratio_max"]
+        out[f"{name}_bit_exact"] = c["bit_exact"]
+    return out
+
+
+def format_table(result: dict) -> str:
+    lines = [f"model {result['model']}, quiet refit median {statistics.median(result['quiet_refit_seconds']):.2f} s",
+             f"{'case':<22} {'cross MB':>9} {'owner MB':>9} {'copy MB':>8} {'union MB':>9} {'heal s':>7} "
+             f"{'blocked':>8} {'fault s':>8}  sources"]
+    for name, c in result["cases"].items():
+        mb = lambda b: "-" if b is None else f"{b / 1e6:.2f}"  # noqa: E731
+        lines.append(f"{name:<22} {mb(c['cross_cluster_bytes']):>9} {mb(c['owner_bytes']):>9} {mb(c['copy_bytes']):>8} "
+                     f"{mb(c['union_delta_bytes']):>9} {c['heal_seconds'] or 0:>7.2f} {c['refit_blocked_ratio']:>7.2f}x "
+                     f"{c['fault_refit_seconds']:>8.2f}  "
+                     + ", ".join(f"{h['engine']}<-{h['source']}" for h in c["heals"]))
+    lines.append("targets: " + ", ".join(f"{k}={'met' if v else 'UNMET'}" for k, v in result["targets_met"].items()))
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["cases"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    w = 0.25
+    for i, (key, label) in enumerate([("cross_cluster_bytes", "crossed the cluster link"),
+                                      ("owner_bytes", "sent by the owners"), ("copy_bytes", "copied from a peer")]):
+        a1.bar([x + (i - 1) * w for x in range(len(names))], [result["cases"][n][key] / 1e6 for n in names], w,
+               label=label)
+    a1.set_xticks(range(len(names)), names, fontsize=8)
+    a1.set_ylabel("MB for the heal")
+    a1.legend(fontsize=8)
+    a2.bar(names, [result["cases"][n]["refit_blocked_ratio"] for n in names], color="tab:gray")
+    a2.axhline(TARGETS["refit_blocked_ratio_max"], color="tab:red", ls="--", label="target 1.5x")
+    a2.set_ylabel("slowest refit while healing / quiet refit")
+    a2.tick_params(axis="x", labelsize=8)
+    a2.legend(fontsize=8)
+    fig.suptitle(f"dcr-ray bench heal ({result['model']} model, measured on this machine)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
