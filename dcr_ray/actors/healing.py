@@ -86,10 +86,6 @@ class Healing:
             return {"healing": {e: {k: v for k, v in r.items() if k != "respawn"} for e, r in self._table.items()},
                     "healed": list(self.healed)}
 
-    def pending(self) -> list[str]:
-        with self._guard:
-            return sorted(e for e, r in self._table.items() if r["phase"] != "failed")
-
     # -- the work ----------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -117,6 +113,8 @@ class Healing:
                 with c._lock:
                     c.topology.respawn(e, c.config)
                 self._set(e, respawn=False)
+            self._set(e, phase="starting")  # its backend loads (the model is built): no lock, no copy yet
+            ray.get(c.engines[e].get_version.remote(), timeout=c.config.commit.start_timeout_s)
             out = self._rounds(e)
         except Exception as err:
             self._set(e, phase="failed", error=f"{type(err).__name__}: {err}")

@@ -19,8 +19,10 @@ anything but those refits: measured by the relays' own counters), ``owner_bytes`
 owners produced for the heal: their bootstrap summaries), ``copy_bytes`` (what a peer handed over
 inside the cluster), ``union_delta_bytes`` (wire bytes of the versions a lagging engine missed),
 ``heal_seconds`` (the coordinator's healing record, re-creation included), ``refit_blocked_ratio``
-(the slowest refit that ran while the engine healed, over the quiet median; the refit that met the
-fault is reported apart as ``fault_refit_seconds``: it includes detecting a death or a stage timeout),
+(the slowest refit that started while an engine healed, over the quiet median; also
+``refit_blocked_ratio_copying``: only refits that started while a copy or an owners' send ran, not
+while a re-created engine was still starting; the refit that met the fault is reported apart as
+``fault_refit_seconds``: it includes detecting a death or a stage timeout),
 and ``bit_exact`` (every engine's tensors vs the trainer's on integer views after the case).
 """
 
@@ -36,6 +38,12 @@ import time
 
 #: Stage timeout of the bench topology; the lagging engine's flush hangs longer than this.
 STAGE_TIMEOUT_S = 8.0
+#: A case that has not healed this long after its fault is an error (the run stops with the status).
+CASE_LIMIT_S = 600.0
+#: Refits run and not timed before the quiet ones.
+WARM_UP_REFITS = 2
+#: Quiet refits before the cases (their median is what a blocked ratio divides by).
+QUIET_REFITS = 5
 #: Targets from the healing issue.
 TARGETS = {"recreated_with_peer": {"cross_cluster_bytes": 0, "owner_bytes": 0},
            "lagging_cross_over_union_max": 1.05, "refit_blocked_ratio_max": 1.5}
@@ -100,7 +108,9 @@ def run(quick: bool = False, progress=None) -> dict:
         return refit.run()
 
     try:
-        quiet = [one().seconds["total"] for _ in range(3)]
+        for _ in range(WARM_UP_REFITS):  # the first refits after launch still load kernels and caches
+            one()
+        quiet = [one().seconds["total"] for _ in range(QUIET_REFITS)]
         base = statistics.median(quiet)
         say(f"quiet refits: {', '.join(f'{q:.2f}' for q in quiet)} s")
         out = {"model": spec.size, "quiet_refit_seconds": quiet, "targets": TARGETS, "cases": {}}
@@ -152,16 +162,19 @@ def _case(refit, one, base: float, cluster: str, fault, lag_until: float | None 
         while len(reports) < 3:  # three versions committed without it...
             reports.append(one())
         time.sleep(max(0.0, lag_until - time.monotonic()))  # ...then it answers again
-    during = []
+    during = []  # (report, healing phases when it started)
     while True:
         st = refit.status()
-        if not st["healing"] and len(during) >= 2:
+        phases = {h["phase"] for h in st["healing"].values()}
+        if not phases and sum(1 for _, p in during if p) >= 2:
             break
-        if any(h["phase"] == "failed" for h in st["healing"].values()):
+        if "failed" in phases:
             raise RuntimeError(f"healing failed: {st['healing']}")
-        during.append(one())
+        if time.monotonic() - t_fault > CASE_LIMIT_S:
+            raise RuntimeError(f"nothing healed within {CASE_LIMIT_S:.0f} s of the fault: {st}")
+        during.append((one(), phases))
     heals = [h for h in refit.status()["healed"] if (h["engine"], h["at"]) not in healed_before]
-    refits = {r.transfer for r in [*reports, *during]}
+    refits = {r.transfer for r in [*reports, *(r for r, _ in during)]}
     after = _head_bytes(refit, cluster)
     cross = sum(b for t, b in after.items() if t not in refits) - sum(b for t, b in before.items() if t not in refits)
     union = sum(r.wire_bytes for r in reports if missed_from is not None and r.version >= missed_from)
@@ -171,17 +184,21 @@ def _case(refit, one, base: float, cluster: str, fault, lag_until: float | None 
         got = ray.get(eng.tensors.remote())
         exact &= all(got[n].view(-1).view(__import__("torch").int16).equal(t.view(-1).view(__import__("torch").int16))
                      for n, t in want.items())
-    slowest = max((r.seconds["total"] for r in [*reports[1:], *during]), default=0.0)
+    healing = [(r.seconds["total"], p) for r, p in during if p]
+    slowest = max((t for t, _ in healing), default=0.0)
+    copying = max((t for t, p in healing if p - {"re-creating", "starting"}), default=0.0)
     return {"heals": [{k: h.get(k) for k in ("engine", "source", "version", "seconds", "owner_bytes", "copy_bytes")}
                       for h in heals],
             "cross_cluster_bytes": int(cross), "owner_bytes": int(sum(h.get("owner_bytes") or 0 for h in heals)),
             "copy_bytes": int(sum(h.get("copy_bytes") or 0 for h in heals)),
             "union_delta_bytes": int(union) if missed_from is not None else None,
-            "missed_versions": (max(h["version"] for h in heals) - missed_from + 1) if missed_from is not None and heals
-            else None,
+            "missed_versions": len(reports) if missed_from is not None else None,
             "heal_seconds": max((h["seconds"] for h in heals), default=None),
-            "fault_refit_seconds": first.seconds["total"], "refits_while_healing": len(reports) - 1 + len(during),
+            "fault_refit_seconds": first.seconds["total"], "refits_while_healing": len(healing),
+            "refits_while_evicted": len(reports) - 1,
+            "slowest_refit_while_evicted_seconds": max((r.seconds["total"] for r in reports[1:]), default=None),
             "slowest_refit_while_healing_seconds": slowest, "refit_blocked_ratio": slowest / base if base else None,
+            "refit_blocked_ratio_copying": copying / base if base else None,
             "wall_seconds": time.monotonic() - t_fault, "bit_exact": bool(exact)}
 
 
@@ -199,11 +216,12 @@ def _targets_met(cases: dict) -> dict:
 def format_table(result: dict) -> str:
     lines = [f"model {result['model']}, quiet refit median {statistics.median(result['quiet_refit_seconds']):.2f} s",
              f"{'case':<22} {'cross MB':>9} {'owner MB':>9} {'copy MB':>8} {'union MB':>9} {'heal s':>7} "
-             f"{'blocked':>8} {'fault s':>8}  sources"]
+             f"{'blocked':>8} {'copying':>8} {'fault s':>8}  sources"]
     for name, c in result["cases"].items():
         mb = lambda b: "-" if b is None else f"{b / 1e6:.2f}"  # noqa: E731
         lines.append(f"{name:<22} {mb(c['cross_cluster_bytes']):>9} {mb(c['owner_bytes']):>9} {mb(c['copy_bytes']):>8} "
                      f"{mb(c['union_delta_bytes']):>9} {c['heal_seconds'] or 0:>7.2f} {c['refit_blocked_ratio']:>7.2f}x "
+                     f"{c['refit_blocked_ratio_copying']:>7.2f}x "
                      f"{c['fault_refit_seconds']:>8.2f}  "
                      + ", ".join(f"{h['engine']}<-{h['source']}" for h in c["heals"]))
     lines.append("targets: " + ", ".join(f"{k}={'met' if v else 'UNMET'}" for k, v in result["targets_met"].items()))
