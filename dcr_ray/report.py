@@ -18,7 +18,8 @@ class RefitReport:
     ``stream`` (wall: first diff to last engine ACK; construct, transport and apply overlap in it),
     ``transport`` (``stream`` minus the non-overlapped construct tail, an upper bound on link time),
     ``commit`` (record + promote + activate, also split as ``commit_record``, ``promote`` and
-    ``activate``), ``prepare`` and ``total``."""
+    ``activate``), ``prepare`` and ``total`` (from the call's arrival: it includes waiting for a refit
+    or a heal step that held the coordinator)."""
     payloads: int = 0
     """Payload frames sent (per attempt that committed)."""
     wire_bytes: int = 0
