@@ -139,8 +139,9 @@ class Recovery:
                     self.required.add(e)
                     how = "rejoined at version {v} (it had applied the committed transfer: activated, no dense bootstrap)"
                 else:
-                    if st["transfer"] is not None:  # close what it holds open before it takes a copy
-                        ray.get(self.engines[e].abort.remote(st["transfer"], True), timeout=t)
+                    if st["transfer"] is not None:  # close what it holds open (no rollback on the refit's clock:
+                        # the copy overwrites every tensor, and until then it is out of the required set)
+                        ray.get(self.engines[e].abort.remote(st["transfer"], False), timeout=t)
                     self.healer.schedule([e], "answered again after it was evicted", respawn=False)
                     how = "heals to version {v} in the background, from a peer of its cluster"
                 self.evicted.discard(e)

@@ -239,6 +239,21 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(result: dict) -> str:
+    """The BENCHMARKS.md table of one run (generated from its JSON, never typed)."""
+    mb = lambda b: "-" if b is None else f"{b / 1e6:.2f}"  # noqa: E731
+    rows = ["| case | heals (engine <- source) | cross-cluster MB | owner MB | peer copy MB | union of missed deltas MB "
+            "| heal s | slowest refit while healing / quiet | same, copy phase only | refit that met the fault s "
+            "| bit-exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, c in result["cases"].items():
+        rows.append(f"| {name} | {', '.join(h['engine'] + ' <- ' + h['source'] for h in c['heals'])} "
+                    f"| {mb(c['cross_cluster_bytes'])} | {mb(c['owner_bytes'])} | {mb(c['copy_bytes'])} "
+                    f"| {mb(c['union_delta_bytes'])} | {c['heal_seconds']:.2f} | {c['refit_blocked_ratio']:.2f}x "
+                    f"| {c['refit_blocked_ratio_copying']:.2f}x | {c['fault_refit_seconds']:.2f} "
+                    f"| {'yes' if c['bit_exact'] else 'NO'} |")
+    return "\n".join(rows)
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
 
