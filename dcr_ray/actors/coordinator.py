@@ -280,6 +280,7 @@ class CoordinatorActor(Recovery, Inspection):
         report.dropped_engines = dropped
         try:
             report.warnings += self._heal_later(dropped, "died")
+            report.warnings += [f"engine {e} heals again after a failed heal" for e in self.healer.retry_failed()]
             report.warnings += rejoined
             self._readmit(report.warnings)
         except Exception as e:

@@ -108,13 +108,7 @@ class Healing:
         c = self._c
         t0 = time.perf_counter()
         try:
-            if self._table[e]["respawn"]:
-                self._set(e, phase="re-creating")
-                with c._lock:
-                    c.topology.respawn(e, c.config)
-                self._set(e, respawn=False)
-            self._set(e, phase="starting")  # its backend loads (the model is built): no lock, no copy yet
-            ray.get(c.engines[e].get_version.remote(), timeout=c.config.commit.start_timeout_s)
+            self._start(e)
             out = self._rounds(e)
         except Exception as err:
             self._set(e, phase="failed", error=f"{type(err).__name__}: {err}")
@@ -128,6 +122,35 @@ class Healing:
         metrics.record("heal_seconds", secs)
         log.info("dcr_ray: engine %s healed to version %d from %s in %.1f s", e, out["version"], out["source"], secs)
         return {**out, "seconds": secs}
+
+    def _start(self, e: str) -> None:
+        """Re-create ``e`` if its actor died (now or while it starts), and wait until its backend loaded
+        (the model is built): no lock is held and nothing is copied meanwhile."""
+        c = self._c
+        for _ in range(MAX_ROUNDS):
+            if self._table[e]["respawn"]:
+                self._set(e, phase="re-creating")
+                with c._lock:
+                    c.topology.respawn(e, c.config)
+                self._set(e, respawn=False)
+            self._set(e, phase="starting")
+            try:
+                ray.get(c.engines[e].get_version.remote(), timeout=c.config.commit.start_timeout_s)
+                return
+            except RayActorError:
+                self._set(e, respawn=True)
+        raise RuntimeError(f"engine {e} died {MAX_ROUNDS} times while it was re-created")
+
+    def retry_failed(self) -> list[str]:
+        """Queue again every engine whose healing failed (the coordinator calls it after each commit);
+        returns their ids."""
+        with self._guard:
+            failed = sorted(e for e, r in self._table.items() if r["phase"] == "failed")
+            for e in failed:
+                self._table[e].update(phase="queued", error=None, rounds=0)
+        if failed:
+            self.schedule([], "retry", respawn=False)  # starts the worker for them
+        return failed
 
     def _rounds(self, e: str) -> dict:
         """Copies from a peer until one is still the committed version when it lands. The copies run
