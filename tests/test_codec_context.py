@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcr_ray.actors.undo import UndoLog
+from dcr_ray.codec.undo import UndoLog
 from dcr_ray.codec import (
     FrameMeta,
     apply_decoded,

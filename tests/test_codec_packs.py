@@ -177,7 +177,7 @@ def test_a_pack_declaring_what_packs_never_use_is_refused(field, value, error):
 
 
 def test_an_undo_log_returns_pack_writes_to_the_committed_bits(kernels):
-    from dcr_ray.actors.undo import UndoLog
+    from dcr_ray.codec.undo import UndoLog
     from dcr_ray.engines.hf import TransformersBackend
 
     old, new = experts(40, rate=0.1, dtype=torch.float32)

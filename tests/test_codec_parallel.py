@@ -191,7 +191,7 @@ def test_a_fresh_process_loads_every_warmed_kernel_from_numbas_cache_without_com
 
 @pytest.mark.parametrize("jit", [True, False], ids=["compiled", "numpy"])
 def test_an_undo_log_of_a_frame_large_enough_for_the_codec_threads_restores_the_committed_bits(jit, monkeypatch):
-    from dcr_ray.actors.undo import UndoLog
+    from dcr_ray.codec.undo import UndoLog
     from dcr_ray.codec import kernels
     from dcr_ray.engines.hf import TransformersBackend
 

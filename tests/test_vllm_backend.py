@@ -200,9 +200,9 @@ def test_load_dense_bootstraps_an_engine_to_given_weights(qwen_engine, tmp_path)
 
 
 def test_an_abandoned_transfer_rolls_back_in_place_and_vllm_serves_the_committed_outputs_again(qwen_engine):
-    # the engine's undo record (dcr_ray.actors.undo) through the vLLM backend: XOR and OVERWRITE
+    # the engine's undo record (dcr_ray.codec.undo) through the vLLM backend: XOR and OVERWRITE
     # writes, flushed into the served weights, then undone and flushed again
-    from dcr_ray.actors.undo import UndoLog
+    from dcr_ray.codec.undo import UndoLog
 
     engine = qwen_engine
     before = engine.generate(PROMPTS, MAX_TOKENS)

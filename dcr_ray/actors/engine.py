@@ -33,7 +33,7 @@ from dcr_ray import metrics
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.actors.engine_digests import DigestMembership
 from dcr_ray.actors.engine_heal import PeerCopy
-from dcr_ray.actors.undo import UndoLog
+from dcr_ray.codec.undo import UndoLog
 from dcr_ray.codec import kernels
 from dcr_ray.codec import DIGEST_SIZE, PayloadKey, decode_frame, open_frame
 from dcr_ray.config import RefitConfig
@@ -313,7 +313,7 @@ class EngineActor(DigestMembership, PeerCopy):
 
         Between attempts the bits an attempt wrote in place stay: the next attempt OVERWRITEs the
         whole changed set, which repairs them. With ``final=True`` the transfer is abandoned: an engine
-        with an undo record of every write it made (:mod:`~dcr_ray.actors.undo`) rolls back in place and
+        with an undo record of every write it made (:mod:`~dcr_ray.codec.undo`) rolls back in place and
         keeps its committed version; otherwise the bits it wrote belong to no version, so it holds none
         (``dirty``), refuses deltas and generation, and must be bootstrapped densely (the coordinator
         does it).

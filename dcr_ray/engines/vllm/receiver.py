@@ -4,10 +4,14 @@ Used by the ``dcr`` weight-transfer backend (:mod:`~dcr_ray.engines.vllm.transfe
 inside every worker process (each tensor-parallel rank), so the engine that receives is the engine
 that serves, whoever started it. Protocol of one update::
 
-    begin(base, target)        the mirror holds ``base`` (or ``base`` is the bootstrap base: dense frames
-                               of a whole version); frames of another base are refused
-    apply(frames)              every frame validated (digest, header, items against the checkpoint's
-                               tensors, base version) before any of them is written into the mirror
+    apply(frames, base, target)
+                               the mirror holds ``base`` (or ``base`` is the bootstrap base: dense frames
+                               of a whole version) and every frame is validated (digest, header, items
+                               against the checkpoint's tensors, base version) before the update opens
+                               or any frame is written into the mirror; the bits each write replaces
+                               are kept
+    reset()                    after any failure: the mirror gets those bits back, the update closes,
+                               the version does not move
     finish()                   touched tensors, grown to whole fused groups, go through vLLM's in-place
                                reload plus the post-load steps a fresh load runs (fused experts,
                                aliasing modules); the mirror now holds ``target``
@@ -30,6 +34,7 @@ from typing import Any
 
 import torch
 
+from dcr_ray.codec.undo import UndoLog
 from dcr_ray.codec import BOOTSTRAP_BASE, DecodedFrame, DecodedItem, apply_decoded, decode_frame, open_frame
 from dcr_ray.engines.vllm.capture import LoaderCapture
 from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES
@@ -73,6 +78,7 @@ class MirrorReceiver:
         self.mirror = {n: t.contiguous() for n, t in iter_checkpoint(files, mirrored)}
         self.captured: list[DecodedItem] = []
         self.touched: set[str] = set()
+        self._undo = UndoLog()  # the mirror bits the open update's frames replaced (reset puts them back)
         self.base: int | None = None
         self.target: int | None = None
         #: the start-up self-check passed: the mirror holds exactly what the worker serves
@@ -95,26 +101,44 @@ class MirrorReceiver:
                 f"was not started from the checkpoint given to init_weight_transfer_engine)")
         self.mirror_is_served = True
 
-    def begin(self, base: int, target: int) -> None:
-        if base != BOOTSTRAP_BASE and base != self.version:
-            held = "no version (an abandoned update wrote into it)" if self.version is None else f"version {self.version}"
-            raise EngineStateError(f"this vLLM worker's mirror holds {held}; an update from {base} cannot "
-                                   f"apply (bootstrap it densely first)")
-        self.base, self.target = base, target
-
-    def apply(self, frames: list[bytes]) -> int:
-        """Validate every frame, then write them all into the mirror. Returns elements written."""
+    def apply(self, frames: list[bytes], base: int, target: int) -> int:
+        """Frames of the update ``base -> target``: the first call opens it, later calls must name the
+        same. Every frame is validated (and the mirror's version checked) before the update opens or
+        anything is written; then they are written into the mirror, each after the bits it replaces are
+        kept (:meth:`reset` puts them back). Returns elements written."""
         if self.target is None:
-            raise EngineStateError("update_weights before start_weight_update(base, target)")
-        decoded = [decode_frame(open_frame(f, key=self.key), shapes=self.specs, expect_base=self.base,
+            if base != BOOTSTRAP_BASE and base != self.version:
+                held = ("no version (an abandoned update wrote into it)" if self.version is None
+                        else f"version {self.version}")
+                raise EngineStateError(f"this vLLM worker's mirror holds {held}; an update from {base} cannot "
+                                       f"apply (bootstrap it densely first)")
+        elif (base, target) != (self.base, self.target):
+            raise EngineStateError(f"frames for {base}->{target} inside the update {self.base}->{self.target}")
+        decoded = [decode_frame(open_frame(f, key=self.key), shapes=self.specs, expect_base=base,
                                 max_raw_bytes=MAX_FRAME_RAW_BYTES) for f in frames]
+        self.base, self.target = base, target
         n = 0
         for frame in decoded:
-            mirrored = [it for it in frame.items if it.name in self.mirror]
-            n += apply_decoded(DecodedFrame(meta=frame.meta, items=mirrored), self.mirror)
-            self.touched.update(it.name for it in mirrored)
+            mirrored = DecodedFrame(meta=frame.meta, items=[it for it in frame.items if it.name in self.mirror])
+            self._undo.record(f"{base}->{target}", mirrored, self.mirror)
+            self.touched.update(it.name for it in mirrored.items)
+            n += apply_decoded(mirrored, self.mirror)
             self.captured.extend(it for it in frame.items if it.name not in self.mirror)
         return n
+
+    def reset(self) -> None:
+        """Close the update in flight after a failure: the mirror gets back the bits the update's frames
+        replaced (it holds ``base`` again, what the worker still serves: nothing was reloaded), captured
+        changes are dropped unwritten, and the version does not move. Idempotent."""
+        if self.touched:
+            try:
+                self._undo.rollback(_MirrorWriter(self.mirror))
+            except Exception:  # the mirror matches no version now: only a dense bootstrap restores it
+                self.version = None
+        self._undo.clear()
+        self.touched.clear()
+        self.captured = []
+        self.base = self.target = None
 
     def finish(self) -> dict[str, int]:
         """Push the touched groups through the loader; the worker now serves ``target``."""
@@ -130,17 +154,32 @@ class MirrorReceiver:
             res = reload_groups(self.model, self.vllm_config, self._items(self.touched))
             stats.update(reloaded_tensors=res["tensors"], reprocessed_modules=len(res["reprocessed"]))
         self.touched.clear()
+        self._undo.clear()
         self.version, self.base, self.target = self.target, None, None
         return stats
 
     def abandon(self) -> None:
-        """Leave an update that will not finish. Nothing is reloaded, so the worker keeps serving what it
-        served; a mirror that frames already wrote into holds no version until a dense bootstrap."""
-        if self.touched:
-            self.version = None
-        self.touched.clear()
-        self.captured = []  # never written: live storage still holds the version
-        self.base = self.target = None
+        """Leave an update that will not finish (its refit was abandoned): as :meth:`reset`."""
+        self.reset()
+
+    def adopt_served(self, previous: "MirrorReceiver") -> None:
+        """Re-initialisation: take over from ``previous`` (the receiver the worker served through) without
+        writing anything. Its mirror is what the worker serves (its self-check passed and every finish
+        kept it so); this receiver's checkpoint must hold exactly those bits, else :class:`BackendError`
+        and nothing changed (the worker goes on serving ``previous.version``)."""
+        if previous.target is not None:
+            raise EngineStateError(f"re-initialisation inside the open update {previous.base}->{previous.target}")
+        if not previous.mirror_is_served or previous.version is None:
+            raise BackendError("re-initialisation: the worker cannot show what it serves (its mirror holds no "
+                               "version): restart the engine from a checkpoint")
+        differ = sorted(n for n, t in self.mirror.items()
+                        if not torch.equal(_bits(t), _bits(previous.canonical(n))))
+        if differ:
+            raise BackendError(
+                f"re-initialisation refused, nothing written: this worker serves version {previous.version}, "
+                f"and {len(differ)} of {len(self.mirror)} tensors of the checkpoint given differ from it (e.g. "
+                f"{differ[:3]}); give the checkpoint of the version it serves")
+        self.mirror_is_served = True
 
     def canonical(self, name: str) -> torch.Tensor:
         """The canonical bits of ``name`` this worker serves: its mirror, or (capture path) live storage
@@ -211,3 +250,22 @@ class MirrorReceiver:
     def _items(self, names) -> list[tuple[str, torch.Tensor]]:
         """``names`` grown to whole fused groups, in checkpoint order, as loader input."""
         return [(n, self.mirror[n].detach()) for n in whole_groups(names, self.groups, self.group_of, self.specs)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    from dcr_ray.engines.vllm.storage import int_view
+
+    return int_view(t.detach().contiguous())
+
+
+class _MirrorWriter:
+    """The mirror as an undo target: inverse frames are written into it, nothing is reloaded."""
+
+    def __init__(self, mirror: dict[str, torch.Tensor]):
+        self.mirror = mirror
+
+    def apply(self, frame: DecodedFrame) -> None:
+        apply_decoded(frame, self.mirror)
+
+    def flush(self) -> None:
+        pass

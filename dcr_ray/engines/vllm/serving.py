@@ -22,3 +22,16 @@ def greedy(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int)
         ids = list(c.token_ids)
         result.append({"token_ids": ids, "logprobs": [float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)]})
     return result
+
+
+def served_digests(llm: Any) -> list[dict[str, str]]:
+    """Per worker, the digest of every parameter and buffer the engine serves with
+    (:func:`~dcr_ray.engines.vllm.storage.storage_digests`), read from the workers themselves. Also usable on
+    an ``LLM`` actor: ``handle.__ray_call__.remote(served_digests)``."""
+    return llm.collective_rpc(_worker_digests)
+
+
+def _worker_digests(worker: Any) -> dict[str, str]:
+    from dcr_ray.engines.vllm.storage import storage_digests
+
+    return storage_digests(worker.get_model())

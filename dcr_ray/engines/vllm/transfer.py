@@ -86,6 +86,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.receiver: MirrorReceiver | None = None
+        self._shut_down: MirrorReceiver | None = None  # the receiver before shutdown (a reconnect checks it)
         self.last_finish: dict[str, int] = {}
 
     def init_transfer_engine(self, init_info: DcrInitInfo) -> None:
@@ -96,9 +97,12 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
                               "copies that sparse writes would leave stale; use capture=False (the mirror path)")
         receiver = MirrorReceiver(self.model, self.vllm_config, init_info.checkpoint, key=key,
                                   version=init_info.version, capture=capture)
-        if init_info.verify_reload:
+        previous = self.receiver or self._shut_down
+        if previous is not None:  # a trainer reconnects: what the worker serves must be that checkpoint,
+            receiver.adopt_served(previous)  # shown without writing (a reload would overwrite what it serves)
+        elif init_info.verify_reload:
             receiver.check_reload_is_a_fresh_load()
-        self.receiver = receiver
+        self.receiver, self._shut_down = receiver, None
 
     def start_weight_update(self) -> None:
         self._receiver()  # nothing to prepare: frames land in the mirror, the reload runs at finish
@@ -108,6 +112,13 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
 
     def receive_weights(self, update_info: DcrUpdateInfo) -> None:
         r = self._receiver()
+        try:
+            self._receive(r, update_info)
+        except BaseException:
+            r.reset()  # every failure closes the update: the mirror is back at its base, the version unmoved
+            raise
+
+    def _receive(self, r: MirrorReceiver, update_info: DcrUpdateInfo) -> None:
         if update_info.abandon:
             r.abandon()
             return
@@ -120,21 +131,24 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
                                   f"{update_info.base}->{update_info.target}")
             r.verify(update_info.verify, update_info.base)
             return
-        if r.target is None:
-            r.begin(update_info.base, update_info.target)
-        elif (update_info.base, update_info.target) != (r.version, r.target):
-            raise EngineStateError(f"frames for {update_info.base}->{update_info.target} inside the update "
-                                   f"{r.version}->{r.target}")
         frames = list(update_info.frames) + [base64.b64decode(s) for s in update_info.frames_b64]
-        r.apply(frames)
+        r.apply(frames, update_info.base, update_info.target)
 
     def finish_weight_update(self) -> None:
         r = self._receiver()
-        if r.target is not None:
-            self.last_finish = r.finish()
+        if r.target is not None:  # only an update whose frames were all validated and written is open
+            try:
+                self.last_finish = r.finish()
+            except BaseException:
+                r.reset()
+                raise
 
     def shutdown(self) -> None:
-        self.receiver = None
+        """Release the trainer connection; the worker keeps serving, and a later
+        ``init_weight_transfer_engine`` takes over from what it serves (see ``adopt_served``)."""
+        if self.receiver is not None:
+            self.receiver.reset()
+        self._shut_down, self.receiver = self.receiver, None
 
     def _receiver(self) -> MirrorReceiver:
         if self.receiver is None:
