@@ -96,7 +96,7 @@ def test_an_engine_refuses_a_transfer_and_frames_built_on_other_content_with_the
 
 def test_decompression_is_bounded_by_two_of_the_largest_bucket_a_sender_may_use():
     assert DEFAULT_MAX_RAW_BYTES == 2 * MAX_BUCKET_BYTES < 1 << 30
-    with pytest.raises(ConfigError, match="bucket_bytes must be in"):
+    with pytest.raises(ConfigError, match="bucket_bytes must be an integer in"):
         dcr_ray.CodecConfig(bucket_bytes=MAX_BUCKET_BYTES * 2)
     dcr_ray.CodecConfig(bucket_bytes=MAX_BUCKET_BYTES)
 

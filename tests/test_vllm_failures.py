@@ -35,21 +35,34 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 SPEC = ModelSpec(arch="qwen2", seed=11)
 
 
-def _engine(checkpoint: str):
+def _engine(checkpoint: str, tp: int = 1):
+    """A user's ``LLM`` in a Ray actor with the dcr backend; ``tp=2``: two CPU workers in their own
+    processes (vLLM's multiprocessing executor), each bound to one core, and pickled collective_rpc
+    functions allowed (the engine core is another process: ``served_digests`` sends a function)."""
     from vllm import LLM
 
-    UserLLM = ray.remote(num_cpus=0, runtime_env=VLLM_CPU_RUNTIME_ENV)(LLM)
+    env, kw = VLLM_CPU_RUNTIME_ENV, dict(distributed_executor_backend="uni")
+    if tp > 1:
+        env = {**env, "env_vars": {**env["env_vars"], "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                                   "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+                                   "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))}}
+        kw = dict(distributed_executor_backend="mp", tensor_parallel_size=tp)
+    UserLLM = ray.remote(num_cpus=0, runtime_env=env)(LLM)
     return UserLLM.remote(model=checkpoint, enforce_eager=True, skip_tokenizer_init=True, seed=0,
-                          distributed_executor_backend="uni", weight_transfer_config={"backend": "dcr"})
+                          weight_transfer_config={"backend": "dcr"}, **kw)
 
 
-def _frames(old: dict, new: dict, base: int, transfer: str) -> list[bytes]:
+def _frames(old: dict, new: dict, base: int, transfer: str, key: bytes | None = None) -> list[bytes]:
     store = BaselineStore(in_memory=True)
     for n, t in old.items():
         store.add(n, t)
     deltas = [d for d in (store.diff(n, t) for n, t in new.items()) if d.chunks]
     meta = FrameMeta(transfer=transfer, attempt=0, producer="trainer", payload=0, base=base, target=base + 1)
-    return list(encode_frames(deltas, meta, bucket_bytes=32 << 10))
+    return list(encode_frames(deltas, meta, bucket_bytes=32 << 10, key=key))
+
+
+def _digests(state: dict) -> dict:
+    return box_digests(state, [(n, (0,) * t.dim(), tuple(t.shape)) for n, t in state.items()])
 
 
 def _served(h) -> tuple:
@@ -63,8 +76,7 @@ def _update(h, info: dict, version: str | None = None) -> None:
 
 
 def _verify(h, state: dict, version: int) -> None:
-    whole = [(n, (0,) * t.dim(), tuple(t.shape)) for n, t in state.items()]
-    boxes = [[n, list(a), list(b), d] for (n, a, b), d in box_digests(state, whole).items()]
+    boxes = [[n, list(a), list(b), d] for (n, a, b), d in _digests(state).items()]
     _update(h, {"base": version, "target": version, "verify": boxes}, str(version))
 
 
@@ -133,3 +145,63 @@ def test_after_shutdown_a_trainer_reconnects_from_the_version_the_engine_serves(
     ray.get(user.init_weight_transfer_engine.remote({"init_info": {"checkpoint": ckpt1, "version": 1}}))
     _verify(user, states[1], 1)
     assert _served(user) == served[1]
+
+
+def test_at_tp2_refusals_come_back_as_statuses_so_every_next_call_gets_its_own_answer_and_an_update_is_exact(
+        local_ray, tmp_path):
+    """Two workers. vLLM's collective_rpc reads replies rank by rank and stops at the first that raised,
+    so a worker that raised its "no" would leave rank 1's reply queued for the next call. The engine is
+    started from another checkpoint than the owners' version 0: its digest check is refused, a frame
+    signed with another key is refused, and after each the next calls get their own answers (both
+    ranks echo the request's nonce); then the whole update lands, the version label moves only then,
+    and the engine serves exactly what a fresh TP=2 engine on the target checkpoint serves."""
+    from dcr_ray.codec import read_frame
+    from dcr_ray.engines.vllm.adopted import WeightSyncBackend
+    from dcr_ray.engines.vllm.sync import RayWeightSync
+    from dcr_ray.errors import BackendError
+
+    owners = {n: t.to(torch.bfloat16).contiguous() for n, t in dcr_ray.checkpoint_state_dict(build_model(SPEC)).items()}
+    other_model = build_model(SPEC.with_seed(12))
+    other = {n: t.to(torch.bfloat16).contiguous() for n, t in dcr_ray.checkpoint_state_dict(other_model).items()}
+    target = {n: t.clone() for n, t in owners.items()}
+    for t in target.values():
+        t.view(-1).view(torch.int16)[::7] ^= 5
+    ckpt_other = save_checkpoint(other_model, str(tmp_path / "other"))
+    user = _engine(ckpt_other, tp=2)
+    try:
+        backend = WeightSyncBackend(RayWeightSync([user]), ckpt_other, version=0)
+        before, label = _served(user), ray.get(user.get_weight_version.remote())
+
+        def own_answers(nonce: str) -> None:
+            replies = ray.get(user.collective_rpc.remote("dcr_transfer_status", args=(nonce,)))
+            assert [(r["rank"], r["nonce"], r["session"]) for r in replies] == [(0, nonce, False), (1, nonce, False)]
+            assert ray.get(user.get_weight_version.remote()) == label and _served(user) == before
+
+        assert backend.matches_digests(0, _digests(owners)) is False  # a refused digest check, decided here
+        own_answers("after-digest-check")
+        specs = backend.tensor_specs()
+        signed = _frames(other, target, 0, "t1", key=b"another-key")[0]
+        with pytest.raises(BackendError, match="digest does not match"):  # a refused frame (both ranks say so)
+            backend.apply_wire(signed, read_frame(signed, shapes=specs, expect_base=0, key=b"another-key"))
+        own_answers("after-refused-frame")
+        # the raw vLLM calls at TP=2: a "no" is a status, not a raise, and the session closes cleanly
+        ray.get(user.start_weight_update.remote())
+        ray.get(user.update_weights.remote({"update_info": {"base": 5, "target": 6, "frames": []}}))
+        replies = ray.get(user.collective_rpc.remote("dcr_transfer_status", args=("raw",)))
+        assert all(not r["ok"] and "holds version 0" in r["error"] for r in replies)
+        ray.get(user.finish_weight_update.remote())
+        own_answers("after-raw-refusal")
+        for f in _frames(other, target, 0, "t1"):
+            backend.apply_wire(f, read_frame(f, shapes=specs, expect_base=0))
+        backend.flush()
+        assert ray.get(user.get_weight_version.remote()) == "1"
+        assert backend.matches_digests(1, _digests(target)) is True
+        got = _served(user)
+    finally:
+        ray.kill(user)
+    fresh = _engine(write_checkpoint(ckpt_other, str(tmp_path / "target"), target), tp=2)
+    try:
+        want = _served(fresh)
+    finally:
+        ray.kill(fresh)
+    assert got == want != before  # greedy token ids and logprobs, and every served tensor's digest, per rank

@@ -28,6 +28,7 @@ import time
 
 import ray
 
+from dcr_ray import metrics
 from dcr_ray.codec.bits import bits_view, wire_name
 from dcr_ray.errors import EngineStateError
 
@@ -92,6 +93,7 @@ class PeerCopy:
             if hasattr(self.backend, "activate"):
                 self.backend.activate(version)
             self._stats["healed_from_peer"] = self._stats.get("healed_from_peer", 0) + 1
+            metrics.record("engine_version", version, tags=self._tags)
             self._cv.notify_all()
         return {"engine": self.engine_id, "version": version, "bytes": snap["bytes"],
                 "seconds": time.perf_counter() - t0}

@@ -52,6 +52,7 @@ class Healing:
         self._guard = threading.Lock()  # guards the table and the worker's start
         self._worker: threading.Thread | None = None
         self.healed: list[dict] = []  # the last HEALED_KEPT completed heals, oldest first
+        metrics.record("healing_engines", 0)
 
     # -- what the coordinator calls ----------------------------------------------------------------
     def schedule(self, engine_ids, reason: str, *, respawn: bool) -> None:

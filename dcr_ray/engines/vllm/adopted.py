@@ -8,7 +8,13 @@ duplicate payloads) and drives the real engine with vLLM's own calls::
 
     prepare    -> start_weight_update()            (first frame of an attempt)
     deliver    -> update_weights({base, target, frames: [the frame's bytes]})
-    flush      -> finish_weight_update(weight_version=str(target)); reset_prefix_cache()
+    flush      -> finish_weight_update(); update_weight_version(str(target)); reset_prefix_cache()
+
+and after each of those calls it reads every worker's outcome (``collective_rpc("dcr_transfer_status")``,
+see :mod:`~dcr_ray.engines.vllm.transfer`): with tensor parallelism a worker answers "no" with a status,
+never a raise, so vLLM's ``collective_rpc`` stays in step. Any "no" closes vLLM's update session without
+a version and is a :class:`~dcr_ray.errors.BackendError` here; the version label moves only after every
+worker said yes to ``finish``.
 
 so the relay tree, the commit record, retries and the dirty-engine handling are the same as for
 engines dcr_ray starts. The calls reach the engine through Ray actor handles (``LLM`` / ``AsyncLLM``
@@ -42,11 +48,17 @@ from dcr_ray.errors import BackendError, ConfigError
 log = logging.getLogger(__name__)
 
 
+class OutOfStepError(BackendError):
+    """A worker's reply answered another request: vLLM's ``collective_rpc`` on this engine is out of step
+    (a worker raised inside a tensor-parallel call), so no later answer can be trusted; restart it."""
+
+
 class WeightSyncBackend(EngineBackend):
     """The proxy's backend: forwards validated wire frames through vLLM's weight-transfer calls.
 
     ``calls`` is how the calls reach the engine (:mod:`~dcr_ray.engines.vllm.sync`: Ray actor handles or
-    server URLs); this class holds the refit logic for both.
+    server URLs); this class holds the refit logic for both. Every call is followed by a read of every
+    worker's status (:meth:`_checked`): a worker's "no" is decided here, not by a raise in the worker.
     """
 
     wants_wire_frames = True
@@ -60,8 +72,72 @@ class WeightSyncBackend(EngineBackend):
         self._specs = checkpoint_specs(checkpoint)
         self.version = version
         self._open: tuple[int, int] | None = None
-        self.calls.init_weight_transfer_engine({
+        self._nonce = 0
+        self._seen: dict[tuple[int, int], int] = {}  # (replica, rank) -> the last call number it reported
+        self._session_open = False  # some worker reported vLLM's update session open (set by _statuses)
+        self._statuses(None)  # where each worker's call count stands before this proxy's first call
+        self._checked("init", self.calls.init_weight_transfer_engine, {
             "checkpoint": checkpoint, "version": version, "key": key.hex() if key else None, "capture": capture})
+
+    # -- the status protocol ---------------------------------------------------------------------------
+    def _statuses(self, op: str | None) -> list[str]:
+        """Every worker's status after call ``op``; returns the refusals (``[]``: every worker said yes).
+        A reply that is not the answer to this request, or a call count that did not move past the last
+        one seen, is :class:`BackendError` at once: the engine's replies are out of step, or ``op``
+        never reached the dcr engine."""
+        self._nonce += 1
+        nonce = f"{id(self):x}-{self._nonce}"
+        replies = self.calls.transfer_status(nonce)
+        refused = []
+        for i, ranks in enumerate(replies):
+            if not isinstance(ranks, list) or not ranks:
+                raise BackendError(f"adopted vLLM engine at {self.calls.where}: replica {i} answered "
+                                   f"dcr_transfer_status with {str(ranks)[:200]}")
+            for j, st in enumerate(ranks):
+                if not isinstance(st, dict) or st.get("nonce") != nonce:
+                    raise OutOfStepError(
+                        f"adopted vLLM engine at {self.calls.where}: replica {i} rank {j} answered with another "
+                        f"call's reply ({str(st)[:200]}): its workers' replies are out of step (a worker raised "
+                        f"inside a tensor-parallel collective_rpc); restart the engine")
+                where = (i, int(st.get("rank") if st.get("rank") is not None else j))
+                seq = int(st.get("seq", -1))
+                if op is not None:
+                    if seq <= self._seen.get(where, 0) or st.get("op") != op:
+                        refused.append(f"replica {i} rank {where[1]}: {op} did not reach the dcr engine "
+                                       f"(its last call is {st.get('op')} #{seq})")
+                    elif not st.get("ok"):
+                        refused.append(f"replica {i} rank {where[1]}: {st.get('error')}")
+                self._seen[where] = max(seq, self._seen.get(where, 0))
+                if st.get("session"):
+                    self._session_open = True
+        return refused
+
+    def _checked(self, op: str, call, *args) -> None:
+        """``call(*args)`` (vLLM's call ``op``), then every worker's status. If the call raised or any
+        worker says no: vLLM's update session is closed (``finish_weight_update`` without a version, so
+        the version label does not move) and :class:`BackendError` names every worker's reason."""
+        raised = None
+        try:
+            call(*args)
+        except BackendError as e:
+            raised = e
+        self._session_open = False
+        try:
+            refused = self._statuses(op)
+        except OutOfStepError as e:
+            if raised is None:
+                raise
+            raise OutOfStepError(f"{e} (after {op} failed: {raised})") from raised
+        if raised is None and not refused:
+            return
+        if self._session_open and op != "init":
+            try:
+                self.calls.finish_weight_update()
+                self._statuses("finish")
+            except BackendError as e:
+                log.warning("adopted vLLM engine at %s: closing the refused update failed: %s", self.calls.where, e)
+        why = "; ".join(refused) or str(raised)
+        raise BackendError(f"adopted vLLM engine at {self.calls.where}: {op} refused: {why}") from raised
 
     # -- contract ----------------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -78,24 +154,27 @@ class WeightSyncBackend(EngineBackend):
         """Forward one validated frame to every replica of this engine."""
         update = (frame.meta.base, frame.meta.target)
         if self._open is None:
-            self.calls.start_weight_update()
+            self._checked("start", self.calls.start_weight_update)
             self._open = update
         elif self._open != update:
             raise BackendError(f"frame for {update[0]}->{update[1]} inside the open update "
                                f"{self._open[0]}->{self._open[1]}")
         try:
-            self.calls.update_weights({"base": update[0], "target": update[1], "frames": [data]})
+            self._checked("update", self.calls.update_weights, {"base": update[0], "target": update[1],
+                                                                "frames": [data]})
         except BackendError:
-            self._open = None  # vLLM closed its update session; the next frame (a retry) opens another
+            self._open = None  # vLLM's update session is closed; the next frame (a retry) opens another
             raise
 
     def flush(self) -> None:
-        """Reload what the frames touched and tag outputs with the new version; drop KV of old weights."""
+        """Reload what the frames touched, then tag outputs with the new version (only once every worker
+        said yes); drop KV of old weights."""
         if self._open is None:
             return
         target = self._open[1]
-        self.calls.finish_weight_update(str(target))
         self._open = None
+        self._checked("finish", self.calls.finish_weight_update)
+        self.calls.update_weight_version(str(target))
         self.version = target
         self._reset_prefix_cache()
 
@@ -106,33 +185,36 @@ class WeightSyncBackend(EngineBackend):
 
     def abandon(self) -> None:
         """Close an update whose refit was abandoned without reloading anything (the engine keeps serving
-        what it served; its mirror holds no version until the dense bootstrap that follows)."""
+        what it served; the workers' mirrors get back the bits the update's frames replaced)."""
         if self._open is None:
             return
         base, target = self._open
-        self.calls.update_weights({"base": base, "target": target, "abandon": True})
-        self.calls.finish_weight_update()
         self._open = None
+        self._checked("update", self.calls.update_weights, {"base": base, "target": target, "abandon": True})
+        self._checked("finish", self.calls.finish_weight_update)
 
     def matches_digests(self, version: int, digests: Mapping[tuple, str]) -> bool:
         """Whether every worker of the engine holds the boxes digested in ``digests`` (the owners' committed
         ``version``); if so its outputs are tagged with ``version`` and no dense bootstrap is needed.
 
-        The workers digest what they serve (:meth:`~dcr_ray.engines.vllm.receiver.MirrorReceiver.box_digests`)
+        The workers digest what they serve (:meth:`~dcr_ray.engines.vllm.receiver.MirrorReceiver.verify`)
         inside one ``update_weights`` call that writes nothing; a mismatch, or a worker that cannot prove
-        its bits (a mirror an abandoned update wrote into, a tensor-parallel shard on the capture path),
-        fails that call and this returns False.
+        its bits (a mirror whose version is unknown, a tensor-parallel shard on the capture path), is a
+        refusal in that worker's status and this returns False (the session closed, nothing moved).
         """
         if self._open is not None:
             return False
         boxes = [[name, list(start), list(stop), d] for (name, start, stop), d in digests.items()]
         try:
-            self.calls.start_weight_update()
-            self.calls.update_weights({"base": version, "target": version, "verify": boxes})
+            self._checked("start", self.calls.start_weight_update)
+            self._checked("update", self.calls.update_weights, {"base": version, "target": version, "verify": boxes})
+        except OutOfStepError:
+            raise
         except BackendError as e:
             log.info("adopted vLLM engine at %s does not hold version %d: %s", self.calls.where, version, e)
             return False
-        self.calls.finish_weight_update(str(version))
+        self._checked("finish", self.calls.finish_weight_update)
+        self.calls.update_weight_version(str(version))
         self._reset_prefix_cache()
         self.version = version
         return True

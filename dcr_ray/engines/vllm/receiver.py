@@ -14,7 +14,9 @@ that serves, whoever started it. Protocol of one update::
                                the version does not move
     finish()                   touched tensors, grown to whole fused groups, go through vLLM's in-place
                                reload plus the post-load steps a fresh load runs (fused experts,
-                               aliasing modules); the mirror now holds ``target``
+                               aliasing modules); the mirror now holds ``target``. A reload that
+                               fails part way leaves the version None: only dense frames (a
+                               bootstrap) open the next update
 
 The mirror is what the worker's loader is fed, never what is checked: the start-up self-check
 (:meth:`MirrorReceiver.check_reload_is_a_fresh_load`) compares the served parameters themselves.
@@ -145,14 +147,19 @@ class MirrorReceiver:
         if self.target is None:
             raise EngineStateError("finish_weight_update without a matching start")
         stats = {"reloaded_tensors": 0, "reprocessed_modules": 0, "captured_elements": 0}
-        if self.captured:
-            stats["captured_elements"] = self.capture.apply(self.captured)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.captured = []
-        if self.touched:
-            res = reload_groups(self.model, self.vllm_config, self._items(self.touched))
-            stats.update(reloaded_tensors=res["tensors"], reprocessed_modules=len(res["reprocessed"]))
+        try:
+            if self.captured:
+                stats["captured_elements"] = self.capture.apply(self.captured)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.captured = []
+            if self.touched:
+                res = reload_groups(self.model, self.vllm_config, self._items(self.touched))
+                stats.update(reloaded_tensors=res["tensors"], reprocessed_modules=len(res["reprocessed"]))
+        except BaseException:  # part of the update may be served already: what is served matches no version
+            self.reset()
+            self.version = None  # only a dense bootstrap restores it
+            raise
         self.touched.clear()
         self._undo.clear()
         self.version, self.base, self.target = self.target, None, None

@@ -13,7 +13,11 @@ each call travels, so that is all this module holds (:class:`WeightSyncCalls`):
     ``/weight_info``) only when the server runs with ``VLLM_SERVER_DEV_MODE=1``.
 
 Every call fans out to every replica and waits for all; a failure raises
-:class:`~dcr_ray.errors.BackendError` carrying the engine's own message.
+:class:`~dcr_ray.errors.BackendError` carrying the engine's own message. With tensor parallelism the
+``dcr`` backend answers a refusal with a status instead of raising (a raise would leave vLLM's
+``collective_rpc`` reading stale replies), so :meth:`WeightSyncCalls.transfer_status` reads every
+worker's outcome (``collective_rpc("dcr_transfer_status")``; over HTTP the dev-mode route
+``/collective_rpc``) and the proxy decides.
 """
 
 from __future__ import annotations
@@ -44,6 +48,13 @@ class WeightSyncCalls(Protocol):
         """``update_info`` may carry ``frames`` as ``bytes``; a transport that cannot send bytes encodes them."""
 
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+    def update_weight_version(self, weight_version: str) -> None:
+        """Tag every replica's outputs with ``weight_version`` (no weight is touched)."""
+
+    def transfer_status(self, nonce: str) -> list:
+        """Per replica, every worker's ``dcr_transfer_status(nonce)`` (a list of dicts, one per rank; see
+        :func:`~dcr_ray.engines.vllm.plugin.dcr_transfer_status`)."""
 
     def reset_prefix_cache(self) -> bool:
         """True when every replica dropped its prefix cache."""
@@ -83,6 +94,17 @@ class RayWeightSync:
             self._call("finish_weight_update")
         else:
             self._call("finish_weight_update", weight_version)
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self._call("update_weight_version", weight_version)
+
+    def transfer_status(self, nonce: str) -> list:
+        try:
+            return self._ray.get([h.collective_rpc.remote("dcr_transfer_status", args=(nonce,))
+                                  for h in self.handles], timeout=self.timeout_s)
+        except self._ray.exceptions.RayTaskError as e:
+            raise BackendError(f"adopted vLLM engine: collective_rpc('dcr_transfer_status') failed: "
+                               f"{e.as_instanceof_cause()!r}") from e
 
     def reset_prefix_cache(self) -> bool:
         return all(self._call("reset_prefix_cache"))
@@ -158,6 +180,15 @@ class HttpWeightSync:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._each("finish_weight_update", lambda i: self.clients[i].finish_weight_update(weight_version))
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self._each("update_weight_version", lambda i: self._request(i, "POST", "update_weight_version",
+                                                                    json={"new_version": weight_version}))
+
+    def transfer_status(self, nonce: str) -> list:
+        body = {"method": "dcr_transfer_status", "args": [nonce]}
+        return [r.get("results") if isinstance(r, dict) else r
+                for r in self._each("collective_rpc", lambda i: self._request(i, "POST", "collective_rpc", json=body))]
 
     def reset_prefix_cache(self) -> bool:
         return all(bool(r.get("success", True)) if isinstance(r, dict) else True

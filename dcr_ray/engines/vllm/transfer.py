@@ -9,6 +9,8 @@ own calls, on an ``LLM`` / ``AsyncLLM`` or through ``RayVLLMWeightSyncClient`` /
     start_weight_update()
     update_weights({"update_info": {"base": v, "target": v + 1, "frames": [frame bytes, ...]}})
     finish_weight_update(weight_version=str(v + 1))
+    # with two or more workers, read every rank's outcome before setting the version:
+    #   collective_rpc("dcr_transfer_status", args=(nonce,)) -> [{"ok": ..., "error": ...}, ...]
     # a refit that will not finish: update_weights({"update_info": {"base": v, "target": v + 1,
     #                                                               "abandon": True}}), then finish
     # does this worker serve committed version v? (writes nothing; fails on any mismatch)
@@ -18,9 +20,32 @@ own calls, on an ``LLM`` / ``AsyncLLM`` or through ``RayVLLMWeightSyncClient`` /
 mirror); ``key`` the hex of the shared frame key, if refits sign frames with one. Over HTTP, send
 ``frames_b64`` (base64 strings) instead of ``frames``. Every frame of one ``update_weights`` call is
 validated before any is written; ``finish_weight_update`` reloads the touched fused groups (see
-:class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver`). dcr_ray's adopted-engine proxy
-(:mod:`~dcr_ray.engines.vllm.adopted`) makes exactly these calls, so the relay tree, commit record and
-retries work for engines dcr_ray did not start.
+:class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver`).
+
+Failures and the status protocol. Every call is recorded: a call number ``seq``, the ``op`` (init,
+start, update, finish, shutdown), ``ok`` and the ``error``. Any failure of start/update/finish resets
+the receiver's update (the mirror gets back the bits the update's frames replaced; the version does
+not move); only ``finish`` of an update whose frames were all validated and written moves the version,
+so an empty start/finish pair after a refusal moves nothing. A refused init writes nothing and leaves
+the previous receiver in place. How a "no" reaches the caller depends on the engine's world size:
+
+- one worker (``parallel_config.world_size == 1``): the call raises, as vLLM's contract says (a call
+  before ``init_weight_transfer_engine`` raises :class:`NotInitializedError`, a ``RuntimeError``);
+- two or more (tensor / pipeline parallel): the call never raises for a "no". vLLM's multiprocessing
+  ``collective_rpc`` reads replies rank by rank and raises at the first failing rank, leaving the later
+  ranks' replies queued, so every later call would read the answer to an earlier one. The worker
+  records the refusal and returns; the driver reads every rank's outcome with
+  ``collective_rpc("dcr_transfer_status", args=(nonce,))`` (a worker method the plugin adds, see
+  :mod:`~dcr_ray.engines.vllm.plugin`; the reply echoes ``nonce``, carries ``seq`` so it cannot be
+  taken for another call's, and says whether vLLM's update ``session`` is still open) and decides.
+  A refused ``update_weights`` leaves vLLM's session open there: close it with
+  ``finish_weight_update()`` without a version (it reloads nothing; the refused update was reset).
+
+dcr_ray's adopted-engine proxy (:mod:`~dcr_ray.engines.vllm.adopted`) makes exactly these calls and
+checks the status after each, at any world size: on a "no" it closes vLLM's session with
+``finish_weight_update()`` (no version, so the label does not move) and fails the refit; the version
+label is set (``update_weight_version``) only after every worker's ``finish`` said yes. So the relay
+tree, commit record and retries work for engines dcr_ray did not start.
 """
 
 from __future__ import annotations
@@ -29,6 +54,7 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -76,8 +102,20 @@ class DcrUpdateInfo(WeightTransferUpdateInfo):
     that digest (see :meth:`MirrorReceiver.verify`). ``base`` = ``target`` = the committed version."""
 
 
+class NotInitializedError(EngineStateError, RuntimeError):
+    """A weight-transfer call before ``init_weight_transfer_engine`` (vLLM's contract: a RuntimeError)."""
+
+
+@dataclass
+class _RefusedInfo:
+    """Init or update info that did not parse (world size >= 2: refused through the status, not raised)."""
+
+    error: str
+
+
 class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
-    """Per-worker engine: a :class:`MirrorReceiver` fed by ``update_weights``."""
+    """Per-worker engine: a :class:`MirrorReceiver` fed by ``update_weights``; every call's outcome is
+    recorded for :meth:`transfer_status` (see the module docstring)."""
 
     init_info_cls = DcrInitInfo
     update_info_cls = DcrUpdateInfo
@@ -85,11 +123,83 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
+        self.device = torch.device(device)  # vLLM may hand a string ("cpu")
+        self.world_size = int(getattr(vllm_config.parallel_config, "world_size", 1) or 1)
         self.receiver: MirrorReceiver | None = None
         self._shut_down: MirrorReceiver | None = None  # the receiver before shutdown (a reconnect checks it)
         self.last_finish: dict[str, int] = {}
+        self._status: dict[str, Any] = {"seq": 0, "op": None, "ok": True, "error": None}
+
+    # -- the status protocol ----------------------------------------------------------------------
+    def transfer_status(self) -> dict[str, Any]:
+        """The outcome of the last call (``seq`` counts calls; ``op`` names it; ``ok``; ``error``), plus
+        what the receiver holds now (``version``; ``open``: an update is open)."""
+        r = self.receiver
+        return {**self._status, "version": r.version if r is not None else None,
+                "open": r is not None and r.target is not None, "world_size": self.world_size}
+
+    def _run(self, op: str, fn, *args) -> None:
+        """``fn(*args)`` as call ``op``: recorded; on failure the open update is reset (never a refused
+        init: it leaves the previous receiver and its update alone) and, with one worker, raised."""
+        seq = self._status["seq"] + 1
+        try:
+            fn(*args)
+        except Exception as e:
+            if op != "init" and self.receiver is not None:
+                self.receiver.reset()  # the mirror is back at its base, the version unmoved
+            self._status = {"seq": seq, "op": op, "ok": False, "error": f"{type(e).__name__}: {e}"}
+            if self.world_size == 1:
+                raise
+            return  # world size >= 2: a raise would desynchronize vLLM's collective_rpc; the driver reads this
+        except BaseException:
+            if self.receiver is not None:
+                self.receiver.reset()
+            raise
+        self._status = {"seq": seq, "op": op, "ok": True, "error": None}
+
+    # -- vLLM's calls ---------------------------------------------------------------------------------
+    def parse_init_info(self, init_dict: dict[str, Any]) -> DcrInitInfo:
+        try:
+            return super().parse_init_info(init_dict)
+        except Exception as e:
+            if self.world_size == 1:
+                raise
+            return _RefusedInfo(f"{type(e).__name__}: {e}")  # type: ignore[return-value]
 
     def init_transfer_engine(self, init_info: DcrInitInfo) -> None:
+        self._run("init", self._init, init_info)
+
+    def start_weight_update(self) -> None:
+        # nothing to prepare: frames land in the mirror, the reload runs at finish
+        self._run("start", self._receiver)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # CPU writes: nothing to synchronize
+        self._run("update", lambda: self.receive_weights(self.parse_update_info(update_info)))
+
+    def receive_weights(self, update_info: DcrUpdateInfo) -> None:
+        r = self._receiver()
+        try:
+            self._receive(r, update_info)
+        except BaseException:
+            r.reset()  # every failure closes the update: the mirror is back at its base, the version unmoved
+            raise
+
+    def finish_weight_update(self) -> None:
+        self._run("finish", self._finish)
+
+    def shutdown(self) -> None:
+        """Release the trainer connection; the worker keeps serving, and a later
+        ``init_weight_transfer_engine`` takes over from what it serves (see ``adopt_served``)."""
+        if self.receiver is not None:
+            self.receiver.reset()
+        self._shut_down, self.receiver = self.receiver or self._shut_down, None
+        self._status = {"seq": self._status["seq"] + 1, "op": "shutdown", "ok": True, "error": None}
+
+    # -- the work -------------------------------------------------------------------------------------
+    def _init(self, init_info: DcrInitInfo) -> None:
+        if isinstance(init_info, _RefusedInfo):
+            raise ConfigError(f"init_weight_transfer_engine: {init_info.error}")
         key = bytes.fromhex(init_info.key) if init_info.key else None
         capture = init_info.capture if init_info.capture is not None else self.device.type == "cuda"
         if capture and self.device.type != "cuda":
@@ -104,21 +214,9 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             receiver.check_reload_is_a_fresh_load()
         self.receiver, self._shut_down = receiver, None
 
-    def start_weight_update(self) -> None:
-        self._receiver()  # nothing to prepare: frames land in the mirror, the reload runs at finish
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))  # CPU writes: nothing to synchronize
-
-    def receive_weights(self, update_info: DcrUpdateInfo) -> None:
-        r = self._receiver()
-        try:
-            self._receive(r, update_info)
-        except BaseException:
-            r.reset()  # every failure closes the update: the mirror is back at its base, the version unmoved
-            raise
-
     def _receive(self, r: MirrorReceiver, update_info: DcrUpdateInfo) -> None:
+        if isinstance(update_info, _RefusedInfo):
+            raise ConfigError(f"update_weights: {update_info.error}")
         if update_info.abandon:
             r.abandon()
             return
@@ -134,24 +232,13 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         frames = list(update_info.frames) + [base64.b64decode(s) for s in update_info.frames_b64]
         r.apply(frames, update_info.base, update_info.target)
 
-    def finish_weight_update(self) -> None:
+    def _finish(self) -> None:
         r = self._receiver()
         if r.target is not None:  # only an update whose frames were all validated and written is open
-            try:
-                self.last_finish = r.finish()
-            except BaseException:
-                r.reset()
-                raise
-
-    def shutdown(self) -> None:
-        """Release the trainer connection; the worker keeps serving, and a later
-        ``init_weight_transfer_engine`` takes over from what it serves (see ``adopt_served``)."""
-        if self.receiver is not None:
-            self.receiver.reset()
-        self._shut_down, self.receiver = self.receiver, None
+            self.last_finish = r.finish()
 
     def _receiver(self) -> MirrorReceiver:
         if self.receiver is None:
-            raise EngineStateError("the dcr weight-transfer engine was not initialised: call "
-                                   "init_weight_transfer_engine({'checkpoint': ...}) first")
+            raise NotInitializedError("the dcr weight-transfer engine is not initialized: call "
+                                      "init_weight_transfer_engine({'checkpoint': ...}) first")
         return self.receiver
