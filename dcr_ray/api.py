@@ -95,7 +95,10 @@ class Refit:
         from the record (with a warning), one that had not committed runs again on the resumed
         coordinator. Either way the answer is a report or a :class:`~dcr_ray.errors.RefitError`.
         """
-        return self._actor.refit.options(max_task_retries=REFIT_CALL_RETRIES).remote(uuid.uuid4().hex)
+        return self._call(uuid.uuid4().hex)
+
+    def _call(self, request: str) -> ray.ObjectRef:
+        return self._actor.refit.options(max_task_retries=REFIT_CALL_RETRIES).remote(request)
 
     @property
     def actor(self):
@@ -103,8 +106,19 @@ class Refit:
         return self._actor
 
     def run(self, timeout: float | None = None) -> RefitReport:
-        """Refit now and wait for the report (with a progress bar on a terminal, see :mod:`dcr_ray.progress`)."""
-        return progress.wait(self.remote(), self._actor, desc="dcr_ray refit", timeout=timeout)
+        """Refit now and wait for the report (with a progress bar on a terminal, see :mod:`dcr_ray.progress`).
+
+        If the coordinator stays unavailable past Ray's retries of the call (it is restarting), the same
+        request is sent again once it answers: answered from the record if it committed, run if not."""
+        request = uuid.uuid4().hex
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in range(REFIT_CALL_RETRIES):
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                return progress.wait(self._call(request), self._actor, desc="dcr_ray refit", timeout=left)
+            except ray.exceptions.ActorUnavailableError:
+                time.sleep(_RESTART_POLL_S)  # restarting: the record still says whether the request committed
+        return progress.wait(self._call(request), self._actor, desc="dcr_ray refit", timeout=timeout)
 
     def status(self, detail: bool = False) -> dict:
         """The committed version and record, required engines and the refit in flight (``phase``); with
@@ -275,7 +289,9 @@ def launch(
 
 
 #: How often Ray re-sends a ``refit`` call to a coordinator restarted after its process died.
-REFIT_CALL_RETRIES = 3
+REFIT_CALL_RETRIES = 10
+#: How long ``Refit.run`` waits before asking a restarting coordinator again.
+_RESTART_POLL_S = 1.0
 #: How long shutdown waits for the coordinator to tear down before killing actors by name.
 _SHUTDOWN_TIMEOUT_S = 120
 #: How long a failed launch waits for its coordinator to be gone before the last sweep by name.

@@ -1,7 +1,7 @@
 """``dcr-ray bench heal --quick`` runs end to end: every heal bit-exact, a peer's heal moves nothing across
 the cluster link and costs the owners nothing, a lagging engine's heal crosses no more than the deltas it
-missed, and a lost cluster takes the dense model from the owners once (timings are the benchmark's, not
-asserted here)."""
+missed, and a lost cluster takes the dense model from the owners once, its second engine from the first
+(timings are the benchmark's, not asserted here)."""
 
 from __future__ import annotations
 

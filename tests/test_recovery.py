@@ -74,26 +74,6 @@ def test_a_dead_engine_is_dropped_from_the_refit_and_comes_back_recreated_at_the
         refit.shutdown()
 
 
-def test_a_whole_lost_cluster_takes_its_first_engine_from_the_owners_once_and_the_next_from_it(local_ray):
-    refit, trainer = _start(dcr_ray.HFEngine(SPEC),
-                            [dcr_ray.ClusterSpec(name="a", engines=1), dcr_ray.ClusterSpec(name="b", engines=2)])
-    try:
-        for e in ("b/e0", "b/e1"):
-            ray.kill(refit.engines()[e])
-        ray.get(trainer.step.remote(seed=0))
-        report = refit.run()
-        assert report.version == 1 and report.dropped_engines == ["b/e0", "b/e1"]
-        st = refit.wait_healed(timeout=180)
-        assert [(h["engine"], h["source"]) for h in st["healed"]] == [("b/e0", "owners"), ("b/e1", "b/e0")]
-        assert st["required"] == ["a/e0", "b/e0", "b/e1"]
-        check_engines(refit, trainer)
-        ray.get(trainer.step.remote(seed=1))
-        assert set(refit.run().engine_versions) == {"a/e0", "b/e0", "b/e1"}
-        check_engines(refit, trainer)
-    finally:
-        refit.shutdown()
-
-
 def test_a_refit_that_keeps_failing_raises_and_the_committed_version_stays(local_ray):
     engine = FlakyEngine(dcr_ray.HFEngine(SPEC), fail_after=0)
     refit, trainer = _start(engine, [dcr_ray.ClusterSpec(name="a", engines=1)], max_attempts=1)

@@ -178,10 +178,10 @@ def test_at_tp2_refusals_come_back_as_statuses_so_every_next_call_gets_its_own_a
             assert ray.get(user.get_weight_version.remote()) == label and _served(user) == before
 
         assert backend.matches_digests(0, _digests(owners)) is False  # a refused digest check, decided here
-        own_answers("after-digest-check")
         specs = backend.tensor_specs()
         signed = _frames(other, target, 0, "t1", key=b"another-key")[0]
-        with pytest.raises(BackendError, match="digest does not match"):  # a refused frame (both ranks say so)
+        # the next call gets its own answer (not the digest check's): a refused frame, both ranks say why
+        with pytest.raises(BackendError, match="update refused: replica 0 rank 0: .*digest does not match"):
             backend.apply_wire(signed, read_frame(signed, shapes=specs, expect_base=0, key=b"another-key"))
         own_answers("after-refused-frame")
         # the raw vLLM calls at TP=2: a "no" is a status, not a raise, and the session closes cleanly

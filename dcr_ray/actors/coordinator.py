@@ -204,21 +204,6 @@ class CoordinatorActor(Recovery, Inspection):
         finally:
             self._phase("idle")
 
-    def _answered(self, request: str | None) -> RefitReport | None:
-        """The report of ``request`` if it already committed (a retried call), else None."""
-        if not request:
-            return None
-        for r in reversed(self.history):
-            if r.get("request") == request:
-                return RefitReport(**{k: v for k, v in r.items() if k in RefitReport.__slots__})
-        with self._lock:
-            rec = self.commits.read()
-        if rec is None or rec.request != request:
-            return None
-        return RefitReport(version=rec.version, transfer=rec.transfer, attempts=1, engine_versions={},
-                           warnings=[f"the coordinator restarted after committing version {rec.version}; "
-                                     f"this answer comes from the commit record (per-stage figures were lost)"])
-
     def _phase(self, phase: str, transfer: str | None = None, attempt: int | None = None,
                target: int | None = None) -> None:
         """Record where the refit in flight is (``status()`` reports it while the refit runs)."""
@@ -274,34 +259,6 @@ class CoordinatorActor(Recovery, Inspection):
                 f"refit to version {target} failed after {attempt + 1} attempt(s); the "
                 f"committed version stays {base}{restored}. Last error: {type(last).__name__}: {last}"
             ) from last
-
-    def _after_commit(self, report: RefitReport, dropped: list[str], rejoined: list[str]) -> RefitReport:
-        """Heal and readmit after a commit; their failures become warnings of the committed report."""
-        report.dropped_engines = dropped
-        try:
-            report.warnings += self._heal_later(dropped, "died")
-            report.warnings += [f"engine {e} heals again after a failed heal" for e in self.healer.retry_failed()]
-            report.warnings += rejoined
-            self._readmit(report.warnings)
-        except Exception as e:
-            report.warnings.append(f"healing after the commit failed: {e!r}")
-        report.warnings += [f"engine {e} did not answer and is evicted; it rejoins when it answers"
-                            for e in sorted(self.evicted)]
-        return report
-
-    def _heal_later(self, dead: list[str], reason: str) -> list[str]:
-        """Re-create the engines in ``dead`` and heal them in the background; the report's warnings."""
-        self.healer.schedule(sorted(dead), reason, respawn=True)
-        return [f"engine {e} died; it is re-created and heals in the background from a peer of its cluster "
-                f"(Refit.status()['healing'])" for e in sorted(dead)]
-
-    def _committed_anyway(self, transfer: str, attempt: int, err: BaseException) -> RefitReport:
-        """The report of a refit whose record is durable although a step after it raised ``err``: the
-        version stays committed (never rolled back), the failure is a warning."""
-        log.warning("dcr_ray: version %d is committed; a step after the record failed: %r", self.version, err)
-        warning = f"version {self.version} is committed, but a step after the commit record failed: {err!r}"
-        return RefitReport(version=self.version, transfer=transfer, attempts=attempt + 1, warnings=[warning],
-                           engine_versions={e: self.version for e in sorted(self.required)})
 
     def _abort(self, transfer: str, final: bool = False) -> list[str]:
         """Close ``transfer`` on the required engines; with ``final``, the engines left dirty.

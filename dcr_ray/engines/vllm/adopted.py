@@ -81,10 +81,12 @@ class WeightSyncBackend(EngineBackend):
 
     # -- the status protocol ---------------------------------------------------------------------------
     def _statuses(self, op: str | None) -> list[str]:
-        """Every worker's status after call ``op``; returns the refusals (``[]``: every worker said yes).
-        A reply that is not the answer to this request, or a call count that did not move past the last
-        one seen, is :class:`BackendError` at once: the engine's replies are out of step, or ``op``
-        never reached the dcr engine."""
+        """Every worker's status after call ``op``; returns the refusals (``[]``: every worker said yes;
+        ``op=None``: only records where each worker's call count stands). A reply that does not echo
+        this request's nonce is :class:`OutOfStepError` at once (the engine's replies are out of step);
+        a status whose call count did not move past the last one seen, or that names another call, is a
+        refusal (``op`` never reached the dcr engine: vLLM refused it first), so an old outcome is never
+        taken for this call's."""
         self._nonce += 1
         nonce = f"{id(self):x}-{self._nonce}"
         replies = self.calls.transfer_status(nonce)
