@@ -74,7 +74,8 @@ def run(quick: bool = False, progress=None) -> dict:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
-    from ray.cluster_utils import Cluster
+
+    from dcr_ray.testing.clusters import start_local_clusters
 
     import dcr_ray
     from dcr_ray.testing.faults import StallOnSignal
@@ -82,13 +83,7 @@ def run(quick: bool = False, progress=None) -> dict:
     from dcr_ray.testing.trainer import TinyTrainer
 
     say = (lambda m: print(f"[bench heal] {m}", file=progress, flush=True)) if progress else (lambda m: None)
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"train": 10}})
-    for c in ("a", "b"):
-        cluster.add_node(num_cpus=1, resources={f"cluster-{c}": 10})
-    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-    cluster.wait_for_nodes()
+    cluster = start_local_clusters(("a", "b"))
     spec = ModelSpec(size="tiny" if quick else "small")
     work = tempfile.mkdtemp(prefix="dcr_bench_heal_")
     stall = os.path.join(work, "stall")
