@@ -98,7 +98,7 @@ class Healing:
             for e in todo:
                 try:
                     self._heal(e)
-                except Exception as err:  # recorded; the engine stays out until Refit.rejoin
+                except Exception as err:  # recorded; queued again after the next commit (or Refit.rejoin)
                     log.warning("dcr_ray: healing engine %s failed: %r", e, err)
 
     def _set(self, e: str, **kw) -> None:
@@ -106,7 +106,6 @@ class Healing:
             self._table[e].update(kw)
 
     def _heal(self, e: str) -> dict:
-        c = self._c
         t0 = time.perf_counter()
         try:
             self._start(e)
