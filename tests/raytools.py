@@ -60,7 +60,7 @@ def check_engines(refit, trainer, engines=None) -> None:
 def assert_no_wrong_bits(refit, committed: dict, version: int) -> None:
     """The wrong-bits sweep that ends every fault test: the commit record and the coordinator say
     ``version``, and every alive engine holds it, tagged ``version``, bit for bit equal to ``committed``
-    (int16 views of what the engine serves from, never allclose). An engine that holds no version says
+    (int16 views of what the engine serves from, never a tolerance). An engine that holds no version says
     so (it refuses to serve); one that claims a version must hold exactly its bits."""
     st = refit.status()
     assert st["version"] == version and st["commit_record"]["version"] == version, st

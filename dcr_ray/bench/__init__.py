@@ -25,3 +25,14 @@ def add_parsers(subparsers) -> None:
     """Let every module in :data:`MODULES` add its subcommand to ``subparsers``."""
     for name in MODULES:
         importlib.import_module(f"{__name__}.{name}").add_parser(subparsers)
+
+
+def write_json_and_plot(result: dict, path: str, plot) -> None:
+    """Write ``result`` as JSON at ``path`` and ``plot(result, png)`` beside it (same name, ``.png``)."""
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.splitext(path)[0] + ".png")

@@ -117,7 +117,7 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from dcr_ray.testing.clusters import start_local_clusters
+    from dcr_ray.testing.clusters import start_local_clusters, stop_local_clusters
 
     import dcr_ray
     from dcr_ray.testing import payload_faults
@@ -231,11 +231,7 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
         at_end = sum(e.get("phase") == "ready" and e.get("version") == st["version"] for e in st["engine_states"])
         rollbacks = sum(ray.get(h.info.remote()).get("rollbacks", 0) for h in refit.engines().values())
     finally:
-        try:
-            refit.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+        stop_local_clusters(cluster, refit)
     return {"refits": refits, "seed": seed, "committed": stats["committed"],
             "faults_injected": stats["faults_injected"], "faults_by_kind": dict(by_kind),
             "faults_survived": sum(survived.values()), "mismatched_engines": mismatched,

@@ -29,10 +29,11 @@ and ``bit_exact`` (every engine's tensors vs the trainer's on integer views afte
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
+
+from dcr_ray.bench import write_json_and_plot
 import tempfile
 import time
 
@@ -63,10 +64,7 @@ def _run_from_args(args) -> int:
     result = run(quick=args.quick, progress=sys.stderr)
     print(format_table(result))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        plot(result, os.path.splitext(args.json)[0] + ".png")
+        write_json_and_plot(result, args.json, plot)
     return 0
 
 
@@ -75,7 +73,7 @@ def run(quick: bool = False, progress=None) -> dict:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from dcr_ray.testing.clusters import start_local_clusters
+    from dcr_ray.testing.clusters import start_local_clusters, stop_local_clusters
 
     import dcr_ray
     from dcr_ray.testing.faults import StallOnSignal
@@ -131,11 +129,7 @@ def run(quick: bool = False, progress=None) -> dict:
         out["targets_met"] = _targets_met(cases)
         return out
     finally:
-        try:
-            refit.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+        stop_local_clusters(cluster, refit)
 
 
 def _head_bytes(refit, cluster: str) -> dict[str, int]:
@@ -150,6 +144,7 @@ def _case(refit, one, base: float, cluster: str, fault, expect: int = 1, lag_unt
     """Inject ``fault``, refit back to back until ``expect`` engines healed (and at least two refits ran
     after the fault), and measure (see the module doc)."""
     import ray
+    import torch
 
     before = _head_bytes(refit, cluster)
     healed_before = {(h["engine"], h["at"]) for h in refit.status()["healed"]}
@@ -183,7 +178,7 @@ def _case(refit, one, base: float, cluster: str, fault, expect: int = 1, lag_unt
     exact = True
     for eng in refit.engines().values():
         got = ray.get(eng.tensors.remote())
-        exact &= all(got[n].view(-1).view(__import__("torch").int16).equal(t.view(-1).view(__import__("torch").int16))
+        exact &= all(torch.equal(got[n].view(-1).view(torch.int16), t.view(-1).view(torch.int16))
                      for n, t in want.items())
     # a refit ran "while healing" if it started before the last heal completed (one that waited for a heal
     # step holding the coordinator started while it ran, whatever the phase its start saw)

@@ -23,3 +23,15 @@ def start_local_clusters(names=("a", "b")):
     ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
     cluster.wait_for_nodes()
     return cluster
+
+
+def stop_local_clusters(cluster, refit=None) -> None:
+    """Shut down ``refit`` (if given), then this driver's Ray and ``cluster``, whatever fails first."""
+    import ray
+
+    try:
+        if refit is not None:
+            refit.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

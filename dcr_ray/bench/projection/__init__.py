@@ -24,9 +24,9 @@ Benchmarks measure; the numbers are not modelled.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
+
+from dcr_ray.bench import write_json_and_plot
 import time
 import tracemalloc
 
@@ -68,10 +68,7 @@ def _run_from_args(args: argparse.Namespace) -> int:
     result = run(quick=args.quick, seed=args.seed, repeats=args.repeats or (3 if args.quick else 5))
     print(format_table(result))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        plot(result, os.path.splitext(args.json)[0] + ".png")
+        write_json_and_plot(result, args.json, plot)
     return 0
 
 
