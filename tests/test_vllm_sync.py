@@ -137,3 +137,11 @@ def test_bad_adoption_arguments_are_config_errors_that_say_what_to_give():
     assert server.urls == ["http://a:1", "http://b:2"]
     assert isinstance(make_calls(server.urls), HttpWeightSync)
     assert isinstance(make_calls([object()]), RayWeightSync)
+
+
+def test_a_ray_actor_without_collective_rpc_is_refused_with_what_to_forward():
+    """The proxy reads every worker's outcome through ``collective_rpc``; a wrapper actor that does not
+    forward it gets an error naming the method, before any weight moves (a plain object stands in for
+    the handle: only the attribute lookup is exercised)."""
+    with pytest.raises(BackendError, match="collective_rpc"):
+        RayWeightSync([object()]).transfer_status("n")

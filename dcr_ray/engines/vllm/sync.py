@@ -99,6 +99,11 @@ class RayWeightSync:
         self._call("update_weight_version", weight_version)
 
     def transfer_status(self, nonce: str) -> list:
+        missing = [h for h in self.handles if not hasattr(h, "collective_rpc")]
+        if missing:
+            raise BackendError("an adopted vLLM Ray actor must expose vLLM's collective_rpc(method, timeout=None, "
+                               "args=(), kwargs=None) (LLM and AsyncLLM do; a wrapper actor forwards it to the "
+                               f"engine inside); {len(missing)} of {len(self.handles)} handle(s) do not")
         try:
             return self._ray.get([h.collective_rpc.remote("dcr_transfer_status", args=(nonce,))
                                   for h in self.handles], timeout=self.timeout_s)

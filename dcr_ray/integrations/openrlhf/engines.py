@@ -71,6 +71,9 @@ class DcrRolloutRayActor(_openrlhf_vllm_engine.RolloutRayActor.__ray_actor_class
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         await self.llm.finish_weight_update(weight_version)
 
+    async def update_weight_version(self, weight_version: str) -> None:
+        await self.llm.update_weight_version(weight_version)
+
     async def get_weight_version(self) -> str:
         return await self.llm.get_weight_version()
 
@@ -85,6 +88,12 @@ class DcrRolloutRayActor(_openrlhf_vllm_engine.RolloutRayActor.__ray_actor_class
         """
         paused = bool(await self.llm.is_paused())
         return bool(await self.llm.reset_prefix_cache(reset_running_requests=paused))
+
+    async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
+        """vLLM's ``collective_rpc`` on the AsyncLLM inside (the adopted proxy reads each worker's
+        ``dcr_transfer_status`` through it)."""
+        return await self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
     async def dcr_storage_digests(self) -> list[dict[str, str]]:
         """Per vLLM worker: parameter/buffer name -> digest of the bits it serves with (for checks: two
