@@ -17,17 +17,19 @@ from dcr_ray.codec.undo import UndoLog
 from dcr_ray.codec import (
     FrameMeta,
     apply_decoded,
+    classorder,
     context,
     decode_frame,
     diff_tensor,
     encode_frames,
+    estimate,
     intdiff,
     kernels,
     open_frame,
     read_frame,
 )
 from dcr_ray.codec.bits import bits_view, np_uint, wire_name
-from dcr_ray.codec.decode import DecodedFrame, DecodedItem
+from dcr_ray.codec.decoded import DecodedFrame, DecodedItem
 from dcr_ray.codec.format import Encoding
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -62,7 +64,7 @@ def small_step(old: torch.Tensor, seed: int, rate: float) -> torch.Tensor:
         b[pos] ^= 1
         return new
     p = np.full(n, rate)
-    fields = context.EXPONENT_FIELDS.get(wire_name(old.dtype))
+    fields = classorder.EXPONENT_FIELDS.get(wire_name(old.dtype))
     if fields:
         shift, nbits = fields
         cls = (b >> b.dtype.type(shift)) & b.dtype.type((1 << nbits) - 1)
@@ -112,13 +114,13 @@ def test_class_ranks_and_positions_are_inverse_and_agree_with_the_definition(dty
     t = random_tensor(getattr(torch, dtype), 3001, seed=len(dtype))
     old = bits_view(t)
     rel = np.flatnonzero(np.random.default_rng(5).random(len(old)) < rate)
-    shift, nbits = context.EXPONENT_FIELDS[dtype]
+    shift, nbits = classorder.EXPONENT_FIELDS[dtype]
     cls = (old.astype(np.uint64) >> np.uint64(shift)) & np.uint64((1 << nbits) - 1)
     order = np.argsort(cls, kind="stable")  # the definition: stable sort by class
     want = np.sort(np.argsort(order)[rel])
-    r = context.ranks(old, rel, dtype)
+    r = classorder.ranks(old, rel, dtype)
     assert np.array_equal(r, want)
-    assert np.array_equal(context.positions(old, r, dtype), rel)
+    assert np.array_equal(classorder.positions(old, r, dtype), rel)
 
 
 # --- round trips ------------------------------------------------------------------------------------
@@ -287,6 +289,6 @@ def test_a_sender_skips_the_class_walk_where_changes_do_not_depend_on_magnitude(
     uniform = np.flatnonzero(rng.random(len(old)) < 0.02)
     cls = (old >> np.uint16(7)) & np.uint16(0xFF)
     by_size = np.flatnonzero(rng.random(len(old)) < np.where(cls < np.median(cls), 0.04, 0.001))
-    assert not context.promising(old, uniform, "bfloat16")
-    assert context.promising(old, by_size, "bfloat16")
-    assert not context.promising(old, by_size, "int16")  # no exponent: never class order
+    assert not estimate.class_order_promising(old, uniform, "bfloat16")
+    assert estimate.class_order_promising(old, by_size, "bfloat16")
+    assert not estimate.class_order_promising(old, by_size, "int16")  # no exponent: never class order

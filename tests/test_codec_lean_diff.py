@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dcr_ray.codec import diff, locations
+from dcr_ray.codec import diff, locations, scan
 
 
 def _positions(rng, span, rate, clustered):
@@ -34,12 +34,12 @@ def test_coding_locations_in_place_gives_exactly_the_bytes_of_locations_encode(d
 def test_a_chunk_diffed_with_gathered_values_matches_the_scan(itemsize):
     dt = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
     rng = np.random.default_rng(itemsize)
-    n = 3 * diff.SCAN_BLOCK_ELEMS + 5
+    n = 3 * scan.SCAN_BLOCK_ELEMS + 5
     old = rng.integers(0, np.iinfo(dt).max, n, dtype=dt, endpoint=True)
     new = old.copy()
     idx = rng.choice(n, n // 40, replace=False)
     new[idx] ^= rng.integers(1, np.iinfo(dt).max, len(idx), dtype=dt, endpoint=True)
     c = diff._diff_chunk(old, new, 0, diff.DEFAULT_DENSE_CROSSOVER, 1)
-    pos, xor, nv = diff._scan(old, new, 1)
+    pos, xor, nv = scan.changes(old, new, 1)
     assert np.array_equal(c.positions(), pos) and np.array_equal(c.xor, xor) and np.array_equal(c.new, nv)
     assert c.loc == locations.encode(pos, 0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dcr_ray.codec import FrameMeta, apply_frame, bits_view, diff_tensor, encode_frames, read_frame
-from dcr_ray.codec import apply, decode, diff, encode
+from dcr_ray.codec import apply, decode, diff, encode, scan
 from dcr_ray.codec import format as wire
 from dcr_ray.errors import MalformedHeaderError, SizeLimitError
 
@@ -18,7 +18,7 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 @pytest.mark.parametrize("jit", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
-@pytest.mark.parametrize("n", [diff.PARALLEL_MIN_ELEMS + 3, 3 * diff.SCAN_BLOCK_ELEMS + 5])
+@pytest.mark.parametrize("n", [scan.PARALLEL_MIN_ELEMS + 3, 3 * scan.SCAN_BLOCK_ELEMS + 5])
 def test_the_threaded_scan_finds_exactly_the_changed_elements(itemsize, n, jit, monkeypatch):
     from dcr_ray.codec import kernels
 
@@ -33,7 +33,7 @@ def test_the_threaded_scan_finds_exactly_the_changed_elements(itemsize, n, jit, 
     new[idx] ^= rng.integers(1, np.iinfo(dt).max, len(idx), dtype=dt, endpoint=True)
     want = np.flatnonzero(old != new)
     for threads in (1, 2, 3):
-        pos, xor, nv = diff._scan(old, new, threads)
+        pos, xor, nv = scan.changes(old, new, threads)
         assert pos.dtype == np.int64 and np.array_equal(pos, want)
         assert np.array_equal(xor, old[want] ^ new[want]) and np.array_equal(nv, new[want])
 
@@ -144,7 +144,8 @@ def test_a_multi_chunk_tensor_gives_the_same_changed_set_on_one_thread_and_on_se
     old, new = _bf16_pair(5 * (1 << 17) + 3, 0.05, 5)
     sets = {}
     for n_threads in (1, 2, 3):
-        monkeypatch.setattr(diff, "codec_threads", lambda n=n_threads: n)
+        for module in (diff, scan):  # chunks per thread (diff), blocks of a lone chunk per thread (scan)
+            monkeypatch.setattr(module, "codec_threads", lambda n=n_threads: n)
         td = diff_tensor("w", bits_view(old).copy(), new, chunk_elems=1 << 17)
         sets[n_threads] = [(c.lo, c.hi, c.count, c.loc, c.xor.tolist(), c.new.tolist()) for c in td.chunks]
     assert len(sets[1]) >= 5 and sets[1] == sets[2] == sets[3]

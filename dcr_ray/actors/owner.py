@@ -43,7 +43,7 @@ from dcr_ray import metrics
 from dcr_ray.codec.baseline import BaselineStore
 from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec.diff import TensorDelta, full_delta
-from dcr_ray.codec.packed import PackDelta
+from dcr_ray.codec.packdiff import PackDelta
 from dcr_ray.codec import BOOTSTRAP_BASE, FrameMeta, PayloadKey, encode_frames, kernels
 from dcr_ray.sharding import Shard, ShardSpec, canonical_specs, project_all, resolve_shards
 from dcr_ray.sharding.device import DeviceBaseline, delta_from_changes

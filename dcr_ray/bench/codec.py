@@ -249,7 +249,7 @@ def _class_pos_bits(old, pos, dtype: str) -> float:
     value's class (:mod:`dcr_ray.codec.context`), zero-order within a class."""
     import numpy as np
 
-    from dcr_ray.codec.context import EXPONENT_FIELDS
+    from dcr_ray.codec.classorder import EXPONENT_FIELDS
 
     if dtype not in EXPONENT_FIELDS:
         return len(old) * _h2(len(pos) / max(len(old), 1))
@@ -450,7 +450,9 @@ def measure_fixed_cost(step: Step, coding: str) -> dict:
 
     from dcr_ray.codec import apply_decoded, decode_frame, encode_frames, open_frame
     from dcr_ray.codec.bits import wire_name
-    from dcr_ray.codec.packed import address, diff_pack, plan_packs
+    from dcr_ray.codec.arena import address
+    from dcr_ray.codec.packdiff import diff_pack
+    from dcr_ray.codec.packed import plan_packs
 
     shapes = {n: (wire_name(t.dtype), tuple(t.shape)) for n, t in step.new.items()}
     plan = plan_packs({n: t.numel() for n, t in step.new.items()})

@@ -1,8 +1,10 @@
-"""Applying frames: the writes of a validated :class:`~dcr_ray.codec.decode.DecodedFrame`, in place.
+"""Applying frames: the writes of a validated :class:`~dcr_ray.codec.decoded.DecodedFrame`, in place.
 
 Nothing here validates the frame's contents: :func:`~dcr_ray.codec.decode.read_frame` has checked every
-position, range and value, so the compiled kernels (:mod:`~dcr_ray.codec.kernels`) write without bound
-checks. What can still fail (a target that cannot be viewed in place) is checked before the first write.
+position, range and value, so the compiled kernels (:mod:`~dcr_ray.codec.kernels` per item,
+:mod:`~dcr_ray.codec.ptrkernels` per pack) write without bound checks. What can still fail (a target
+that cannot be viewed in place) is checked before the first write, and class-mode positions are read
+from the old bits before it too (:func:`~dcr_ray.codec.context.resolve`).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from dcr_ray.codec import context, kernels, packed, threads
+from dcr_ray.codec import context, kernels, ptrkernels, threads
 from dcr_ray.codec.bits import bits_view
-from dcr_ray.codec.decode import DecodedFrame, read_frame
+from dcr_ray.codec.decode import read_frame
+from dcr_ray.codec.decoded import DecodedFrame, DecodedItem, DecodedPack
 from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES, Encoding
 
 #: Frames with at least this many written elements are applied by several codec threads.
@@ -44,7 +47,7 @@ def _add_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> No
     _combine_into(view, positions, values, kernels.add_into, np.add)
 
 
-def write_item(view: np.ndarray, it) -> None:
+def write_item(view: np.ndarray, it: DecodedItem) -> None:
     """Write one validated item into ``view`` (the flat bit view of its tensor)."""
     if it.encoding == Encoding.DENSE:
         view[it.lo:it.hi] = it.values
@@ -58,6 +61,24 @@ def write_item(view: np.ndarray, it) -> None:
         np.put(view, it.positions, it.values)
 
 
+def apply_pack(pack: DecodedPack, targets: Mapping[str, torch.Tensor], addrs: np.ndarray | None = None) -> int:
+    """Write ``pack`` into ``targets`` in place; returns the elements written. ``addrs``: the checked
+    addresses of :meth:`~dcr_ray.codec.decoded.DecodedPack.addresses`, when the caller already has them."""
+    if not ptrkernels.ENABLED:
+        for it in pack.items():
+            write_item(bits_view(targets[it.name]), it)
+        return len(pack.values)
+    if addrs is None:
+        addrs = pack.addresses(targets)
+    if pack.encoding == Encoding.XOR:
+        ptrkernels.xor_into(addrs, pack.offsets, pack.positions, pack.values)
+    elif pack.encoding == Encoding.ADD:
+        ptrkernels.add_into(addrs, pack.offsets, pack.positions, pack.values)
+    else:
+        ptrkernels.put_into(addrs, pack.offsets, pack.positions, pack.values)
+    return len(pack.values)
+
+
 def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> int:
     """Write a validated frame into ``targets`` in place; returns the number of elements written."""
     # Resolve every target's bit view and every pack's addresses before the first write: a target that
@@ -65,7 +86,7 @@ def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> i
     views = {it.name: bits_view(targets[it.name]) for it in frame.items}
     addrs = [pk.addresses(targets) for pk in frame.packs]
     context.resolve(frame.items, targets)  # class-mode positions, read from the old bits before any write
-    written = sum(packed.apply_pack(pk, targets, a) for pk, a in zip(frame.packs, addrs))
+    written = sum(apply_pack(pk, targets, a) for pk, a in zip(frame.packs, addrs))
 
     def write(items) -> None:
         for it in items:

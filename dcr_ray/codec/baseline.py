@@ -50,7 +50,7 @@ from dcr_ray.codec.diff import (
     TensorDelta,
     diff_tensor,
 )
-from dcr_ray.codec.packed import PackDelta
+from dcr_ray.codec.packdiff import PackDelta, diff_pack
 from dcr_ray.errors import BaselineError
 
 
@@ -123,8 +123,6 @@ class BaselineStore:
 
     def tensor(self, name: str) -> torch.Tensor:
         """A fresh tensor holding the committed bits of ``name`` (for dense bootstrap and checks)."""
-        from dcr_ray.codec.bits import dtype_of
-
         dt, shape = self._meta[name]
         out = torch.empty(shape, dtype=dtype_of(dt))
         bits_view(out)[:] = self._bits[name]
@@ -154,7 +152,7 @@ class BaselineStore:
                 raise BaselineError(f"{name}: baseline holds {plan.dtype} but the tensor is {t.dtype}; owners "
                                     f"must hand the same canonical dtype and shape every step")
         try:
-            return packed.diff_pack(plan.names, plan.shapes, plan.old, tensors, plan.addrs)
+            return diff_pack(plan.names, plan.shapes, plan.old, tensors, plan.addrs)
         except ValueError as e:
             raise BaselineError(f"{e}; owners must hand the same canonical dtype and shape every step") from None
 

@@ -8,19 +8,20 @@ against the receiver's tensors, bool values) and only returns a decoded frame; t
 
 :func:`read_frame` is :func:`~dcr_ray.codec.header.open_frame` (prefix, digest, header) followed by
 :func:`decode_frame` (sections, items, positions, values); a caller that has already opened a frame
-calls :func:`decode_frame` on it and the header is parsed once.
+calls :func:`decode_frame` on it and the header is parsed once. The decoded types are
+:mod:`~dcr_ray.codec.decoded`'s; each item is checked and its bytes taken in order
+(:mod:`~dcr_ray.codec.sections`, :mod:`~dcr_ray.codec.packread`), then decoded on its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Mapping
 
 import numpy as np
 import torch
 import zstandard
 
-from dcr_ray.codec import context, intdiff, locations, planes, threads
+from dcr_ray.codec import classorder, intdiff, locations, planes, threads
 from dcr_ray.codec.bits import dtype_of, itemsize, np_uint
 from dcr_ray.codec.format import (
     DEFAULT_MAX_RAW_BYTES,
@@ -29,14 +30,12 @@ from dcr_ray.codec.format import (
     PREFIX,
     SECTION_CODECS,
     Encoding,
-    FrameMeta,
-    PayloadKey,
     value_section,
 )
+from dcr_ray.codec.decoded import DecodedFrame, DecodedItem, DecodedPack
 from dcr_ray.codec.header import FrameHeader, need, open_frame
-from dcr_ray.codec.packed import DecodedPack
 from dcr_ray.codec.packread import pack_jobs
-from dcr_ray.codec.sections import Job, SectionReader, receiver_holds
+from dcr_ray.codec.sections import ItemJob, SectionReader, receiver_holds
 from dcr_ray.errors import (
     BaseVersionMismatchError,
     DuplicateIndexError,
@@ -54,42 +53,6 @@ PARALLEL_MIN_RAW_BYTES = 256 << 10
 #: Frames declaring at least this many changed elements decode their items on several threads.
 DECODE_PARALLEL_MIN = 1 << 16
 _ENCODINGS = tuple(e.value for e in Encoding)
-
-
-@dataclass(slots=True)
-class DecodedItem:
-    """One validated item: where to write (``positions`` or the dense range) and what."""
-
-    name: str
-    encoding: Encoding
-    lo: int
-    hi: int
-    positions: np.ndarray | None  # None for dense (and for class modes until context.resolve)
-    values: np.ndarray  # unsigned ints of the tensor's element size (ADD: the differences, not zigzagged)
-    ranks: np.ndarray | None = None  # class-mode items: validated ranks in class order (codec.context)
-
-
-@dataclass(slots=True)
-class DecodedFrame:
-    """A frame that passed every check; :func:`~dcr_ray.codec.apply.apply_decoded` writes it."""
-
-    meta: FrameMeta
-    items: list[DecodedItem] = field(default_factory=list)
-    wire_bytes: int = 0
-    raw_bytes: int = 0
-    #: packs of whole small tensors, kept when the receiver asked for them (``decode_frame(keep_packs=
-    #: True)``: it applies them with :func:`~dcr_ray.codec.apply.apply_decoded`); otherwise expanded into
-    #: ``items``, so a receiver that reads only items misses nothing
-    packs: list[DecodedPack] = field(default_factory=list)
-
-    @property
-    def changed(self) -> int:
-        return sum(len(i.values) for i in self.items) + sum(len(p.values) for p in self.packs)
-
-    @property
-    def key(self) -> PayloadKey:
-        """Deduplication key of the payload (``meta.key``)."""
-        return self.meta.key
 
 
 def read_frame(
@@ -129,7 +92,7 @@ def decode_frame(
     """Validate and decode the sections and items of a frame opened by :func:`~dcr_ray.codec.header.open_frame`.
 
     Writes nothing; the arguments are those of :func:`read_frame`. Packs of small tensors come back as
-    :class:`~dcr_ray.codec.packed.DecodedPack` s in ``frame.packs`` with ``keep_packs=True`` (for
+    :class:`~dcr_ray.codec.decoded.DecodedPack` s in ``frame.packs`` with ``keep_packs=True`` (for
     receivers that write through :func:`~dcr_ray.codec.apply.apply_decoded`), else as per-tensor items.
     """
     meta, h = header.meta, header.fields
@@ -156,7 +119,7 @@ def decode_frame(
     rd.check_used()
     frame = DecodedFrame(meta=meta, wire_bytes=len(header.data), raw_bytes=raw_total)
     for job, (names, offsets) in pack_work:
-        it = _decode_item(*job)
+        it = _decode_item(job)
         pk = DecodedPack(it.encoding, names, offsets, it.positions, it.values)
         if keep_packs:
             frame.packs.append(pk)
@@ -164,18 +127,18 @@ def decode_frame(
             frame.items.extend(pk.items())
     # positions and values: every item checked on its own, by the codec threads if large
     n_threads = threads.codec_threads()
-    if n_threads > 1 and len(jobs) > 1 and sum(j.n for j in jobs) >= DECODE_PARALLEL_MIN:
-        shares = threads.balance(range(len(jobs)), lambda i: jobs[i].n, n_threads)
+    if n_threads > 1 and len(jobs) > 1 and sum(j.count for j in jobs) >= DECODE_PARALLEL_MIN:
+        shares = threads.balance(range(len(jobs)), lambda i: jobs[i].count, n_threads)
         decoded: list = [None] * len(jobs)
 
         def run(share):
             for i in share:
-                decoded[i] = _decode_item(*jobs[i])
+                decoded[i] = _decode_item(jobs[i])
 
         threads.run_all([lambda s=s: run(s) for s in shares])
         frame.items.extend(decoded)
     else:
-        frame.items.extend(_decode_item(*j) for j in jobs)
+        frame.items.extend(_decode_item(j) for j in jobs)
     return frame
 
 
@@ -241,7 +204,7 @@ def _sections(header: FrameHeader, sections: list, max_raw_bytes: int) -> tuple[
     return sec, raw_total
 
 
-def _item_jobs(items: list, rd: SectionReader, targets, shapes) -> tuple[list[Job], dict]:
+def _item_jobs(items: list, rd: SectionReader, targets, shapes) -> tuple[list[ItemJob], dict]:
     """Check every item's header fields against the receiver and take its bytes from the sections;
     also the ranges each tensor's items cover (name -> [(lo, hi)])."""
     take = rd.take
@@ -290,22 +253,24 @@ def _item_jobs(items: list, rd: SectionReader, targets, shapes) -> tuple[list[Jo
                 mode, width, nsym, bytes(take(LOC_SECTION, nsym * width, what)), bytes(take(ESC_SECTION, le * 8, what)),
             )
         pl = [np.frombuffer(take(value_section(enc, w, j), n, what), np.uint8) for j in range(w)]
-        jobs.append(Job(what, name, enc, lo, hi, n, loc, pl, np.dtype(np_uint(w)), dtype == torch.bool, dt_name))
+        jobs.append(ItemJob(what=what, name=name, encoding=enc, lo=lo, hi=hi, count=n, locations=loc, planes=pl,
+                            value_dtype=np.dtype(np_uint(w)), is_bool=dtype == torch.bool, wire_dtype=dt_name))
     return jobs, seen
 
 
-def _decode_item(what, name, enc, lo, hi, n, loc, pl, npdt, is_bool, dt="") -> DecodedItem:
+def _decode_item(job: ItemJob) -> DecodedItem:
     """Positions (bounds-checked) and values of one item whose header has been validated."""
+    loc, n, lo, hi = job.locations, job.count, job.lo, job.hi
     ranks = None
-    if loc is not None and loc.mode in context.MODES:  # positions resolved against the old bits at apply
-        pos, ranks = None, context.decode_ranks(loc, dt, lo, hi, n)
+    if loc is not None and loc.mode in classorder.MODES:  # positions resolved against the old bits at apply
+        pos, ranks = None, classorder.decode_ranks(loc, job.wire_dtype, lo, hi, n)
     else:
         pos = None if loc is None else locations.decode(loc, lo, hi, n)
-    values = planes.join(pl, npdt) if n else np.empty(0, npdt)
-    if enc is Encoding.ADD:
-        if is_bool:
-            raise InvalidValueError(f"{what}: bool tensors take no ADD items (XOR or overwrite them)")
+    values = planes.join(job.planes, job.value_dtype) if n else np.empty(0, job.value_dtype)
+    if job.encoding is Encoding.ADD:
+        if job.is_bool:
+            raise InvalidValueError(f"{job.what}: bool tensors take no ADD items (XOR or overwrite them)")
         values = intdiff.unzigzag(values)
-    if is_bool and len(values) and int(values.max()) > 1:
-        raise InvalidValueError(f"{what}: bool values (and bool XOR masks) must be 0 or 1")
-    return DecodedItem(name, enc, lo, hi, pos, values, ranks)
+    if job.is_bool and len(values) and int(values.max()) > 1:
+        raise InvalidValueError(f"{job.what}: bool values (and bool XOR masks) must be 0 or 1")
+    return DecodedItem(job.name, job.encoding, lo, hi, pos, values, ranks)

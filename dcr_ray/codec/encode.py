@@ -7,7 +7,7 @@ header and signs. :func:`encode_frames` cuts a stream of changed sets into frame
 
 First attempts (``mode="mixed"``) write each sparse chunk relative to the receiver's bits. With
 ``coding="context"`` the builder picks, per item, XOR masks or ADD differences
-(:mod:`~dcr_ray.codec.intdiff`) and flat or class-order positions (:mod:`~dcr_ray.codec.context`,
+(:mod:`~dcr_ray.codec.intdiff`) and flat or class-order positions (:mod:`~dcr_ray.codec.classorder`,
 when the diff computed them), whichever has the smaller zero-order estimate
 (:mod:`~dcr_ray.codec.estimate`); ``coding="plain"`` writes XOR masks at flat positions, byte for byte
 the frames of earlier releases. Retries (``mode="overwrite"``) always write absolute bits at flat
@@ -30,7 +30,7 @@ import zstandard
 from dcr_ray.codec import estimate, intdiff, locations, planes, threads
 from dcr_ray.codec.bits import dtype_of, itemsize
 from dcr_ray.codec.diff import ChunkDelta, TensorDelta
-from dcr_ray.codec.packed import PackDelta
+from dcr_ray.codec.packdiff import PackDelta
 from dcr_ray.codec.format import (
     ESC_SECTION,
     FORMAT_VERSION,
@@ -149,7 +149,7 @@ class FrameBuilder:
         self.items.append(item)
 
     def add_pack(self, pd: PackDelta) -> None:
-        """Add a pack of whole small tensors (:mod:`~dcr_ray.codec.packed`) as one header entry.
+        """Add a pack of whole small tensors (:mod:`~dcr_ray.codec.packdiff`) as one header entry.
 
         First attempts write XOR masks (``coding="context"``: XOR or ADD, whichever is estimated
         smaller); retries the new bits. Positions are always flat in pack space."""
@@ -247,7 +247,7 @@ def encode_frames(
     coding: str = DEFAULT_CODING,
 ) -> Iterable[bytes]:
     """Yield frames (payload ids from ``meta.payload`` on) holding every chunk of ``deltas`` (changed
-    sets of tensors, and :class:`~dcr_ray.codec.packed.PackDelta` packs, each kept whole in one frame;
+    sets of tensors, and :class:`~dcr_ray.codec.packdiff.PackDelta` packs, each kept whole in one frame;
     ``xor_ok`` applies to tensors only: a pack holds no overwrite-only tensor).
 
     A frame is closed once its raw (pre-compression) size reaches ``bucket_bytes`` or its header may

@@ -8,6 +8,10 @@ item (XOR or ADD values, flat or class-order positions) the way the compressed f
 of one byte histogram per stream; a long stream is estimated from an evenly strided sample of
 :data:`SAMPLE_BYTES` of its bytes (deterministic, so both codings of an item are judged on the same
 positions).
+
+:func:`class_order_promising` answers an earlier question the same way: whether a chunk's positions are
+worth walking into class order (:mod:`~dcr_ray.codec.classorder`) at all, from the classes of its
+changed elements and of a sample of its old bits, before the walk is paid for.
 """
 
 from __future__ import annotations
@@ -17,10 +21,18 @@ from collections import Counter
 
 import numpy as np
 
+from dcr_ray.codec import classorder
+
 #: Streams of at most this many bytes are counted in Python.
 SMALL_BYTES = 64
 #: Streams longer than this are estimated from a strided sample of about this many bytes.
 SAMPLE_BYTES = 1 << 16
+#: Old elements sampled by :func:`class_order_promising`, and the share of the flat estimate class order
+#: must beat.
+CLASS_SAMPLE_ELEMS = 4096
+CLASS_PROMISE = 0.9
+#: Items of at most this many elements always get class-order positions computed (cheaper than judging).
+CLASS_ALWAYS_ELEMS = 1 << 14
 
 
 def entropy_bytes(*streams) -> float:
@@ -47,3 +59,26 @@ def entropy_bytes(*streams) -> float:
 def planes_bytes(planes) -> float:
     """Estimated compressed size of value byte planes."""
     return entropy_bytes(*planes)
+
+
+def class_order_promising(old: np.ndarray, rel: np.ndarray, dtype: str) -> bool:
+    """Whether class order is likely to code ``rel`` in clearly fewer bits than flat order: a zero-order
+    estimate from the classes of the changed elements (exact) and of a strided sample of
+    :data:`CLASS_SAMPLE_ELEMS` old elements (scaled), so a sender skips the full class walk where changes
+    do not depend on magnitude (uniform noise, integer-like tensors). Cost O(changes + sample)."""
+    n, k = len(old), len(rel)
+    if not classorder.supports(dtype) or k == 0 or k == n:
+        return False
+    if n <= CLASS_ALWAYS_ELEMS:  # the walk itself costs less than this estimate
+        return True
+    ncls = classorder.class_count(dtype)
+    sample = old[::max(1, n // CLASS_SAMPLE_ELEMS)]
+    share = np.bincount(classorder.classes(sample, dtype), minlength=ncls) * (n / len(sample))
+    hits = np.bincount(classorder.classes(old[rel], dtype), minlength=ncls).astype(np.float64)
+    size = np.maximum(share, hits)
+    live = size > 0
+    p = np.clip(hits[live] / size[live], 1e-12, 1 - 1e-12)
+    class_bits = float((size[live] * -(p * np.log2(p) + (1 - p) * np.log2(1 - p))).sum())
+    q = k / n
+    flat_bits = n * -(q * np.log2(q) + (1 - q) * np.log2(1 - q))
+    return class_bits < CLASS_PROMISE * flat_bits

@@ -32,7 +32,7 @@ Value codings of sparse items: ``xor`` (masks ``new ^ old``), ``add`` (``new - o
 size, zigzagged: :mod:`~dcr_ray.codec.intdiff`) and ``ow`` (absolute new bits, every retry). A first
 attempt picks ``xor`` or ``add`` per item, whichever byte planes are estimated smaller. Location modes
 ``gaps``/``runs`` code flat positions (:mod:`~dcr_ray.codec.locations`); ``cgaps``/``cruns`` code the
-changed elements' ranks in the order of the old values' exponents (:mod:`~dcr_ray.codec.context`),
+changed elements' ranks in the order of the old values' exponents (:mod:`~dcr_ray.codec.classorder`),
 float dtypes only. ``add`` and the class modes came after the first frames were written: a frame
 without them reads exactly as before, and a receiver that predates them refuses them (unknown
 encoding or location mode) instead of misreading them.
@@ -111,7 +111,7 @@ class LocationMode(_WireStr):
 
     GAPS = "gaps"  #: one gap symbol per position
     RUNS = "runs"  #: (gap, length - 1) per run of contiguous positions
-    #: gaps of the changed elements' ranks in the class order of the old bits (:mod:`~dcr_ray.codec.context`)
+    #: gaps of the changed elements' ranks in the class order of the old bits (:mod:`~dcr_ray.codec.classorder`)
     CLASS_GAPS = "cgaps"
     CLASS_RUNS = "cruns"  #: runs of those ranks
 

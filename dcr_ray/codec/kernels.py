@@ -1,6 +1,6 @@
 """Compiled CPU kernels (numba) for the codec's hot loops: the sender's scan for changed elements, the
 receiver's decoding of positions and values and its scatter into a tensor, and the class-order walks
-of :mod:`~dcr_ray.codec.context`.
+of :mod:`~dcr_ray.codec.classorder`.
 
 numpy applies an XOR item as a take / xor / put round trip, three passes over the changed positions
 with two temporaries; :func:`xor_into` (``view[pos] ^= vals``) and :func:`put_into`
@@ -17,40 +17,26 @@ The sender's scan (:func:`changed_in_block`) compacts without a branch: every el
 at the next free slot and the slot advances by ``old != new``, so scattered changes cost no branch
 mispredictions, and the output is a reused block-sized buffer, so its pages are not faulted in anew
 per block. It runs 2-3x faster than numpy's word compare and lane split
-(:mod:`dcr_ray.codec.diff`; BENCHMARKS.md); branching on each element or each differing word was tried
+(:mod:`dcr_ray.codec.scan`; BENCHMARKS.md); branching on each element or each differing word was tried
 and is slower.
 
-Set ``DCR_RAY_JIT=0`` to use the numpy path (or when numba is not installed, which is detected here).
-Every caller checks :data:`ENABLED` and falls back; bounds are never checked inside a kernel, so
-callers pass only validated positions (``read_frame`` validates every position before any apply).
+Whether the kernels are used, and their loading on first use, is :mod:`~dcr_ray.codec.jit`'s
+(``DCR_RAY_JIT=0`` selects the numpy paths). Every caller checks :data:`ENABLED` here and falls back;
+bounds are never checked inside a kernel, so callers pass only validated positions (``read_frame``
+validates every position before any apply).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import threading
 
 import numpy as np
 
-#: Whether the compiled kernels are used (numba installed and ``DCR_RAY_JIT`` not ``0``). numba ships
-#: with vLLM and dcr_ray lists it as a dependency; a missing one only costs speed.
-ENABLED = importlib.util.find_spec("numba") is not None and os.environ.get("DCR_RAY_JIT", "1") != "0"
+from dcr_ray.codec import ptrkernels
+from dcr_ray.codec.jit import ENABLED, once
 
-
-def once(build):
-    """A function that runs ``build()`` on its first call, under a lock, and returns that result from then
-    on (the kernels here and in :mod:`~dcr_ray.codec.ptrkernels` are compiled once per process, on first use)."""
-    lock, done = threading.Lock(), []
-
-    def get():
-        if not done:
-            with lock:
-                if not done:
-                    done.append(build())
-        return done[0]
-
-    return get
+__all__ = ["ENABLED", "add_into", "changed_in_block", "class_positions", "class_ranks", "gap_positions",
+           "gather_changes", "join2", "put_into", "take", "warm_up", "xor_into"]
 
 
 def _build() -> dict:
@@ -106,7 +92,7 @@ def gather_changes(old: np.ndarray, new: np.ndarray, positions: np.ndarray) -> t
 
 def class_ranks(old: np.ndarray, positions: np.ndarray, shift: int, mask: int) -> np.ndarray:
     """Rank of each of the sorted ``positions`` in the class order of ``old`` (see
-    :mod:`~dcr_ray.codec.context`): elements sorted stably by ``(old >> shift) & mask``."""
+    :mod:`~dcr_ray.codec.classorder`): elements sorted stably by ``(old >> shift) & mask``."""
     t = old.dtype.type
     return _compiled()["class_ranks"](old, positions, t(shift), t(mask))
 
@@ -148,8 +134,6 @@ def warm_up(background: bool = True) -> None:
         return
 
     def run() -> None:
-        from dcr_ray.codec import ptrkernels  # (it imports this module)
-
         pos = np.arange(2, dtype=np.int64)
         for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
             view = np.zeros(4, dt)
@@ -165,7 +149,7 @@ def warm_up(background: bool = True) -> None:
                 gather_changes(view, vals, pos.astype(np.int32))
         b = np.frombuffer(bytes(2), np.uint8)
         join2(b, b)
-        for dt in (np.uint8, np.uint16):  # class arrays (codec.context narrows the old bits to these)
+        for dt in (np.uint8, np.uint16):  # class arrays (codec.classorder narrows the old bits to these)
             cls = np.zeros(64, dt)
             for ranks in (pos, np.arange(1, dtype=np.int64)):  # the dense and the sparse walk
                 class_positions(cls, class_ranks(cls, ranks, 0, 1), 0, 1)

@@ -16,7 +16,7 @@ non-negative, so decoded positions are strictly increasing by construction; the 
 every bound before it returns (see :func:`decode`).
 
 The class modes (``cgaps`` / ``cruns``) reuse these symbols over the changed elements' ranks in the
-class order of the old values; they are :mod:`~dcr_ray.codec.context`'s, and :func:`decode` refuses them.
+class order of the old values; they are :mod:`~dcr_ray.codec.classorder`'s, and :func:`decode` refuses them.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dcr_ray.codec.bits import np_uint
 from dcr_ray.codec.format import LocationMode
 from dcr_ray.errors import IndexOutOfRangeError, MalformedHeaderError
 
-#: Wire strings of the flat location modes (the class modes are :mod:`~dcr_ray.codec.context`'s).
+#: Wire strings of the flat location modes (the class modes are :mod:`~dcr_ray.codec.classorder`'s).
 MODES = (LocationMode.GAPS.value, LocationMode.RUNS.value)
 #: Symbol widths in bytes.
 WIDTHS = (1, 2, 4, 8)

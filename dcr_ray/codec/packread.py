@@ -1,4 +1,4 @@
-"""Reading the packs of a frame (:mod:`~dcr_ray.codec.packed`): each declaration, the names and shapes
+"""Reading the packs of a frame (layout: :mod:`~dcr_ray.codec.packed`): each declaration, the names and shapes
 tables against the receiver's tensors, and the byte ranges each pack's positions and values decode from.
 
 Every check runs before anything is decoded or written: a tensor named twice in a frame (in two packs,
@@ -25,7 +25,8 @@ from dcr_ray.codec.format import (
     value_section,
 )
 from dcr_ray.codec.header import need
-from dcr_ray.codec.sections import Job, SectionReader, receiver_holds
+from dcr_ray.codec.packed import pack_offsets
+from dcr_ray.codec.sections import ItemJob, SectionReader, receiver_holds
 from dcr_ray.errors import (
     DuplicateIndexError,
     MalformedHeaderError,
@@ -38,7 +39,7 @@ from dcr_ray.errors import (
 _PACK_ENCODINGS = (Encoding.XOR.value, Encoding.ADD.value, Encoding.OVERWRITE.value)
 
 
-def pack_jobs(packs: list, rd: SectionReader, targets, shapes, seen: dict) -> list[tuple[Job, tuple]]:
+def pack_jobs(packs: list, rd: SectionReader, targets, shapes, seen: dict) -> list[tuple[ItemJob, tuple]]:
     """Check every pack's declaration, names and shapes against the receiver (each tensor once in the
     frame, not also in an item); (decode job over the pack space, (names, offsets)) per pack."""
     if not packs:
@@ -86,14 +87,14 @@ def pack_jobs(packs: list, rd: SectionReader, targets, shapes, seen: dict) -> li
         if sum(sizes) > locations.MAX_SPAN:
             raise SizeLimitError(f"{what} spans {sum(sizes)} elements, more than the {locations.MAX_SPAN} one "
                                  f"location stream addresses")
-        offsets = np.zeros(k + 1, np.int64)
-        np.cumsum(sizes, out=offsets[1:])
+        offsets = pack_offsets(sizes)
         loc = locations.EncodedLocations(lm, lw, ls, bytes(rd.take(PACK_LOC_SECTION, ls * lw, what)),
                                          bytes(rd.take(PACK_ESC_SECTION, le * 8, what)))
         w = itemsize(dtype)
         pl = [np.frombuffer(rd.take(PACK_PREFIX + value_section(enc, w, j), n, what), np.uint8) for j in range(w)]
-        jobs.append((Job(what, what, enc, 0, int(offsets[-1]), n, loc, pl, np.dtype(np_uint(w)),
-                          dtype == torch.bool, dt_name), (part, offsets)))
+        job = ItemJob(what=what, name=what, encoding=enc, lo=0, hi=int(offsets[-1]), count=n, locations=loc,
+                      planes=pl, value_dtype=np.dtype(np_uint(w)), is_bool=dtype == torch.bool, wire_dtype=dt_name)
+        jobs.append((job, (part, offsets)))
     if len(dims) != len(expect) or not np.array_equal(dims, np.asarray(expect, np.uint64)):
         raise TargetMismatchError("a pack's tensor shapes differ from the receiver's tensors of those names")
     return jobs

@@ -11,8 +11,8 @@ contiguous CPU buffer of at least ``offsets[t + 1] - offsets[t]`` elements of th
 the positions are validated (sorted, unique, inside ``[0, offsets[-1])``); :mod:`~dcr_ray.codec.decode`
 validates frames and :mod:`~dcr_ray.codec.apply` checks every target before the first write.
 
-Without numba (or with ``DCR_RAY_JIT=0``) :data:`ENABLED` is false and callers use their numpy paths
-(one view per tensor: correct, and as slow as per-tensor items).
+Without numba (or with ``DCR_RAY_JIT=0``, :mod:`~dcr_ray.codec.jit`) :data:`ENABLED` is false and callers
+use their numpy paths (one view per tensor: correct, and as slow as per-tensor items).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from dcr_ray.codec.arena import address
-from dcr_ray.codec.kernels import ENABLED, once
+from dcr_ray.codec.jit import ENABLED, once
 
 __all__ = ["ENABLED", "scan", "xor_into", "add_into", "put_into", "take_from"]
 

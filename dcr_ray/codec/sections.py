@@ -1,33 +1,41 @@
 """Shared by the frame readers (:mod:`~dcr_ray.codec.decode`, :mod:`~dcr_ray.codec.packread`): the cursor
 over a frame's decompressed sections, what an item or pack is once its header fields are checked, and
-what the receiver holds under a name."""
+what the receiver holds under a name.
+
+Reading is two passes. The first walks the header's items and packs in order, checks every field
+against the receiver and takes each one's bytes from the sections (:class:`SectionReader`: the items
+and packs must use up every section exactly), giving one :class:`ItemJob` each. The second decodes the
+jobs' positions and values, each on its own, so large frames share them out to the codec threads.
+"""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import numpy as np
 
-from dcr_ray.codec import locations
 from dcr_ray.codec.bits import dtype_of
 from dcr_ray.codec.format import Encoding
+from dcr_ray.codec.locations import EncodedLocations
 from dcr_ray.errors import MalformedHeaderError, TargetMismatchError
 
 
-class Job(NamedTuple):
-    """An item whose header fields and section bytes passed every check; positions and values to decode."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ItemJob:
+    """An item (or a pack, over its pack space) whose header fields and section bytes passed every check:
+    its positions and values are still to decode."""
 
-    what: str
-    name: str
-    enc: Encoding
-    lo: int
+    what: str  #: how errors name it ("item 3 (model.embed.weight)", "pack 0")
+    name: str  #: the tensor it writes (a pack's label: its tensors come with the job)
+    encoding: Encoding
+    lo: int  #: the flat range ``[lo, hi)`` its positions must lie in
     hi: int
-    n: int
-    loc: locations.EncodedLocations | None
-    planes: list[np.ndarray]
-    npdt: np.dtype
-    is_bool: bool
-    dt: str = ""
+    count: int  #: changed elements it declares (``hi - lo`` for dense)
+    locations: EncodedLocations | None  #: its location stream; None for dense
+    planes: list[np.ndarray]  #: its value byte planes, ``count`` bytes each
+    value_dtype: np.dtype  #: unsigned integers of the element width
+    is_bool: bool  #: values must stay 0 or 1, and ADD is refused
+    wire_dtype: str  #: the dtype's wire name (class modes are defined per dtype)
 
 
 class SectionReader:

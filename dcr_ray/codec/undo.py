@@ -20,8 +20,11 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, bits_view, context, kernels, packed, threads
+from dcr_ray.codec import context, kernels, ptrkernels, threads
 from dcr_ray.codec.apply import APPLY_PARALLEL_MIN
+from dcr_ray.codec.bits import bits_view
+from dcr_ray.codec.decoded import DecodedFrame, DecodedItem, DecodedPack
+from dcr_ray.codec.format import Encoding
 
 
 def _inverse_item(it, tensors: Mapping[str, torch.Tensor]) -> DecodedItem:
@@ -31,6 +34,14 @@ def _inverse_item(it, tensors: Mapping[str, torch.Tensor]) -> DecodedItem:
         return DecodedItem(it.name, Encoding.DENSE, it.lo, it.hi, None, np.array(view[it.lo:it.hi], copy=True))
     old = kernels.take(view, it.positions) if kernels.ENABLED else np.take(view, it.positions)
     return DecodedItem(it.name, Encoding.OVERWRITE, it.lo, it.hi, it.positions, old)
+
+
+def _pack_old_values(pack: DecodedPack, tensors: Mapping[str, torch.Tensor]) -> np.ndarray:
+    """The bits ``pack`` is about to replace, in pack order."""
+    if not ptrkernels.ENABLED:
+        parts = [np.take(bits_view(tensors[it.name]), it.positions) for it in pack.items()]
+        return np.concatenate(parts) if parts else np.empty(0, pack.values.dtype)
+    return ptrkernels.take_from(pack.addresses(tensors), pack.offsets, pack.positions, pack.values.dtype)
 
 
 def _read_back(items: list, tensors: Mapping[str, torch.Tensor]) -> list[DecodedItem]:
@@ -67,7 +78,7 @@ class UndoLog:
             self.nbytes += it.values.nbytes + (0 if it.positions is None else it.positions.nbytes)
         packs = []
         for pk in frame.packs:
-            old = packed.old_values(pk, tensors)
+            old = _pack_old_values(pk, tensors)
             packs.append(dataclasses.replace(pk, encoding=Encoding.OVERWRITE, values=old))
             self.nbytes += old.nbytes + pk.positions.nbytes + pk.offsets.nbytes
         # the inverse goes from the frame's target back to its base (backends that tag outputs with the

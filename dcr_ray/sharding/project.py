@@ -30,7 +30,7 @@ import numpy as np
 
 from dcr_ray.codec import locations
 from dcr_ray.codec.diff import NARROW_SPAN, ChunkDelta, TensorDelta
-from dcr_ray.codec.packed import PackDelta
+from dcr_ray.codec.packdiff import PackDelta
 from dcr_ray.sharding.spec import ShardSpec, contiguous_strides
 
 
@@ -71,7 +71,7 @@ def project_all(deltas: Iterable[TensorDelta], specs: dict[str, ShardSpec], *, c
                 old_bits: Callable[[str], np.ndarray] | None = None,
                 with_xor: bool = True) -> Iterator[TensorDelta]:
     """:func:`project` every local changed set of ``deltas`` through ``specs[td.name]``; packs of small
-    tensors (:class:`~dcr_ray.codec.packed.PackDelta`) hold only direct tensors and pass through."""
+    tensors (:class:`~dcr_ray.codec.packdiff.PackDelta`) hold only direct tensors and pass through."""
     for td in deltas:
         if isinstance(td, PackDelta):
             yield td

@@ -197,7 +197,7 @@ def _timed_promote(store, version: int) -> int:
     sparse chunks themselves (positions decoded later, off the refit's path) and, for the rare DENSE
     chunk, the positions that differ from the committed bits (compared before they are overwritten)."""
     from dcr_ray.codec.baseline import chunk_changes
-    from dcr_ray.codec.packed import PackDelta
+    from dcr_ray.codec.packdiff import PackDelta
 
     changes = []
     pack_pages = []  # arena tensors share pages: count them by address
