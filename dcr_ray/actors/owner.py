@@ -20,14 +20,14 @@ Two ways in:
 Protocol (driven by the coordinator; every call is idempotent for the same arguments)::
 
     dcr_attach(owner_id, config) -> specs        # baseline := current bits, version 0
-    dcr_stream(transfer, attempt, base, target, sink) -> summary
+    dcr_stream(transfer, attempt, base, target, sink, base_id="") -> summary
         attempt 0: diff every tensor, keep the changed set *pending*, send mixed (XOR/OVERWRITE) frames
         attempt>0: re-send the same pending changed set as OVERWRITE (repairs any partial XOR)
     dcr_promote(version)                         # after the commit record: pending -> baseline
                                                  # (in a background thread unless
                                                  # config.owners.promote is "inline")
     dcr_discard()                                # abandoned transfer: baseline unchanged
-    dcr_bootstrap(transfer, version, sink)       # dense frames of the committed baseline
+    dcr_bootstrap(transfer, sink) -> summary     # dense frames of the committed baseline (its version)
 """
 
 from __future__ import annotations

@@ -246,7 +246,7 @@ def _exact(targets: dict, step: Step) -> bool:
 
 def _class_pos_bits(old, pos, dtype: str) -> float:
     """``sum over exponent classes c of n_c * H(p_c)`` for one tensor: positions coded knowing each old
-    value's class (:mod:`dcr_ray.codec.context`), zero-order within a class."""
+    value's class (:mod:`dcr_ray.codec.classorder`), zero-order within a class."""
     import numpy as np
 
     from dcr_ray.codec.classorder import EXPONENT_FIELDS
