@@ -207,7 +207,6 @@ def test_no_dcr_ray_modules_import_each_other_in_a_cycle():
     assert not gone, f"these cycles are broken now: remove them from KNOWN_CYCLES_TO_BREAK: {gone}"
 
 
-
 def test_the_cycle_check_sees_function_local_and_relative_imports_and_skips_type_checking_ones(tmp_path):
     pkg = tmp_path / "dcr_ray"
     (pkg / "sub").mkdir(parents=True)
@@ -226,6 +225,7 @@ def test_the_cycle_check_sees_function_local_and_relative_imports_and_skips_type
     assert graph["dcr_ray.c"] == {"dcr_ray.sub.b"} and graph["dcr_ray.sub"] == {"dcr_ray.sub.a"}
     assert import_cycles(graph) == [(frozenset({"dcr_ray.sub.a", "dcr_ray.sub.b"}),
                                      ["dcr_ray.sub.a", "dcr_ray.sub.b", "dcr_ray.sub.a"])]
+
 
 #: The codec is a one-way stack: a module imports codec modules of its own layer or below, never above,
 #: and the encode side (owners) and the decode side (engines) never import each other. The package's
