@@ -184,10 +184,17 @@ class TransportConfig:
     """Extra fsspec options for ``storage_url`` (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``)."""
     max_inflight_payloads: int = 8
     """Payloads an owner may have sent but not yet had acknowledged by the first hop (backpressure)."""
+    catchup_window_bytes: int = 1 << 30
+    """Wire bytes of committed payloads each cluster keeps after their commit (the relay tree in its head
+    relay's object store, object storage under the transfer's prefix), so an engine a few versions
+    behind catches up with the deltas it missed instead of a dense copy (:mod:`dcr_ray.relay.window`).
+    Size it to cover the versions an engine may lag by (e.g. 3 x a refit's ``wire_bytes``); 0 keeps
+    none (lagging engines then copy from a peer of their cluster)."""
 
     def __post_init__(self):
         _choice("TransportConfig", "kind", self.kind, TRANSPORTS)
         _int_in("TransportConfig", "max_inflight_payloads", self.max_inflight_payloads, 1, 1024)
+        _int_in("TransportConfig", "catchup_window_bytes", self.catchup_window_bytes, 0, 1 << 50)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -58,10 +58,10 @@ from dcr_ray.codec.bits import dtype_of, itemsize
 from dcr_ray.config import ClusterSpec, RefitConfig
 from dcr_ray.errors import BaselineError, CommitConflictError, ConfigError, DcrError, RefitError
 from dcr_ray.relay.transport import Transport, make_transport
+from dcr_ray.relay.window import CommittedStep
 from dcr_ray.report import RefitReport
 
 log = logging.getLogger("dcr_ray")
-
 
 
 class CoordinatorActor(Recovery, Inspection):
@@ -189,7 +189,6 @@ class CoordinatorActor(Recovery, Inspection):
         log.info("dcr_ray: bootstrapped %d engines densely at version %d", len(engine_ids), self.version)
         return sum(s["wire_bytes"] for s in sums.values())
 
-    # -- helpers ----------------------------------------------------------------------------------
     # -- one refit ----------------------------------------------------------------------------------
     def refit(self, request: str | None = None) -> RefitReport:
         """Move the owners' current tensors to every required engine as version v+1 and commit.
@@ -339,7 +338,8 @@ class CoordinatorActor(Recovery, Inspection):
         except (RayActorError, GetTimeoutError) as e:  # statistics only: the refit is committed
             link = {}
             warnings.append(f"link byte counts unavailable: {type(e).__name__}")
-        self.transport.release(transfer)
+        self.healer.keep(CommittedStep(transfer=transfer, attempt=attempt, base=base, target=target,
+                                       base_id=base_id, keys=[tuple(k) for k in keys]))
         report = RefitReport.from_stages(
             version=target, transfer=transfer, attempts=attempt + 1, sums=sums, acks=acks, link_bytes=link,
             engine_versions=versions, warnings=warnings,

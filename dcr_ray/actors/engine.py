@@ -25,11 +25,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import NamedTuple
-
 import ray
 
 from dcr_ray import metrics
+from dcr_ray.actors.attempt import Attempt as _Attempt
+from dcr_ray.actors.engine_catchup import CatchUp
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.actors.engine_digests import DigestMembership
 from dcr_ray.actors.engine_heal import PeerCopy
@@ -49,17 +49,7 @@ from dcr_ray.errors import (
 log = logging.getLogger(__name__)
 
 
-class _Attempt(NamedTuple):
-    """The attempt an engine is in: frames of any other (transfer, attempt) are stale."""
-
-    transfer: str
-    attempt: int
-    base: int
-    target: int
-    base_id: str | None = None  #: content identity the frames must be built on (None: not checked)
-
-
-class EngineActor(DigestMembership, PeerCopy):
+class EngineActor(DigestMembership, PeerCopy, CatchUp):
     """Hosts one engine backend (built in this process by ``backend_factory()``).
 
     ``reader`` is the transport's engine side (:class:`~dcr_ray.relay.transport.PayloadReader`): it
@@ -370,7 +360,8 @@ class EngineActor(DigestMembership, PeerCopy):
             phase = ("dirty" if self._dirty is not None or self.version is None else
                      "ready" if cur is None and self._touched is None else
                      "staging" if self.config.engines.apply == "staged" and self._touched is None else "receiving")
-            return {"engine": self.engine_id, "cluster": self.cluster, "version": self.version, "phase": phase,
+            return {"engine": self.engine_id, "cluster": self.cluster, "version": self.version,
+                    "version_id": self.version_id, "phase": phase,
                     "transfer": cur.transfer if cur else self._touched,
                     "target": cur.target if cur else None, "dirty": self._dirty is not None,
                     "flushed": cur is not None and self._flushed == (cur.transfer, cur.attempt)}

@@ -5,11 +5,15 @@ the background, from a peer of their own cluster, and join when they hold it.
 answers again, or one that asks to rejoin is *healing*: it has its own phase in ``status()["healing"]``
 while the refits go on without it. Where its bits come from, in order of preference:
 
-1. **A peer of its cluster** (:mod:`~dcr_ray.actors.engine_heal`): a required engine that holds the
+1. **The deltas it missed**, when it holds an older committed version (evicted as hung, then answering
+   again): its cluster keeps the committed payloads of the last versions (the catch-up window,
+   :mod:`~dcr_ray.relay.window`), and it replays them (:mod:`~dcr_ray.actors.engine_catchup`), every
+   frame validated before any write. The bytes are the missed deltas, already inside the cluster.
+2. **A peer of its cluster** (:mod:`~dcr_ray.actors.engine_heal`): a required engine that holds the
    committed version settled hands its canonical tensors over through the Ray object store; the copy
    stays inside the cluster and is checked tensor by tensor against the peer's digests before the
    healing engine holds the version. No byte crosses the cluster link; the owners do no work.
-2. **The owners**, only when no engine of the cluster can hand the version over (the whole cluster
+3. **The owners**, only when no engine of the cluster can hand the version over (the whole cluster
    was lost, or it holds only adopted engines that cannot read their bits back): a dense bootstrap
    through the transport, once; the cluster's other healing engines then copy from that one.
 
@@ -39,8 +43,16 @@ log = logging.getLogger("dcr_ray")
 MAX_ROUNDS = 5
 #: Completed heals ``status()`` lists.
 HEALED_KEPT = 20
+#: What a heal's record adds up over its rounds (bytes each source moved; ``steps``: versions replayed).
+TOOK = ("owner_bytes", "copy_bytes", "delta_bytes", "steps")
 #: Pause before another round when a peer was busy (inside a transfer) or a copy went stale.
 RETRY_PAUSE_S = 0.5
+
+
+def _record(e: str, reason: str | None, respawn: bool) -> dict:
+    """A healing engine's row: its phase, why it heals, and what it took so far (``sources`` in order)."""
+    return {"engine": e, "phase": "queued", "reason": reason, "respawn": respawn, "source": None,
+            "since": time.time(), "rounds": 0, "error": None, "sources": [], **dict.fromkeys(TOOK, 0)}
 
 
 class Healing:
@@ -63,26 +75,40 @@ class Healing:
                 if rec is not None and rec["phase"] not in ("failed",):
                     rec["respawn"] = rec["respawn"] or respawn
                     continue
-                self._table[e] = {"engine": e, "phase": "queued", "reason": reason, "respawn": respawn,
-                                  "source": None, "since": time.time(), "rounds": 0, "error": None}
+                self._table[e] = _record(e, reason, respawn)
             metrics.record("healing_engines", len(self._table))
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._run, name="dcr-healing", daemon=True)
                 self._worker.start()
 
+    def keep(self, step) -> None:
+        """After a commit: the transport keeps ``step``'s payloads in its clusters' catch-up windows (and
+        releases the rest of the transfer). Statistics-like: a failure here is logged, never fails the
+        committed refit (the engines it would have served heal from a peer instead)."""
+        c = self._c
+        try:
+            c.transport.keep(step)
+        except Exception as err:
+            log.warning("dcr_ray: keeping %s in the catch-up window failed: %r", step.transfer, err)
+            try:
+                c.transport.release(step.transfer)
+            except Exception as err2:
+                log.warning("dcr_ray: releasing the payloads of %s failed: %r", step.transfer, err2)
+
     def heal_now(self, engine_id: str, reason: str, *, respawn: bool) -> dict:
         """Heal one engine in the caller's thread (``Refit.rejoin``); raises what made it fail."""
         with self._guard:
-            self._table[engine_id] = {"engine": engine_id, "phase": "queued", "reason": reason,
-                                      "respawn": respawn, "source": None, "since": time.time(), "rounds": 0,
-                                      "error": None}
+            self._table[engine_id] = _record(engine_id, reason, respawn)
         return self._heal(engine_id)
 
     def status(self) -> dict:
-        """``{"healing": {engine id: {"phase", "reason", "source", "since", "rounds", "error"}}, "healed":
-        [...]}``: every engine healing now or whose healing failed (``phase == "failed"``;
-        ``Refit.rejoin`` retries it), and the last completed heals (``source``: the peer or ``owners``;
-        ``owner_bytes``: what the owners sent for it; ``copy_bytes``: what a peer handed over)."""
+        """``{"healing": {engine id: {"phase", "reason", "source", "since", "rounds", "error", ...}},
+        "healed": [...]}``: every engine healing now or whose healing failed (``phase == "failed"``;
+        ``Refit.rejoin`` retries it), and the last completed heals. ``sources`` lists where each round's
+        bits came from (a peer's id, ``window`` or ``owners``; a later round starts from what an earlier
+        one landed when a refit committed meanwhile), ``source`` the last one (``held``: none was
+        needed); ``owner_bytes``: what the owners sent for it; ``copy_bytes``: what peers handed over;
+        ``delta_bytes`` / ``steps``: the missed deltas replayed from the catch-up window."""
         with self._guard:
             return {"healing": {e: {k: v for k, v in r.items() if k != "respawn"} for e, r in self._table.items()},
                     "healed": list(self.healed)}
@@ -115,13 +141,24 @@ class Healing:
             raise
         secs = time.perf_counter() - t0
         with self._guard:
-            rec = self._table.pop(e, None) or {}
-            self.healed = [*self.healed, {**out, "reason": rec.get("reason"), "seconds": secs,
-                                          "at": time.time()}][-HEALED_KEPT:]
+            rec = self._table.pop(e, None) or _record(e, None, False)
+            out = {**out, "source": (rec["sources"] or ["held"])[-1], "sources": rec["sources"],
+                   **{k: rec[k] for k in TOOK}, "reason": rec["reason"], "seconds": secs, "at": time.time()}
+            self.healed = [*self.healed, out][-HEALED_KEPT:]
             metrics.record("healing_engines", len(self._table))
         metrics.record("heal_seconds", secs)
-        log.info("dcr_ray: engine %s healed to version %d from %s in %.1f s", e, out["version"], out["source"], secs)
-        return {**out, "seconds": secs}
+        log.info("dcr_ray: engine %s healed to version %d from %s in %.1f s", e, out["version"],
+                 " then ".join(out["sources"]) or "what it held", secs)
+        return out
+
+    def _took(self, e: str, source: str, **nbytes: int) -> None:
+        """Record that ``e`` took bits from ``source`` (``owner_bytes``, ``copy_bytes``, ``delta_bytes``,
+        ``steps``), whether or not that round's version is still the committed one when it lands."""
+        with self._guard:
+            rec = self._table[e]
+            rec["sources"] = [*rec["sources"], source]
+            for k, n in nbytes.items():
+                rec[k] += n
 
     def _start(self, e: str) -> None:
         """Re-create ``e`` if its actor died (now or while it starts), and wait until its backend loaded
@@ -170,43 +207,91 @@ class Healing:
 
     def _round(self, e: str, *, final: bool):
         """One copy: the result dict once ``e`` joined, None when the copy landed on a version that is no
-        longer committed, or the error that failed it. The snapshot and the join hold the coordinator's
-        lock (between refits); the copy itself does only in the ``final`` round."""
+        longer committed, or the error that failed it. Choosing the source and the join hold the
+        coordinator's lock (between refits); the copy itself does only in the ``final`` round."""
         c = self._c
         t = c.config.commit.start_timeout_s
         whole = c._lock if final else contextlib.nullcontext()
         step = contextlib.nullcontext() if final else c._lock
+        handle = c.engines[e]
         with whole:
+            try:
+                held = self._held(e, t)
+            except RayActorError as err:  # the healing engine died: re-created for the next round
+                with step:
+                    c.topology.respawn(e, c.config)
+                return err
+            except Exception as err:  # e.g. it hangs: another round
+                return err
             with step:
                 version, version_id = c.version, c._last_transfer()
-                peer = self._peer(e)
-                handle = c.engines[e]
-                if peer is None or c.topology.is_adopted(e):  # no peer can hand it over (or it cannot take a
-                    # copy: an adopted engine's bits are not addressable): the owners, once per cluster
+                if held == (version, version_id):  # it missed nothing (or took it in an earlier round)
+                    return self._join(e, version)
+                steps = self._window(e, held, (version, version_id))
+                peer = None if steps else self._peer(e)
+                if not steps and (peer is None or c.topology.is_adopted(e)):  # no delta, no peer can hand
+                    # it over (or it cannot take a copy: an adopted engine's bits are not addressable)
                     self._set(e, phase="bootstrapping", source="owners")
                     c.required.discard(e)
-                    sent = c._bootstrap([e])
-                    return {"engine": e, "version": version, "source": "owners", "owner_bytes": sent}
-                try:  # between refits (they hold the lock), so the peer holds the version settled
-                    snap = ray.get(c.engines[peer].snapshot.remote(version, version_id), timeout=t)
-                except Exception as err:  # the peer died or will not hand over: another round
-                    return err
-            self._set(e, phase="copying", source=peer)
+                    self._took(e, "owners", owner_bytes=c._bootstrap([e]))  # it joins the required set
+                    return {"engine": e, "version": version}
+                if peer is not None:
+                    try:  # between refits (they hold the lock), so the peer holds the version settled
+                        snap = ray.get(c.engines[peer].snapshot.remote(version, version_id), timeout=t)
+                    except Exception as err:  # the peer died or will not hand over: another round
+                        return err
             try:
-                ray.get(handle.heal_from.remote(snap, t), timeout=t)
+                if steps:
+                    self._set(e, phase="catching up", source="window")
+                    got = ray.get(handle.catch_up.remote(steps, t), timeout=t)
+                    self._took(e, "window", delta_bytes=got["bytes"], steps=got["steps"])
+                else:
+                    self._set(e, phase="copying", source=peer)
+                    ray.get(handle.heal_from.remote(snap, t), timeout=t)
+                    self._took(e, peer, copy_bytes=snap["bytes"])
             except RayActorError as err:  # the healing engine itself died: re-created for the next round
                 with step:
                     c.topology.respawn(e, c.config)
                 return err
-            except Exception as err:  # e.g. the peer died before the copy was pulled
+            except Exception as err:  # e.g. the peer died before the copy was pulled, a step did not fit
                 return err
             with step:
                 if c.version != version or ray.get(handle.get_version.remote(), timeout=t) != version:
-                    return None  # a refit committed while it copied
-                c.required.add(e)
-                metrics.record("required_engines", len(c.required))
-                return {"engine": e, "version": version, "source": peer, "owner_bytes": 0,
-                        "copy_bytes": snap["bytes"]}
+                    return None  # a refit committed while it copied: the next round starts from there
+                return self._join(e, version)
+
+    def _held(self, e: str, timeout_s: float) -> tuple | None:
+        """``(version, content id)`` engine ``e`` holds settled, or None (no version, or dirty). Writes of
+        an abandoned transfer it still holds (evicted inside a refit) are rolled back in place first."""
+        handle = self._c.engines[e]
+        st = ray.get(handle.state.remote(), timeout=timeout_s)
+        if st["transfer"] is not None and not st["dirty"]:
+            ray.get(handle.abort.remote(st["transfer"], True), timeout=timeout_s)
+            st = ray.get(handle.state.remote(), timeout=timeout_s)
+        if st["dirty"] or st["version"] is None or st["transfer"] is not None:
+            return None
+        return st["version"], st.get("version_id")
+
+    def _window(self, e: str, held: tuple | None, committed: tuple) -> list | None:
+        """The committed steps from what ``e`` holds to ``committed``, from its cluster's catch-up window;
+        None when the window does not cover it (or there is none)."""
+        c = self._c
+        if held is None or held[0] > committed[0] or c.config.transport.catchup_window_bytes <= 0:
+            return None
+        try:
+            steps = c.transport.window(c.topology.engine_cluster[e], *held)
+        except Exception as err:  # the window is an optimisation: a peer or the owners still heal it
+            log.warning("dcr_ray: reading the catch-up window for engine %s failed: %r", e, err)
+            return None
+        if not steps or (steps[-1].target, steps[-1].transfer) != committed:
+            return None
+        return steps
+
+    def _join(self, e: str, version: int) -> dict:
+        """``e`` holds the committed ``version``: it joins the required set (under the coordinator's lock)."""
+        self._c.required.add(e)
+        metrics.record("required_engines", len(self._c.required))
+        return {"engine": e, "version": version}
 
     def _peer(self, e: str) -> str | None:
         """A required engine of ``e``'s cluster that can hand over its bits (dcr_ray started it)."""

@@ -185,11 +185,12 @@ class Recovery:
                     self.required.add(e)
                     how = "rejoined at version {v} (it had applied the committed transfer: activated, no dense bootstrap)"
                 else:
-                    if st["transfer"] is not None:  # close what it holds open (no rollback on the refit's clock:
-                        # the copy overwrites every tensor, and until then it is out of the required set)
+                    if st["transfer"] is not None:  # close what it holds open (rolled back off the refit's clock, by
+                        # the healing thread, before it catches up; until then it is out of the required set)
                         ray.get(self.engines[e].abort.remote(st["transfer"], False), timeout=t)
                     self.healer.schedule([e], "answered again after it was evicted", respawn=False)
-                    how = "heals to version {v} in the background, from a peer of its cluster"
+                    how = ("heals to version {v} in the background, by the deltas it missed (its cluster's catch-up "
+                           "window) or from a peer of its cluster")
                 self.evicted.discard(e)
                 warnings.append(f"engine {e} answers again and " + how.format(v=self.version))
             except Exception as err:

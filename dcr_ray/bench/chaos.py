@@ -28,7 +28,8 @@ faults_by_kind, faults_survived, mismatched_engines, bad_frames_rejected, bad_fr
 hung_waits, engines_at_end, engines_configured (counted after the engines healing in the background
 are done), dense_rebootstraps (engines the owners sent the whole model to: heals with no peer left in
 the cluster, and restores after abandoned refits), recreated_engines (re-created after a death),
-healed_from_peer / healed_from_owners (where healing engines got their bits), in_place_rollbacks.
+healed_from_peer / healed_from_window / healed_from_owners (where healing engines got their bits first;
+``owners`` if the owners sent anything), in_place_rollbacks.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
     stats = Counter()
     by_kind, survived = Counter(), Counter()
     mismatched, recreated, t0 = 0, 0, time.monotonic()
-    healed: dict[tuple, str] = {}  # (engine, when) -> where its bits came from (a peer, or "owners")
+    healed: dict[tuple, list] = {}  # (engine, when) -> where its bits came from, round by round
     failures: list[str] = []  # messages of refits that failed (they name engines restored densely)
     try:
         plan = schedule(refits, seed)
@@ -223,10 +224,11 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
                 if kind is not None and not bad_engines:
                     survived[kind] += 1
             say(f"refit {i + 1}/{refits}: fault {kind or '-'}: {'committed v%d' % ok.version if ok else 'failed'}")
-            healed.update({(h["engine"], h["at"]): h["source"] for h in refit.status()["healed"]})
+            healed.update({(h["engine"], h["at"]): h["sources"] for h in refit.status()["healed"]})
         refit.wait_healed(timeout=HEAL_WAIT_S)  # engines heal in the background: the fleet at its size again
-        healed.update({(h["engine"], h["at"]): h["source"] for h in refit.status()["healed"]})
-        dense = sum(src == "owners" for src in healed.values())
+        healed.update({(h["engine"], h["at"]): h["sources"] for h in refit.status()["healed"]})
+        dense = sum("owners" in src for src in healed.values())
+        window = sum(src[:1] == ["window"] for src in healed.values())
         st = refit.status(detail=True)
         at_end = sum(e.get("phase") == "ready" and e.get("version") == st["version"] for e in st["engine_states"])
         rollbacks = sum(ray.get(h.info.remote()).get("rollbacks", 0) for h in refit.engines().values())
@@ -238,7 +240,8 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
             "bad_frames_rejected": stats["bad_frames_rejected"], "bad_frames_applied": stats["bad_frames_applied"],
             "hung_waits": stats["hung_waits"], "engines_at_end": at_end, "engines_configured": configured,
             "dense_rebootstraps": dense + sum(_restored(m) for m in failures),
-            "recreated_engines": recreated, "healed_from_peer": len(healed) - dense, "healed_from_owners": dense,
+            "recreated_engines": recreated, "healed_from_peer": len(healed) - dense - window,
+            "healed_from_window": window, "healed_from_owners": dense,
             "in_place_rollbacks": rollbacks,
             "seconds": round(time.monotonic() - t0, 1)}
 

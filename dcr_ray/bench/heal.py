@@ -17,6 +17,7 @@ After the fault, refits run back to back until nothing heals any more (at least 
 ``cross_cluster_bytes`` (bytes that entered the healing engine's cluster through its head relay for
 anything but those refits: measured by the relays' own counters), ``owner_bytes`` (payload bytes the
 owners produced for the heal: their bootstrap summaries), ``copy_bytes`` (what a peer handed over
+inside the cluster), ``window_bytes`` (the missed deltas replayed from the cluster's catch-up window,
 inside the cluster), ``union_delta_bytes`` (wire bytes of the versions a lagging engine missed),
 ``heal_seconds`` (the coordinator's healing record, re-creation included), ``refit_blocked_ratio``
 (the slowest refit that started while an engine healed, over the quiet median; also
@@ -188,10 +189,11 @@ def _case(refit, one, base: float, cluster: str, fault, expect: int = 1, lag_unt
     # refits that met a copy or an owners' send (or waited for one): all but those that started while a
     # re-created engine was still being created or started (and nothing else healed)
     copying = max((t for t, p in healing if not (p and p <= {"re-creating", "starting"})), default=0.0)
-    return {"heals": [{k: h.get(k) for k in ("engine", "source", "version", "seconds", "owner_bytes", "copy_bytes")}
-                      for h in heals],
+    return {"heals": [{k: h.get(k) for k in ("engine", "sources", "version", "seconds", "owner_bytes", "copy_bytes",
+                                             "delta_bytes", "steps")} for h in heals],
             "cross_cluster_bytes": int(cross), "owner_bytes": int(sum(h.get("owner_bytes") or 0 for h in heals)),
             "copy_bytes": int(sum(h.get("copy_bytes") or 0 for h in heals)),
+            "window_bytes": int(sum(h.get("delta_bytes") or 0 for h in heals)),
             "union_delta_bytes": int(union) if missed_from is not None else None,
             "missed_versions": len(reports) if missed_from is not None else None,
             "heal_seconds": max((h["seconds"] for h in heals), default=None),
@@ -216,15 +218,15 @@ def _targets_met(cases: dict) -> dict:
 
 def format_table(result: dict) -> str:
     lines = [f"model {result['model']}, quiet refit median {statistics.median(result['quiet_refit_seconds']):.2f} s",
-             f"{'case':<22} {'cross MB':>9} {'owner MB':>9} {'copy MB':>8} {'union MB':>9} {'heal s':>7} "
+             f"{'case':<22} {'cross MB':>9} {'owner MB':>9} {'copy MB':>8} {'window MB':>9} {'union MB':>9} {'heal s':>7} "
              f"{'blocked':>8} {'copying':>8} {'fault s':>8}  sources"]
     for name, c in result["cases"].items():
         mb = lambda b: "-" if b is None else f"{b / 1e6:.2f}"  # noqa: E731
         lines.append(f"{name:<22} {mb(c['cross_cluster_bytes']):>9} {mb(c['owner_bytes']):>9} {mb(c['copy_bytes']):>8} "
-                     f"{mb(c['union_delta_bytes']):>9} {c['heal_seconds'] or 0:>7.2f} {c['refit_blocked_ratio']:>7.2f}x "
+                     f"{mb(c.get('window_bytes')):>9} {mb(c['union_delta_bytes']):>9} {c['heal_seconds'] or 0:>7.2f} {c['refit_blocked_ratio']:>7.2f}x "
                      f"{c['refit_blocked_ratio_copying']:>7.2f}x "
                      f"{c['fault_refit_seconds']:>8.2f}  "
-                     + ", ".join(f"{h['engine']}<-{h['source']}" for h in c["heals"]))
+                     + ", ".join(f"{h['engine']}<-{'+'.join(h['sources'])}" for h in c["heals"]))
     lines.append("targets: " + ", ".join(f"{k}={'met' if v else 'UNMET'}" for k, v in result["targets_met"].items()))
     return "\n".join(lines)
 
@@ -232,13 +234,13 @@ def format_table(result: dict) -> str:
 def markdown(result: dict) -> str:
     """The BENCHMARKS.md table of one run (generated from its JSON, never typed)."""
     mb = lambda b: "-" if b is None else f"{b / 1e6:.2f}"  # noqa: E731
-    rows = ["| case | heals (engine <- source) | cross-cluster MB | owner MB | peer copy MB | union of missed deltas MB "
-            "| heal s | slowest refit while healing / quiet | same, copy phase only | refit that met the fault s "
-            "| bit-exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| case | heals (engine <- source) | cross-cluster MB | owner MB | peer copy MB | replayed from the window MB "
+            "| union of missed deltas MB | heal s | slowest refit while healing / quiet | same, copy phase only "
+            "| refit that met the fault s | bit-exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in result["cases"].items():
-        rows.append(f"| {name} | {', '.join(h['engine'] + ' <- ' + h['source'] for h in c['heals'])} "
+        rows.append(f"| {name} | {', '.join(h['engine'] + ' <- ' + ' + '.join(h['sources']) for h in c['heals'])} "
                     f"| {mb(c['cross_cluster_bytes'])} | {mb(c['owner_bytes'])} | {mb(c['copy_bytes'])} "
-                    f"| {mb(c['union_delta_bytes'])} | {c['heal_seconds']:.2f} | {c['refit_blocked_ratio']:.2f}x "
+                    f"| {mb(c.get('window_bytes'))} | {mb(c['union_delta_bytes'])} | {c['heal_seconds']:.2f} | {c['refit_blocked_ratio']:.2f}x "
                     f"| {c['refit_blocked_ratio_copying']:.2f}x | {c['fault_refit_seconds']:.2f} "
                     f"| {'yes' if c['bit_exact'] else 'NO'} |")
     return "\n".join(rows)
@@ -252,10 +254,11 @@ def plot(result: dict, path: str) -> None:
 
     names = list(result["cases"])
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    w = 0.25
+    w = 0.2
     for i, (key, label) in enumerate([("cross_cluster_bytes", "crossed the cluster link"),
-                                      ("owner_bytes", "sent by the owners"), ("copy_bytes", "copied from a peer")]):
-        a1.bar([x + (i - 1) * w for x in range(len(names))], [result["cases"][n][key] / 1e6 for n in names], w,
+                                      ("owner_bytes", "sent by the owners"), ("copy_bytes", "copied from a peer"),
+                                      ("window_bytes", "replayed from the window")]):
+        a1.bar([x + (i - 1.5) * w for x in range(len(names))], [result["cases"][n][key] / 1e6 for n in names], w,
                label=label)
     a1.set_xticks(range(len(names)), names, fontsize=8)
     a1.set_ylabel("MB for the heal")

@@ -2,7 +2,11 @@
 
 An owner writes each frame as ``<root>/<transfer>/a<attempt>/<producer>/<payload>.dcrf`` and tells each
 targeted engine its path; the engine reads it (every engine reads its own copy, so each read crosses
-that engine's boundary). The coordinator deletes ``<root>/<transfer>`` when the transfer ends.
+that engine's boundary). The coordinator deletes ``<root>/<transfer>`` when the transfer ends; after a
+commit the committed attempt's objects stay, in a catch-up window bounded in bytes
+(:mod:`dcr_ray.relay.window`), until newer commits push them out. The window's index lives with the
+coordinator: a restarted coordinator starts with an empty one (the old prefixes are then never
+replayed; delete them from the store at will).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any, Mapping
 from dcr_ray.codec import PayloadKey
 from dcr_ray.errors import ConfigError
 from dcr_ray.relay.backpressure import wait_bounded
+from dcr_ray.relay.window import CatchUpWindow, CommittedStep
 
 
 def storage_fs(url: str, options: dict | None = None):
@@ -85,6 +90,8 @@ class ObjectStoreTransport:
         self.options = dict(config.transport.storage_options)
         self._engines: dict[str, Any] = {}
         self._engine_cluster: dict[str, str] = {}
+        self._window = CatchUpWindow(config.transport.catchup_window_bytes,
+                                     on_drop=lambda step: self.release(step.transfer))
 
     def reader(self, cluster: str) -> ObjectReader:
         return ObjectReader(self.url, self.options)
@@ -112,6 +119,25 @@ class ObjectStoreTransport:
             fs.rm(f"{root}/{transfer}", recursive=True)
         except FileNotFoundError:
             pass
+
+    def keep(self, step: CommittedStep) -> None:
+        fs, root = storage_fs(self.url, self.options)
+        for d in fs.ls(f"{root}/{step.transfer}", detail=False) if fs.exists(f"{root}/{step.transfer}") else []:
+            if d.rstrip("/").rsplit("/", 1)[-1] != f"a{step.attempt}":
+                fs.rm(d, recursive=True)  # the attempts that did not commit
+        keys = sorted(tuple(k) for k in step.keys)
+        paths = [StoredFrame(f"{root}/{t}/a{a}/{p}/{i:06d}.dcrf") for t, a, p, i in keys]
+        try:
+            sizes = [fs.size(p) for p in paths]
+        except FileNotFoundError:  # not whole: never replayed
+            self.release(step.transfer)
+            return
+        self._window.add(CommittedStep(transfer=step.transfer, attempt=step.attempt, base=step.base,
+                                       target=step.target, base_id=step.base_id, keys=keys, payloads=paths,
+                                       nbytes=sum(sizes)))
+
+    def window(self, cluster: str, version: int, version_id: str | None) -> list[CommittedStep] | None:
+        return self._window.since(version, version_id)
 
     def link_bytes(self, transfer: str, acks: Mapping[str, dict]) -> dict[str, int]:
         out = {c: 0 for c in dict.fromkeys(self._engine_cluster.values())}

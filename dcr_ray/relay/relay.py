@@ -7,7 +7,9 @@ given), and ``ray.put``s them again: the copy is now owned by, and located at, t
 It forwards *that* ref, so engines in the cluster pull from the head's node (or from each other),
 never from the owner across the boundary. The copy also outlives the owner actor, so a late engine
 or a retry inside the same attempt does not cross again. Copies are released when the coordinator
-ends the transfer (``release``).
+ends the transfer (``release``); after a commit (``keep``) a head keeps the committed attempt's copies
+in the cluster's catch-up window (:mod:`dcr_ray.relay.window`), so an engine that missed versions
+takes their deltas from here (``window``) instead of a dense copy.
 
 Inside a cluster, a relay forwards to at most ``fanout`` children: engines (``deliver(ref)``, a
 top-level ref Ray resolves before the engine runs) or sub-relays (``forward(key, [ref], targets)``,
@@ -23,19 +25,21 @@ from collections import defaultdict
 import ray
 
 from dcr_ray import metrics
+from dcr_ray.relay.window import CatchUpWindow, CommittedStep
 
 
 class RelayActor:
     """One relay of a cluster's tree. ``on_cross(nbytes)`` (heads only, optional) observes, and may
     delay, each boundary crossing: benchmarks pass a link emulator (:mod:`dcr_ray.testing.links`)."""
 
-    def __init__(self, relay_id: str, cluster: str, *, head: bool, on_cross=None):
+    def __init__(self, relay_id: str, cluster: str, *, head: bool, on_cross=None, window_bytes: int = 0):
         self.relay_id = relay_id
         self.cluster = cluster
         self.head = head
         self.on_cross = on_cross
         self.children: list[tuple[str, object, frozenset]] = []
-        self._held: dict[str, list] = defaultdict(list)
+        self._held: dict[str, dict] = defaultdict(dict)  # transfer -> payload key -> (ref, bytes)
+        self._window = CatchUpWindow(window_bytes if head else 0)
         self._lock = threading.Lock()
         self._bytes_in: dict[str, int] = defaultdict(int)
         self._payloads_in: dict[str, set] = defaultdict(set)
@@ -61,7 +65,7 @@ class RelayActor:
             self.on_cross(len(data))
         own = ray.put(data)
         with self._lock:
-            self._held[transfer].append(own)
+            self._held[transfer][tuple(key)] = (own, len(data))
             self._bytes_in[transfer] += len(data)
             self._payloads_in[transfer].add(key)
         metrics.record("relay_bytes", len(data), tags={"cluster": self.cluster, "relay": self.relay_id})
@@ -71,7 +75,7 @@ class RelayActor:
     def forward(self, key: tuple, refs: list, targets: list[str] | None = None) -> None:
         """Sub-relay: route a ref inside the cluster without reading it."""
         with self._lock:
-            self._held[key[0]].append(refs[0])
+            self._held[key[0]][tuple(key)] = (refs[0], 0)
         self._forward(key, refs[0], targets)
 
     def _forward(self, key: tuple, ref, targets) -> None:
@@ -90,9 +94,31 @@ class RelayActor:
             self._held.pop(transfer, None)
             self._seen = {k for k in self._seen if k[0] != transfer}
 
+    def keep(self, step: CommittedStep) -> bool:
+        """After ``step.transfer`` committed: a head keeps the copies of the committed attempt in its
+        catch-up window when it holds every one of ``step.keys`` (its cluster took part); everything else
+        of the transfer is released. Returns whether the step is in the window."""
+        with self._lock:
+            held = self._held.pop(step.transfer, {})
+            self._seen = {k for k in self._seen if k[0] != step.transfer}
+            keys = sorted(tuple(k) for k in step.keys)
+            if not self.head or self._window.max_bytes <= 0 or not keys or any(k not in held for k in keys):
+                return False
+            kept = CommittedStep(transfer=step.transfer, attempt=step.attempt, base=step.base, target=step.target,
+                                 base_id=step.base_id, keys=keys, payloads=[held[k][0] for k in keys],
+                                 nbytes=sum(held[k][1] for k in keys))
+            return self._window.add(kept)
+
+    def window(self, version: int, version_id: str | None) -> list[CommittedStep] | None:
+        """The kept steps from content ``(version, version_id)`` to the newest commit (their payloads are
+        refs owned by this head, on its node), or None when the window does not reach back to it."""
+        with self._lock:
+            return self._window.since(version, version_id)
+
     def stats(self) -> dict:
         """Bytes and payloads that entered this relay (heads: crossed the cluster boundary)."""
         with self._lock:
             return {"relay": self.relay_id, "cluster": self.cluster, "head": self.head,
                     "bytes_in": dict(self._bytes_in),
-                    "payloads_in": {t: len(s) for t, s in self._payloads_in.items()}}
+                    "payloads_in": {t: len(s) for t, s in self._payloads_in.items()},
+                    "window": [st.header() for st in self._window.steps]}

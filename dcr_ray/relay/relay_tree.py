@@ -17,6 +17,7 @@ from dcr_ray.options import NAMESPACE, actor_options, create_named
 from dcr_ray.relay.backpressure import wait_bounded
 from dcr_ray.relay.relay import RelayActor
 from dcr_ray.relay.tree import plan_tree
+from dcr_ray.relay.window import CommittedStep
 
 
 class RelaySink:
@@ -122,7 +123,8 @@ class RelayTransport:
                 opts = actor_options("relay", name, resources=c.resources, detached=True)
                 cross = self.on_cross.get(c.name) if head else None
                 made[node.relay_id] = create_named(  # called at once: the loop variables are current
-                    lambda: Relay.options(**opts).remote(node.relay_id, c.name, head=head, on_cross=cross),
+                    lambda: Relay.options(**opts).remote(node.relay_id, c.name, head=head, on_cross=cross,
+                                                         window_bytes=self.config.transport.catchup_window_bytes),
                     name, wait_s=RELAY_NAME_RELEASE_S)
             for node in tree.walk():
                 kids = [("engine", engines[e], [e]) for e in node.engines]
@@ -140,6 +142,18 @@ class RelayTransport:
     def release(self, transfer: str) -> None:
         for r in self.relays.values():
             r.release.remote(transfer)
+
+    def keep(self, step: CommittedStep) -> None:
+        heads = set(map(id, self.heads.values()))
+        waits = [r.keep.remote(step) if id(r) in heads else r.release.remote(step.transfer)
+                 for r in self.relays.values()]
+        ray.get(waits, timeout=self.config.commit.timeout_s)  # a heal asked next finds the step
+
+    def window(self, cluster: str, version: int, version_id: str | None) -> list[CommittedStep] | None:
+        head = self.heads.get(cluster)
+        if head is None:
+            return None
+        return ray.get(head.window.remote(version, version_id), timeout=self.config.commit.timeout_s)
 
     def link_bytes(self, transfer: str, acks: Mapping[str, dict]) -> dict[str, int]:
         stats = ray.get([h.stats.remote() for h in self.heads.values()], timeout=self.config.commit.timeout_s)

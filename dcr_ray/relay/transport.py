@@ -3,7 +3,8 @@
 A :class:`Transport` lives in the coordinator. For each stream it hands every owner a picklable
 :class:`Sink` (owner side: ``send`` each finished frame while still diffing, ``drain`` at the end);
 it gives each engine a :class:`PayloadReader` at start-up (engine side: turns what arrives into frame
-bytes); it releases an attempt's copies when the coordinator ends it, and it reports the bytes that
+bytes); it releases an attempt's copies when the coordinator ends it, keeps a committed attempt's in a
+bounded catch-up window per cluster (:mod:`dcr_ray.relay.window`), and it reports the bytes that
 crossed each cluster's boundary.
 
 Implementations:
@@ -22,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 from dcr_ray.codec import PayloadKey
+from dcr_ray.relay.window import CommittedStep
 
 
 @runtime_checkable
@@ -67,6 +69,16 @@ class Transport(Protocol):
 
     def release(self, transfer: str) -> None:
         """Drop every copy the transport holds of ``transfer``'s payloads (all its attempts)."""
+
+    def keep(self, step: CommittedStep) -> None:
+        """After ``step`` committed: keep its committed attempt's payloads in each cluster's catch-up
+        window (bounded by ``TransportConfig.catchup_window_bytes``) and release everything else of the
+        transfer, as :meth:`release` does."""
+
+    def window(self, cluster: str, version: int, version_id: str | None) -> list[CommittedStep] | None:
+        """The committed steps ``cluster`` keeps from content ``(version, version_id)`` to the newest
+        commit, each with its payloads as the cluster's engines read them; None when the window does
+        not reach back that far (see :mod:`dcr_ray.relay.window`)."""
 
     def link_bytes(self, transfer: str, acks: Mapping[str, dict]) -> dict[str, int]:
         """Bytes of ``transfer`` that crossed each cluster's boundary (``acks``: engine flush replies)."""

@@ -128,6 +128,12 @@ class EmulatedLinks:
     def release(self, transfer: str) -> None:
         self.inner.release(transfer)
 
+    def keep(self, step) -> None:
+        self.inner.keep(step)
+
+    def window(self, cluster: str, version: int, version_id):
+        return self.inner.window(cluster, version, version_id)
+
     def link_bytes(self, transfer: str, acks) -> dict[str, int]:
         return self.inner.link_bytes(transfer, acks)
 

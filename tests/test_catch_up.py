@@ -1,0 +1,131 @@
+"""An engine that fell versions behind catches up by the deltas it missed, kept inside its cluster.
+
+The window itself is tested as data (:class:`~dcr_ray.relay.window.CatchUpWindow`); the catch-up runs
+on real Ray with real engines, through both transports: an engine hung inside a refit's flush is
+evicted, misses three more refits, answers again, rolls back what it held half-open and replays the
+four committed transfers its cluster kept. Every case ends with the wrong-bits sweep.
+"""
+
+from __future__ import annotations
+
+import time
+
+import raytools  # noqa: F401
+from raytools import assert_no_wrong_bits, check_engines, local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
+
+import pytest
+import ray
+
+import dcr_ray
+from dcr_ray.errors import EngineStateError, FrameError
+from dcr_ray.relay.window import CatchUpWindow, CommittedStep
+from dcr_ray.testing.faults import StallingEngine
+from dcr_ray.testing.models import ModelSpec
+from dcr_ray.testing.trainer import TinyTrainer
+
+SPEC = ModelSpec(size="tiny")
+
+
+def _step(v: int, nbytes: int = 10, base_id: str | None = None) -> CommittedStep:
+    return CommittedStep(transfer=f"t{v}", attempt=0, base=v - 1, target=v, base_id=base_id or f"t{v - 1}",
+                         keys=[(f"t{v}", 0, "o", 0)], payloads=[f"p{v}"], nbytes=nbytes)
+
+
+def test_the_window_answers_the_chain_from_a_held_version_to_the_newest_commit():
+    w = CatchUpWindow(100)
+    for v in (1, 2, 3):
+        assert w.add(_step(v))
+    assert [s.target for s in w.since(0, "t0")] == [1, 2, 3]
+    assert [s.target for s in w.since(2, "t2")] == [3]
+    assert w.since(3, "t3") == []
+    assert w.since(2, "another lineage") is None
+    assert w.since(-1, "t-1") is None
+
+
+def test_the_window_drops_its_oldest_steps_beyond_its_bytes_and_everything_before_a_gap():
+    dropped = []
+    w = CatchUpWindow(25, on_drop=lambda s: dropped.append(s.target))
+    for v in (1, 2, 3):
+        w.add(_step(v))
+    assert [s.target for s in w.steps] == [2, 3] and dropped == [1]
+    assert not w.add(_step(4, nbytes=26)) and not w.steps and dropped == [1, 2, 3, 4]  # too big: a gap
+    w.add(_step(5))
+    w.add(_step(7, base_id="t6"))  # built on a version the window never saw
+    assert [s.target for s in w.steps] == [7] and w.since(4, "t4") is None
+
+
+def _relay_head(refit, cluster: str):
+    return ray.get(refit.actor.handles.remote())["relays"][f"{cluster}/head"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["relay", "object_store"])
+def test_an_engine_that_missed_four_refits_catches_up_by_their_deltas_without_the_owners(local_ray, transport):
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainer = Trainer.remote(SPEC, lr=1e-3)
+    # a/e1's first delta flush hangs for 14 s; the stage timeout is 4 s: it is evicted and misses refits
+    refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=2)],
+                           engine=StallingEngine(dcr_ray.HFEngine(SPEC), stall_s=14.0, only="a/e1"),
+                           config=dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(timeout_s=4),
+                                                      transport=dcr_ray.TransportConfig(kind=transport)))
+    try:
+        t_stall = time.monotonic()
+        reports = []
+        for seed in range(3):
+            ray.get(trainer.step.remote(seed=seed))
+            reports.append(refit.run())
+        assert refit.status()["required"] == ["a/e0"]
+        time.sleep(max(0.0, 15.0 - (time.monotonic() - t_stall)))  # the stall ends
+        ray.get(trainer.step.remote(seed=3))
+        reports.append(refit.run())  # a/e1 answers again: it heals in the background
+        assert any("a/e1 answers again and heals to version 3" in w for w in reports[-1].warnings), reports[-1].warnings
+        healed = refit.wait_healed(timeout=120)
+        last = [h for h in healed["healed"] if h["engine"] == "a/e1"][-1]
+        assert last["source"] == "window" and last["owner_bytes"] == 0 and last["steps"] == 4, last
+        assert last["delta_bytes"] == sum(r.wire_bytes for r in reports)  # exactly the deltas it missed
+        assert refit.status()["required"] == ["a/e0", "a/e1"]
+        check_engines(refit, trainer)
+        ray.get(trainer.step.remote(seed=4))
+        assert set(refit.run().engine_versions) == {"a/e0", "a/e1"}  # and it takes deltas again
+        assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 5)
+    finally:
+        refit.shutdown()
+
+
+@pytest.mark.slow
+def test_a_catch_up_that_does_not_fit_what_the_engine_holds_is_refused_before_any_write(local_ray):
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainer = Trainer.remote(SPEC, lr=1e-3)
+    refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=1)],
+                           engine=dcr_ray.HFEngine(SPEC))
+    try:
+        for seed in range(2):
+            ray.get(trainer.step.remote(seed=seed))
+            refit.run()
+        steps = ray.get(_relay_head(refit, "a").window.remote(0, "attach"))
+        assert [s.target for s in steps] == [1, 2]
+        eng = refit.engines()["a/e0"]
+        committed = ray.get(trainer.rollout_state.remote())
+        with pytest.raises(EngineStateError, match="built on v0"):  # it holds v2 already
+            ray.get(eng.catch_up.remote(steps, 30))
+        short = steps[-1]
+        short.keys = short.keys + [(short.transfer, short.attempt, "nobody", 99)]
+        with pytest.raises(EngineStateError):  # the chain is checked first: still v2, not v1
+            ray.get(eng.catch_up.remote([short], 30))
+        assert_no_wrong_bits(refit, committed, 2)
+        ray.get(trainer.step.remote(seed=2))
+        refit.run()
+        steps = ray.get(_relay_head(refit, "a").window.remote(2, steps[-1].transfer))
+        assert [s.target for s in steps] == [3]
+        steps[0].keys = steps[0].keys + [(steps[0].transfer, steps[0].attempt, "nobody", 99)]
+        # the engine is told it holds v2 while it holds v3's bits: had anything of the v2->v3 step (a key
+        # the record names but no payload carries) been written, the XOR would leave wrong bits below
+        ray.get(eng.__ray_call__.remote(lambda self: setattr(self, "version", 2) or
+                                        setattr(self, "version_id", steps[0].base_id)))
+        with pytest.raises(FrameError, match="not the committed attempt"):
+            ray.get(eng.catch_up.remote(steps, 30))
+        ray.get(eng.__ray_call__.remote(lambda self: setattr(self, "version", 3) or
+                                        setattr(self, "version_id", steps[0].transfer)))
+        assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 3)
+    finally:
+        refit.shutdown()
