@@ -1,5 +1,5 @@
 """Healing, off the trainer's clock: engines outside the required set get the committed version in
-the background, from a peer of their own cluster, and join when they hold it.
+the background, inside their cluster where they can, and join when they hold it.
 
 ``refit.remote()`` answers at commit. An engine that died (re-created here), one evicted as hung that
 answers again, or one that asks to rejoin is *healing*: it has its own phase in ``status()["healing"]``
@@ -13,9 +13,12 @@ while the refits go on without it. Where its bits come from, in order of prefere
    committed version settled hands its canonical tensors over through the Ray object store; the copy
    stays inside the cluster and is checked tensor by tensor against the peer's digests before the
    healing engine holds the version. No byte crosses the cluster link; the owners do no work.
-3. **The owners**, only when no engine of the cluster can hand the version over (the whole cluster
-   was lost, or it holds only adopted engines that cannot read their bits back): a dense bootstrap
-   through the transport, once; the cluster's other healing engines then copy from that one.
+3. **A peer of another cluster**, when the whole cluster was lost: the copy crosses a cluster link
+   once, as the owners' dense send would, but the trainer's owners do no work and the refits do not
+   wait for it; the cluster's other healing engines then copy from that one.
+4. **The owners**, only when no engine anywhere can hand the version over (a single cluster lost
+   whole, or a healing adopted engine, whose bits are not addressable): a dense bootstrap through the
+   transport, once per cluster.
 
 A healing engine joins the required set under the coordinator's lock, and only if the version it
 took is still the committed one; if a refit committed meanwhile, it takes the newer version the
@@ -44,7 +47,7 @@ MAX_ROUNDS = 5
 #: Completed heals ``status()`` lists.
 HEALED_KEPT = 20
 #: What a heal's record adds up over its rounds (bytes each source moved; ``steps``: versions replayed).
-TOOK = ("owner_bytes", "copy_bytes", "delta_bytes", "steps")
+TOOK = ("owner_bytes", "copy_bytes", "cross_bytes", "delta_bytes", "steps")
 #: Pause before another round when a peer was busy (inside a transfer) or a copy went stale.
 RETRY_PAUSE_S = 0.5
 
@@ -107,7 +110,8 @@ class Healing:
         ``Refit.rejoin`` retries it), and the last completed heals. ``sources`` lists where each round's
         bits came from (a peer's id, ``window`` or ``owners``; a later round starts from what an earlier
         one landed when a refit committed meanwhile), ``source`` the last one (``held``: none was
-        needed); ``owner_bytes``: what the owners sent for it; ``copy_bytes``: what peers handed over;
+        needed); ``owner_bytes``: what the owners sent for it; ``copy_bytes``: what peers handed over
+        (``cross_bytes``: the part a peer of another cluster handed over, across a cluster link);
         ``delta_bytes`` / ``steps``: the missed deltas replayed from the catch-up window."""
         with self._guard:
             return {"healing": {e: {k: v for k, v in r.items() if k != "respawn"} for e, r in self._table.items()},
@@ -248,7 +252,8 @@ class Healing:
                 else:
                     self._set(e, phase="copying", source=peer)
                     ray.get(handle.heal_from.remote(snap, t), timeout=t)
-                    self._took(e, peer, copy_bytes=snap["bytes"])
+                    remote = c.topology.engine_cluster[peer] != c.topology.engine_cluster[e]
+                    self._took(e, peer, copy_bytes=snap["bytes"], cross_bytes=snap["bytes"] if remote else 0)
             except RayActorError as err:  # the healing engine itself died: re-created for the next round
                 with step:
                     c.topology.respawn(e, c.config)
@@ -294,9 +299,11 @@ class Healing:
         return {"engine": e, "version": version}
 
     def _peer(self, e: str) -> str | None:
-        """A required engine of ``e``'s cluster that can hand over its bits (dcr_ray started it)."""
+        """A required engine that can hand over its bits (dcr_ray started it): one of ``e``'s cluster, else
+        one of another cluster (the whole cluster was lost: the copy crosses a cluster link once, as the
+        owners' would, but off the trainer's clock and without holding up the refits)."""
         c = self._c
         cluster = c.topology.engine_cluster[e]
-        ok = [p for p in sorted(c.required)
-              if p != e and c.topology.engine_cluster[p] == cluster and not c.topology.is_adopted(p)]
+        ok = [p for p in sorted(c.required) if p != e and not c.topology.is_adopted(p)]
+        ok.sort(key=lambda p: c.topology.engine_cluster[p] != cluster)  # its own cluster first
         return ok[0] if ok else None

@@ -10,12 +10,13 @@ with ``--quick``), two clusters of two ``transformers`` engines behind relay tre
   and heals while refits go on;
 * ``lagging_3_versions``: ``a/e1``'s flush hangs past the stage timeout, so it is evicted; two more
   refits commit without it, and when it answers it is three versions behind; then it heals;
-* ``whole_cluster_lost``: both engines of cluster ``b`` are killed; the first heals from the owners
-  (no peer is left), the second from the first.
+* ``whole_cluster_lost``: both engines of cluster ``b`` are killed; the first heals from a peer of
+  cluster ``a`` (across the link once, off the trainer's clock), the second from the first.
 
 After the fault, refits run back to back until nothing heals any more (at least two). Per case:
 ``cross_cluster_bytes`` (bytes that entered the healing engine's cluster through its head relay for
-anything but those refits: measured by the relays' own counters), ``owner_bytes`` (payload bytes the
+anything but those refits, measured by the relays' own counters, plus what peers of other clusters
+handed over, from the heal records), ``owner_bytes`` (payload bytes the
 owners produced for the heal: their bootstrap summaries), ``copy_bytes`` (what a peer handed over
 inside the cluster), ``window_bytes`` (the missed deltas replayed from the cluster's catch-up window,
 inside the cluster), ``union_delta_bytes`` (wire bytes of the versions a lagging engine missed),
@@ -174,6 +175,7 @@ def _case(refit, one, base: float, cluster: str, fault, expect: int = 1, lag_unt
     refits = {r.transfer for r in [*reports, *(r for _, r, _ in during)]}
     after = _head_bytes(refit, cluster)
     cross = sum(b for t, b in after.items() if t not in refits) - sum(b for t, b in before.items() if t not in refits)
+    cross += sum(h.get("cross_bytes") or 0 for h in heals)  # copies from a peer of another cluster
     union = sum(r.wire_bytes for r in reports if missed_from is not None and r.version >= missed_from)
     want = ray.get(refit.owners()["owner0"].rollout_state.remote())
     exact = True
@@ -190,7 +192,7 @@ def _case(refit, one, base: float, cluster: str, fault, expect: int = 1, lag_unt
     # re-created engine was still being created or started (and nothing else healed)
     copying = max((t for t, p in healing if not (p and p <= {"re-creating", "starting"})), default=0.0)
     return {"heals": [{k: h.get(k) for k in ("engine", "sources", "version", "seconds", "owner_bytes", "copy_bytes",
-                                             "delta_bytes", "steps")} for h in heals],
+                                             "cross_bytes", "delta_bytes", "steps")} for h in heals],
             "cross_cluster_bytes": int(cross), "owner_bytes": int(sum(h.get("owner_bytes") or 0 for h in heals)),
             "copy_bytes": int(sum(h.get("copy_bytes") or 0 for h in heals)),
             "window_bytes": int(sum(h.get("delta_bytes") or 0 for h in heals)),
