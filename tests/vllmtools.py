@@ -70,3 +70,22 @@ def refit(engine: VllmBackend, store: BaselineStore, state: dict[str, torch.Tens
         store.add_pending(d)
     store.promote(base + 1)
     return len(frames), sum(d.changed for d in deltas)
+
+
+def served_bits_equal(url: str, version: int, state: dict) -> bool:
+    """Whether a ``vllm serve`` process's workers serve exactly ``state``'s bits: box digests of every tensor,
+    checked by the workers themselves inside one ``update_weights`` call that writes nothing."""
+    from dcr_ray.engines.vllm.sync import make_calls
+    from dcr_ray.errors import BackendError
+    from dcr_ray.sharding.digest import box_digests
+
+    whole = [(n, (0,) * t.dim(), tuple(t.shape)) for n, t in state.items()]
+    boxes = [[n, list(a), list(b), d] for (n, a, b), d in box_digests(state, whole).items()]
+    calls = make_calls([url], 60.0)
+    calls.start_weight_update()
+    try:
+        calls.update_weights({"base": version, "target": version, "verify": boxes})
+    except BackendError:
+        return False
+    calls.finish_weight_update(str(version))
+    return True

@@ -154,7 +154,13 @@ class WeightSyncBackend(EngineBackend):
 
     def apply_wire(self, data: bytes, frame: DecodedFrame) -> None:
         """Forward one validated frame to every replica of this engine."""
-        update = (frame.meta.base, frame.meta.target)
+        self.send_frames([data], frame.meta.base, frame.meta.target)
+
+    def send_frames(self, frames: list[bytes], base: int, target: int) -> None:
+        """Forward frames of the update ``base -> target`` to every replica in one ``update_weights`` call
+        (the first call of an update opens it with ``start_weight_update``); :class:`BackendError` if any
+        worker refuses (vLLM's session is then closed, and the next call opens another)."""
+        update = (base, target)
         if self._open is None:
             self._checked("start", self.calls.start_weight_update)
             self._open = update
@@ -163,7 +169,7 @@ class WeightSyncBackend(EngineBackend):
                                f"{self._open[0]}->{self._open[1]}")
         try:
             self._checked("update", self.calls.update_weights, {"base": update[0], "target": update[1],
-                                                                "frames": [data]})
+                                                                "frames": list(frames)})
         except BackendError:
             self._open = None  # vLLM's update session is closed; the next frame (a retry) opens another
             raise
@@ -176,8 +182,8 @@ class WeightSyncBackend(EngineBackend):
         target = self._open[1]
         self._open = None
         self._checked("finish", self.calls.finish_weight_update)
+        self.version = target  # every worker said yes: they serve target from here on
         self.calls.update_weight_version(str(target))
-        self.version = target
         self._reset_prefix_cache()
 
     def _reset_prefix_cache(self) -> None:

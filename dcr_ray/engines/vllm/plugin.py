@@ -3,29 +3,74 @@ backend in every vLLM process, engine core and tensor-parallel workers included,
 workers the method ``dcr_transfer_status`` that the driver reads each call's outcome with
 (``collective_rpc("dcr_transfer_status", args=(nonce,))``; see :mod:`~dcr_ray.engines.vllm.transfer`).
 
+It also registers the trainer side, :class:`~dcr_ray.engines.vllm.trainer.DcrTrainerWeightTransferEngine`,
+in vLLM's ``WeightTransferTrainerFactory`` (so a vLLM-style trainer can say ``backend="dcr"``), and
+teaches vLLM's ``HTTPVLLMWeightSyncClient`` to send ``update_info["frames"]`` (bytes, which JSON cannot
+carry) as the ``frames_b64`` strings the backend reads. A trainer process that never starts a vLLM
+engine gets all three by importing :mod:`dcr_ray.engines.vllm.trainer` (or by calling
+``vllm.plugins.load_general_plugins()``).
+
 vLLM loads general plugins only when ``VLLM_PLUGINS`` is unset or names them (``VLLM_PLUGINS=dcr``).
 """
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 
 def register() -> None:
-    """Register :class:`~dcr_ray.engines.vllm.transfer.DcrWeightTransferEngine` as backend ``dcr`` and add
-    ``dcr_transfer_status`` to vLLM's worker base class (both idempotent)."""
+    """Register :class:`~dcr_ray.engines.vllm.transfer.DcrWeightTransferEngine` and its trainer twin as
+    backend ``dcr``, let vLLM's HTTP client send frames, and add ``dcr_transfer_status`` to vLLM's worker
+    base class (all idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:
         WeightTransferEngineFactory.register_engine("dcr", "dcr_ray.engines.vllm.transfer", "DcrWeightTransferEngine")
     except ValueError:  # already registered in this process
         pass
+    register_trainer()
     try:
         from vllm.v1.worker.worker_base import WorkerBase
     except ImportError:  # a vLLM without v1 workers: the driver finds no status and says so
         return
     if not hasattr(WorkerBase, "dcr_transfer_status"):
         WorkerBase.dcr_transfer_status = dcr_transfer_status
+
+
+def register_trainer() -> None:
+    """The trainer-side half of :func:`register` (no worker is touched): the ``dcr`` entry of vLLM's
+    ``WeightTransferTrainerFactory`` and the HTTP client's frame encoding. Idempotent."""
+    from vllm.distributed.weight_transfer import clients
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    try:
+        WeightTransferTrainerFactory.register_engine("dcr", "dcr_ray.engines.vllm.trainer",
+                                                     "DcrTrainerWeightTransferEngine")
+    except ValueError:  # already registered in this process
+        pass
+    original = getattr(clients, "_json_safe_update_info", None)
+    if original is not None and not getattr(original, "_dcr_frames", False):
+        def json_safe_update_info(update_info: dict[str, Any]) -> dict[str, Any]:
+            return original(frames_as_base64(update_info))
+
+        json_safe_update_info._dcr_frames = True  # type: ignore[attr-defined]
+        clients._json_safe_update_info = json_safe_update_info
+
+
+def frames_as_base64(update_info: Any) -> Any:
+    """``update_info`` with its ``frames`` (bytes) moved into ``frames_b64`` (base64 strings), the form the
+    ``dcr`` backend reads from JSON; anything without byte frames is returned as it is."""
+    if not isinstance(update_info, dict):
+        return update_info
+    frames = update_info.get("frames")
+    if (not isinstance(frames, (list, tuple)) or not frames
+            or not all(isinstance(f, (bytes, bytearray, memoryview)) for f in frames)):
+        return update_info  # nothing to encode (or not frame bytes: the backend refuses them, saying why)
+    out = {k: v for k, v in update_info.items() if k != "frames"}
+    out["frames_b64"] = list(update_info.get("frames_b64") or []) + [base64.b64encode(f).decode("ascii")
+                                                                     for f in frames]
+    return out
 
 
 def dcr_transfer_status(worker: Any, nonce: str | None = None) -> dict[str, Any]:

@@ -22,10 +22,10 @@ worker's outcome (``collective_rpc("dcr_transfer_status")``; over HTTP the dev-m
 
 from __future__ import annotations
 
-import base64
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, Sequence
 
+from dcr_ray.engines.vllm.plugin import frames_as_base64
 from dcr_ray.errors import BackendError, ConfigError
 
 #: What an HTTP 404 from a weight-transfer route means.
@@ -176,11 +176,7 @@ class HttpWeightSync:
         self._each("start_weight_update", lambda i: self.clients[i].start_weight_update())
 
     def update_weights(self, update_info: dict) -> None:
-        info = dict(update_info)
-        frames = info.pop("frames", None) or []
-        if frames:  # JSON carries no bytes: the dcr backend reads frames_b64 as the same frames
-            info["frames_b64"] = list(info.get("frames_b64", [])) + [base64.b64encode(f).decode("ascii")
-                                                                     for f in frames]
+        info = frames_as_base64(dict(update_info))  # JSON carries no bytes: the backend reads frames_b64
         self._each("update_weights", lambda i: self.clients[i].update_weights(info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:

@@ -18,9 +18,13 @@ own calls, on an ``LLM`` / ``AsyncLLM`` or through ``RayVLLMWeightSyncClient`` /
 
 ``checkpoint`` is the directory the engine was started from (its canonical tensors seed the host
 mirror); ``key`` the hex of the shared frame key, if refits sign frames with one. Over HTTP, send
-``frames_b64`` (base64 strings) instead of ``frames``. Every frame of one ``update_weights`` call is
-validated before any is written; ``finish_weight_update`` reloads the touched fused groups (see
-:class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver`).
+``frames_b64`` (base64 strings) instead of ``frames`` (JSON carries no bytes; vLLM's
+``HTTPVLLMWeightSyncClient`` encodes ``frames`` that way itself in a process where dcr_ray's plugin is
+loaded, see :mod:`~dcr_ray.engines.vllm.plugin`; a frame that is not bytes is refused with that advice).
+The trainer side of this backend, :mod:`~dcr_ray.engines.vllm.trainer`, makes these calls for you
+(``WeightTransferTrainerFactory.trainer_init(DcrTrainerInitInfo(...), client=...)``). Every frame of one
+``update_weights`` call is validated before any is written; ``finish_weight_update`` reloads the touched
+fused groups (see :class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver`).
 
 Failures and the status protocol. Every call is recorded: a call number ``seq``, the ``op`` (init,
 start, update, finish, shutdown), ``ok`` and the ``error``. Any failure of start/update/finish resets
@@ -29,8 +33,10 @@ not move); only ``finish`` of an update whose frames were all validated and writ
 so an empty start/finish pair after a refusal moves nothing. A refused init writes nothing and leaves
 the previous receiver in place. How a "no" reaches the caller depends on the engine's world size:
 
-- one worker (``parallel_config.world_size == 1``): the call raises, as vLLM's contract says (a call
-  before ``init_weight_transfer_engine`` raises :class:`NotInitializedError`, a ``RuntimeError``);
+- one worker (``parallel_config.world_size == 1``): the call raises, as vLLM's contract says
+  (``update_weights`` before ``init_weight_transfer_engine`` raises :class:`NotInitializedError`, a
+  ``RuntimeError``; ``start_weight_update`` / ``finish_weight_update`` before it are accepted, as
+  vLLM's built-in backends accept them: nothing to prepare, nothing open);
 - two or more (tensor / pipeline parallel): the call never raises for a "no". vLLM's multiprocessing
   ``collective_rpc`` reads replies rank by rank and raises at the first failing rank, leaving the later
   ranks' replies queued, so every later call would read the answer to an earlier one. The worker
@@ -91,6 +97,7 @@ class DcrUpdateInfo(WeightTransferUpdateInfo):
     target: int
     """The version the engine holds after ``finish_weight_update``."""
     frames: list[bytes] = field(default_factory=list)
+    """Frame bytes (Ray actors and in-process calls carry bytes; JSON cannot: use ``frames_b64``)."""
     frames_b64: list[str] = field(default_factory=list)
     """The same frames, base64-encoded (for the JSON of the HTTP routes)."""
     abandon: bool = False
@@ -100,6 +107,22 @@ class DcrUpdateInfo(WeightTransferUpdateInfo):
     (:mod:`dcr_ray.sharding.digest`). Nothing is written; the call fails with
     :class:`~dcr_ray.errors.EngineStateError` unless every box of what this worker serves has
     that digest (see :meth:`MirrorReceiver.verify`). ``base`` = ``target`` = the committed version."""
+
+    def __post_init__(self) -> None:
+        """Refuse malformed info before anything is written (a ``ValueError``, as vLLM's contract says)."""
+        for f in ("base", "target"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"update_info.{f} must be an integer version, got {v!r}")
+        if not isinstance(self.frames, (list, tuple)) or not isinstance(self.frames_b64, (list, tuple)):
+            raise ConfigError("update_info.frames / frames_b64 must be lists (of bytes / of base64 strings)")
+        bad = [type(f).__name__ for f in self.frames if not isinstance(f, (bytes, bytearray, memoryview))]
+        if bad:
+            raise ConfigError(f"update_info.frames must hold frame bytes, got {bad[0]}: JSON (vLLM's HTTP routes) "
+                              f"carries no bytes, so send the frames base64-encoded as 'frames_b64' (vLLM's "
+                              f"HTTPVLLMWeightSyncClient does that for 'frames' once dcr_ray's plugin is loaded)")
+        if any(not isinstance(f, str) for f in self.frames_b64):
+            raise ConfigError("update_info.frames_b64 must hold base64 strings (one per frame)")
 
 
 class NotInitializedError(EngineStateError, RuntimeError):
@@ -170,8 +193,9 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self._run("init", self._init, init_info)
 
     def start_weight_update(self) -> None:
-        # nothing to prepare: frames land in the mirror, the reload runs at finish
-        self._run("start", self._receiver)
+        # nothing to prepare: frames land in the mirror, the reload runs at finish. Accepted before
+        # init as vLLM's built-in backends accept it; the first update_weights then says "not initialized"
+        self._run("start", lambda: None)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # CPU writes: nothing to synchronize
@@ -229,12 +253,18 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
                                   f"{update_info.base}->{update_info.target}")
             r.verify(update_info.verify, update_info.base)
             return
-        frames = list(update_info.frames) + [base64.b64decode(s) for s in update_info.frames_b64]
+        frames = [f if isinstance(f, bytes) else bytes(f) for f in update_info.frames]
+        for i, s in enumerate(update_info.frames_b64):
+            try:
+                frames.append(base64.b64decode(s, validate=True))
+            except ValueError as e:
+                raise ConfigError(f"update_weights: frames_b64[{i}] is not base64 ({e}); encode each frame's "
+                                  f"bytes with base64.b64encode(frame).decode('ascii')") from None
         r.apply(frames, update_info.base, update_info.target)
 
     def _finish(self) -> None:
-        r = self._receiver()
-        if r.target is not None:  # only an update whose frames were all validated and written is open
+        r = self.receiver  # before init nothing can be open: a no-op, as for vLLM's built-in backends
+        if r is not None and r.target is not None:  # only an update whose frames were all validated and written
             self.last_finish = r.finish()
 
     def _receiver(self) -> MirrorReceiver:
