@@ -293,7 +293,8 @@ class CoordinatorActor(Recovery, Inspection):
         self._engines_answer({e: self.engines[e].prepare.remote(transfer, attempt, base, target, base_id)
                               for e in req}, "prepare")
         t1 = time.perf_counter()
-        sink = self.transport.sink(req, req)  # engines outside the required set (healing, evicted) get nothing
+        # engines outside the required set (healing, evicted) get nothing; their clusters' windows keep it
+        sink = self.transport.sink(req, req, every_cluster=True)
         self._phase("stream", transfer, attempt, target)
         sums = get_all({o: h.dcr_stream.remote(transfer, attempt, base, target, sink, base_id=base_id)
                           for o, h in self.owners.items()}, t, "stream")

@@ -107,7 +107,8 @@ class ObjectStoreTransport:
                timeout_s: float = 10.0) -> list[str]:
         return []  # no actors of its own
 
-    def sink(self, targets: list[str] | None, required: list[str]) -> ObjectStoreSink:
+    def sink(self, targets: list[str] | None, required: list[str], *, every_cluster: bool = False) -> ObjectStoreSink:
+        # one store for every cluster: what is written stays for the window whoever reads it
         engines = [self._engines[e] for e in (targets if targets is not None else required)]
         return ObjectStoreSink(self.url, self.options, engines, targets,
                                max_inflight=self.config.transport.max_inflight_payloads,

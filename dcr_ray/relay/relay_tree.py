@@ -133,8 +133,9 @@ class RelayTransport:
             self.relays.update(made)
             self.heads[c.name] = made[tree.relay_id]
 
-    def sink(self, targets: list[str] | None, required: list[str]) -> RelaySink:
-        clusters = {self._engine_cluster[e] for e in targets} if targets is not None else set(self.heads)
+    def sink(self, targets: list[str] | None, required: list[str], *, every_cluster: bool = False) -> RelaySink:
+        every = targets is None or every_cluster
+        clusters = set(self.heads) if every else {self._engine_cluster[e] for e in targets}
         heads = [h for c, h in self.heads.items() if c in clusters]
         return RelaySink(heads, targets, max_inflight=self.config.transport.max_inflight_payloads,
                          timeout_s=self.config.commit.timeout_s)

@@ -64,8 +64,11 @@ class Transport(Protocol):
                timeout_s: float = 10.0) -> list[str]:
         """Re-create the transport's actors that died (re-planning around them); returns their ids."""
 
-    def sink(self, targets: list[str] | None, required: list[str]) -> Sink:
-        """A sink that reaches ``targets`` (engine ids), or every engine in ``required`` when None."""
+    def sink(self, targets: list[str] | None, required: list[str], *, every_cluster: bool = False) -> Sink:
+        """A sink that reaches ``targets`` (engine ids), or every engine in ``required`` when None. With
+        ``every_cluster`` (a refit's stream) the payloads also enter clusters none of ``targets`` is in,
+        delivered to no engine there but kept for their catch-up windows after the commit, so a cluster
+        whose engines are all healing or evicted can still catch up by deltas."""
 
     def release(self, transfer: str) -> None:
         """Drop every copy the transport holds of ``transfer``'s payloads (all its attempts)."""

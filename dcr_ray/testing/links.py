@@ -122,8 +122,8 @@ class EmulatedLinks:
     def repair(self, clusters, engines, engine_cluster, timeout_s: float = 10.0) -> list[str]:
         return self.inner.repair(clusters, engines, engine_cluster, timeout_s)
 
-    def sink(self, targets, required):
-        return self.inner.sink(targets, required)
+    def sink(self, targets, required, *, every_cluster: bool = False):
+        return self.inner.sink(targets, required, every_cluster=every_cluster)
 
     def release(self, transfer: str) -> None:
         self.inner.release(transfer)

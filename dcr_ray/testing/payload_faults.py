@@ -105,8 +105,8 @@ class PayloadFaults:
         self.kind = self.inner.kind
         self.signal = signal
 
-    def sink(self, targets, required):
-        return FaultySink(self.inner.sink(targets, required), self.signal)
+    def sink(self, targets, required, *, every_cluster: bool = False):
+        return FaultySink(self.inner.sink(targets, required, every_cluster=every_cluster), self.signal)
 
     def __getattr__(self, name: str):
         if name.startswith("__") or "inner" not in self.__dict__:  # pickling looks up dunders first
