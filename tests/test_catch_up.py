@@ -8,6 +8,7 @@ four committed transfers its cluster kept. Every case ends with the wrong-bits s
 
 from __future__ import annotations
 
+import importlib
 import time
 
 import raytools  # noqa: F401
@@ -127,5 +128,31 @@ def test_a_catch_up_that_does_not_fit_what_the_engine_holds_is_refused_before_an
         ray.get(eng.__ray_call__.remote(lambda self: setattr(self, "version", 3) or
                                         setattr(self, "version_id", steps[0].transfer)))
         assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 3)
+    finally:
+        refit.shutdown()
+
+
+@pytest.mark.slow
+def test_a_recreated_engine_copies_its_peer_group_by_group_and_holds_the_committed_bits(local_ray):
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainer = Trainer.remote(SPEC, lr=1e-3)
+    refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=2)],
+                           engine=dcr_ray.HFEngine(SPEC))
+    try:
+        # a/e0 hands its snapshot over in many objects even for the tiny model
+        ray.get(refit.engines()["a/e0"].__ray_call__.remote(lambda self: setattr(
+            importlib.import_module("dcr_ray.actors.engine_heal"), "SNAPSHOT_GROUP_BYTES", 1 << 14)))
+        ray.get(trainer.step.remote(seed=0))
+        refit.run()
+        ray.kill(refit.engines()["a/e1"])
+        ray.get(trainer.step.remote(seed=1))
+        assert set(refit.run().engine_versions) == {"a/e0"}
+        healed = [h for h in refit.wait_healed(timeout=120)["healed"] if h["engine"] == "a/e1"][-1]
+        assert healed["sources"][0] == "a/e0" and healed["owner_bytes"] == 0, healed
+        rec = refit.status()["commit_record"]
+        snap = ray.get(refit.engines()["a/e0"].snapshot.remote(rec["version"], rec["transfer"]))
+        assert len(snap["ref"]) > 10  # what a/e1 pulled: group by group
+        check_engines(refit, trainer)
+        assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 2)
     finally:
         refit.shutdown()
