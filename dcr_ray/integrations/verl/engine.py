@@ -6,10 +6,13 @@ veRL builds it on every actor rank (``CheckpointEngineRegistry.new("dcr", is_mas
 
 ``prepare()``
     this rank's identity (rank, world size, Ray node); spawns nothing.
-``init_process_group(rank, world_size, names)``
+``init_process_group(rank, world_size, names, master_metadata=None)``
     finds or creates this rank's dcr_ray owner actor (``dcr_verl_owner:<rank>`` in namespace ``dcr_ray``,
     on this rank's node, no CPU reserved) and returns its handle; ``names`` are the tensors the rollout
-    checkpoint holds. No process group is formed: payloads travel through dcr_ray's transport.
+    checkpoint holds. No process group is formed: payloads travel through dcr_ray's transport, so
+    ``master_metadata`` (the broadcast source's endpoint in veRL's other backends) is accepted and not
+    needed. ``rank=-1`` is veRL's "this rank sits the transfer out": no owner, and its ``send_weights``
+    sends nothing (every tensor must then be held by a rank that takes part).
 ``send_weights(engine_or_weights, global_steps)``
     reads this rank's export — the training engine's ``get_per_tensor_param_shard()`` triples when veRL
     hands over the engine (the manager asks for that path), else the pairs or triples it is given — maps
@@ -17,7 +20,10 @@ veRL builds it on every actor rank (``CheckpointEngineRegistry.new("dcr", is_mas
     hands the shards to the owner, which diffs them against the last committed bits at the next refit.
 ``receive_weights`` / ``build_topology``
     not used: engines are refit by dcr_ray's coordinator through vLLM's weight-transfer API, so both
-    raise :class:`~dcr_ray.errors.ConfigError` telling to set ``checkpoint_manager_class``.
+    raise :class:`NotDrivenHereError` (a :class:`~dcr_ray.errors.ConfigError` and the interface's own
+    ``NotImplementedError``) telling to set ``checkpoint_manager_class``. ``receive_weights`` is an
+    async generator, as veRL's rollout workers iterate it (``async for``): the error is raised at the
+    first item, on the rollout worker, with that advice.
 ``finalize()``
     nothing to free: the owner keeps the committed baseline between steps.
 
@@ -53,6 +59,14 @@ MANAGER_FQN = "dcr_ray.integrations.verl.DcrCheckpointEngineManager"
 
 _USE_MANAGER = (f"checkpoint_engine.backend={BACKEND!r} is driven by its own manager: set "
                 f"actor_rollout_ref.rollout.checkpoint_manager_class={MANAGER_FQN}")
+#: veRL's rank for an actor worker left out of the transfer group.
+SITS_OUT = -1
+
+
+class NotDrivenHereError(ConfigError, NotImplementedError):
+    """A ``CheckpointEngine`` call that veRL's own manager makes but the ``dcr`` backend does not serve (its
+    manager, :data:`MANAGER_FQN`, drives the refit): a ``ConfigError`` and the interface's
+    ``NotImplementedError``."""
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -88,14 +102,26 @@ class DcrCheckpointEngine(CheckpointEngine):
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
-        raise ConfigError(_USE_MANAGER)
+        raise NotDrivenHereError(_USE_MANAGER)
 
-    def init_process_group(self, rank: int, world_size: int, names: list[str] | None = None):
-        """Find or create this rank's owner actor; returns its handle (the manager attaches it)."""
+    def init_process_group(self, rank: int, world_size: int, names: list[str] | None = None,
+                           master_metadata: Any = None, num_senders: int | None = None):
+        """Find or create this rank's owner actor; returns its handle (the manager attaches it), or None for
+        ``rank=-1`` (this rank sits the transfer out). ``master_metadata`` and ``num_senders`` (the keys
+        veRL's collective backends' topologies carry) are accepted and unused: dcr_ray forms no process
+        group."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        if isinstance(rank, bool) or not isinstance(rank, int) or isinstance(world_size, bool) \
+                or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"init_process_group takes integer rank and world_size >= 1, got rank={rank!r}, "
+                              f"world_size={world_size!r}")
+        if rank == SITS_OUT:
+            self.rank, self.world_size, self.owner = SITS_OUT, int(world_size), None
+            return None
         if not 0 <= rank < world_size:
-            raise ConfigError(f"rank {rank} outside a world of {world_size}")
+            raise ConfigError(f"rank {rank} outside a world of {world_size} (use {SITS_OUT} for a rank that sits "
+                              f"the transfer out)")
         self.rank, self.world_size = int(rank), int(world_size)
         self.names = set(names) if names is not None else None
         if self.owner is None:
@@ -119,6 +145,8 @@ class DcrCheckpointEngine(CheckpointEngine):
         ``weights``: veRL's training engine (its ``get_per_tensor_param_shard()`` triples are read: no
         gather), or an iterable of ``(name, local_shard, ShardSpec)`` triples or ``(name, tensor)`` pairs.
         """
+        if self.rank == SITS_OUT:
+            return {}  # veRL left this rank out of the transfer: another rank sends what it holds
         if self.owner is None:
             raise ConfigError(f"send_weights before init_process_group: {_USE_MANAGER}")
         t0 = time.perf_counter()
@@ -139,8 +167,11 @@ class DcrCheckpointEngine(CheckpointEngine):
 
     # -- rollout side ------------------------------------------------------------------------------
     async def receive_weights(self, global_steps: int | None = None):
-        raise ConfigError(_USE_MANAGER + " (rollout engines are refit by dcr_ray's coordinator through vLLM's "
-                          "weight-transfer API, not through receive_weights)")
+        """An async generator, as veRL's interface says; it raises :class:`NotDrivenHereError` at the first
+        item (rollout engines are refit by dcr_ray's coordinator, never through this path)."""
+        raise NotDrivenHereError(_USE_MANAGER + " (rollout engines are refit by dcr_ray's coordinator through "
+                                 "vLLM's weight-transfer API, not through receive_weights)")
+        yield  # unreachable: makes this an async generator
 
 
-__all__ = ["BACKEND", "DcrCheckpointEngine", "MANAGER_FQN", "OWNER_PREFIX"]
+__all__ = ["BACKEND", "DcrCheckpointEngine", "MANAGER_FQN", "NotDrivenHereError", "OWNER_PREFIX", "SITS_OUT"]

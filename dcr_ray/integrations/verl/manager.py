@@ -1,11 +1,16 @@
 """``DcrCheckpointEngineManager``: veRL's ``CheckpointEngineManager`` with a dcr_ray refit inside.
 
 veRL's own manager forms one collective group of trainer ranks and rollout workers per sync and streams
-weights through it. This subclass keeps veRL's replica handling (``abort_replicas`` before,
+weights through it. This subclass keeps veRL's replica handling (``abort_replicas``, waking replicas
+``sleep_replicas`` put to sleep, ``release_kv_cache_replicas`` before; ``resume_kv_cache_replicas`` and
 ``resume_generation_replicas`` after) and replaces the middle with dcr_ray's protocol::
 
     update_weights(global_steps)
       abort_replicas()                                   veRL's own: requests paused, prefix caches kept
+      wake_up_replicas()                                 veRL's own, if sleep_replicas() put them to sleep
+                                                         (HYBRID / COLOCATED: the trainer sleeps them before
+                                                         training and relies on update_weights to wake them)
+      release_kv_cache_replicas()                        veRL's own (settings.release_kv_cache)
       first call: execute_checkpoint_engine("prepare")   rank identities (nothing spawned)
                   execute_checkpoint_engine("init_process_group", rank, world, names)
                                                          each rank's owner actor, on its node
@@ -16,12 +21,17 @@ weights through it. This subclass keeps veRL's replica handling (``abort_replica
                   on sub-meshes, e.g. FSDP inside a tensor-parallel grid, do not name their replicas)
                   dcr_ray.launch(owners, clusters=[ClusterSpec(adopt=[AdoptedVllmServer(replica URL)])])
                   servers that already hold the trainer's bits join by digest, others get a dense refit
-      later:      refit.remote()                         owners diff + stream XOR/OVERWRITE frames through
+      later:      replicas whose served weights a sleep or release may have dropped (veRL 0.9.1 sleeps
+                  HYBRID replicas at level 2, and releases KV cache with a level-2 sleep: on GPU both
+                  discard the weights) show by digest that they still serve the committed bits (their
+                  workers digest what they serve, nothing is written); if one does not, the sync fails
+                  closed with a BackendError naming the setting that keeps the weights, and nothing is sent
+                  refit.remote()                         owners diff + stream XOR/OVERWRITE frames through
                                                          the relay tree (one crossing per cluster); engines
                                                          validate, apply, ACK; the commit record is written
                                                          only when every required engine holds every
                                                          payload; owners then promote their baseline
-      resume_generation_replicas()
+      resume_kv_cache_replicas(); resume_generation_replicas()     veRL's own, even when the sync failed
 
 ``mode="delta_sharded"`` is the worker's switch for "the checkpoint engine drives the training engine
 itself" (veRL's ``ActorRolloutRefWorker.update_weights`` hands ``self.actor.engine`` to ``send_weights``
@@ -46,7 +56,7 @@ from verl.checkpoint_engine.base import CheckpointEngineManager
 from verl.utils.ray_utils import auto_await
 
 import dcr_ray
-from dcr_ray.errors import ConfigError
+from dcr_ray.errors import BackendError, ConfigError
 from dcr_ray.integrations.verl.engine import BACKEND
 from dcr_ray.integrations.verl.settings import VerlDcrSettings
 from dcr_ray.integrations.verl.shards import declared_boxes, replica_exclusions
@@ -77,6 +87,8 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
         self.refit: dcr_ray.Refit | None = None
         self.owners: dict[str, Any] | None = None
         self._stale = False
+        self._asleep = False  # sleep_replicas() ran and nothing woke them since
+        self._engine_of: dict[int, str] = {}  # replica rank -> its adopted engine id
 
     # -- topology ----------------------------------------------------------------------------------
     def _checkpoint(self) -> str:
@@ -105,6 +117,7 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
                 addr = by_rank[r].server_address
                 if not addr:
                     raise ConfigError(f"rollout replica {r} has no server address yet: launch its servers first")
+                self._engine_of[r] = f"{name}/a{len(adopt)}"  # dcr_ray's id of the i-th adopted engine
                 adopt.append(AdoptedVllmServer(f"http://{addr}", checkpoint=checkpoint,
                                                timeout_s=self.settings.timeout_s))
             out.append(dcr_ray.ClusterSpec(name=name, adopt=adopt))
@@ -146,6 +159,59 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
         super().remove_replicas(replicas)
         self._stale = True
 
+    @auto_await
+    async def sleep_replicas(self):
+        """veRL's: put every replica to sleep (HYBRID / COLOCATED free weights and KV cache); the next
+        :meth:`update_weights` wakes them."""
+        await super().sleep_replicas()
+        self._asleep = True
+
+    @auto_await
+    async def wake_up_replicas(self):
+        """veRL's: wake every replica (weights and KV cache)."""
+        await super().wake_up_replicas()
+        self._asleep = False
+
+    def _dropped(self, slept: bool, released: bool) -> list[str]:
+        """Engine ids of the replicas whose served weights the sleep / KV release may have discarded, by what
+        veRL 0.9.1's vLLM servers do: nothing without ``free_cache_engine``; COLOCATED sleeps at level 1
+        (weights offloaded, kept) and skips the release; HYBRID sleeps and releases at level 2 (weights
+        discarded on GPU); STANDALONE skips the sleep but releases at level 2."""
+        out = []
+        for i, r in enumerate(self.replicas):
+            if getattr(getattr(r, "config", None), "free_cache_engine", True) is False:
+                continue
+            mode = str(getattr(getattr(r, "rollout_mode", None), "value", getattr(r, "rollout_mode", "")) or "")
+            if mode == "colocated":
+                continue
+            if (released or (slept and mode != "standalone")) and \
+                    int(getattr(r, "replica_rank", i)) in self._engine_of:
+                out.append(self._engine_of[int(getattr(r, "replica_rank", i))])
+        return out
+
+    def _verify(self, engine_ids: list[str]) -> None:
+        """Each engine in ``engine_ids`` must still serve the committed version: its proxy has the server's
+        workers digest what they serve against the owners' committed box digests (the check a joining
+        engine passes; nothing is written). :class:`BackendError` names those whose bits are gone."""
+        if not engine_ids:
+            return
+        status = self.refit.status()
+        version, record = status["version"], status.get("commit_record") or {}
+        digests: dict = {}
+        for d in ray.get([h.dcr_digests.remote() for h in self.owners.values()], timeout=self.settings.timeout_s):
+            digests.update(d)
+        engines = self.refit.engines()
+        held = ray.get([engines[e].join_by_digest.remote(version, digests, record.get("transfer"))
+                        for e in engine_ids], timeout=self.settings.timeout_s)
+        lost = [e for e, ok in zip(engine_ids, held) if not ok]
+        if lost:
+            raise BackendError(
+                f"rollout engines {lost} no longer serve the committed version {version} after veRL's sleep / KV-cache "
+                f"release (veRL 0.9.1 does both with a level-2 vLLM sleep, which discards the weights on GPU), so "
+                f"no delta can apply to them; nothing was sent. Keep the weights: set checkpoint_engine.engine_kwargs."
+                f"dcr.release_kv_cache: false and, for HYBRID replicas, rollout.free_cache_engine: false (or use "
+                f"veRL's naive backend for a colocated run)")
+
     def shutdown(self) -> None:
         """Stop the dcr_ray topology (coordinator, proxies, relays); the vLLM servers keep running."""
         if self.refit is not None:
@@ -170,20 +236,30 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
         if self.refit is not None and self._stale:
             self.shutdown()
         await self.abort_replicas()
+        slept, released = self._asleep, False
         try:
+            if slept:  # veRL's trainer slept them (HYBRID / COLOCATED) and relies on this call to wake them
+                await self.wake_up_replicas()
+            if self.settings.release_kv_cache:
+                released = True
+                await self.release_kv_cache_replicas()
             if self.owners is None:
                 await asyncio.to_thread(self.build_process_group)
             sent = await asyncio.gather(*self.actor_wg.update_weights(global_steps=global_steps,
                                                                       mode=ENGINE_DRIVEN_MODE))
-            if self.refit is None:
+            if self.refit is None:  # launch: every engine joins by digest or is bootstrapped densely
                 await asyncio.to_thread(self._dedupe_replicas)
                 await asyncio.to_thread(self._launch)
                 status = self.refit.status()
                 return {"checkpoint_engine/dcr_version": float(status.get("version", 0)),
                         "checkpoint_engine/dcr_launched": 1.0, **_sum(sent)}
+            dropped = self._dropped(slept, released)
+            await asyncio.to_thread(self._verify, dropped)
             report = await asyncio.wait_for(self.refit.remote(), timeout=self.settings.timeout_s)
-            return {**_sum(sent), **report_metrics(report)}
+            return {**_sum(sent), **report_metrics(report), "checkpoint_engine/dcr_verified": float(len(dropped))}
         finally:
+            if released:
+                await self.resume_kv_cache_replicas()
             await self.resume_generation_replicas()
 
 

@@ -36,6 +36,12 @@ class VerlDcrSettings:
     to apply) or ``context`` (fewer wire bytes, more receiver CPU: for link-bound refits)."""
     timeout_s: float = 600.0
     """Bound on one refit (and on launch with its first dense bootstrap) in seconds."""
+    release_kv_cache: bool = True
+    """Call veRL's ``release_kv_cache_replicas`` before each sync and ``resume_kv_cache_replicas`` after, as
+    veRL's own manager does (KV-cache memory is free during the sync). veRL 0.9.1 releases with a level-2
+    sleep, which on GPU discards the served weights too: each released replica is checked by digest
+    before the sync, and one whose bits are gone fails the sync (nothing is sent). Set False (or
+    ``rollout.free_cache_engine: false``) where that happens: GPU replicas with ``free_cache_engine``."""
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any] | None) -> "VerlDcrSettings":
@@ -57,6 +63,9 @@ class VerlDcrSettings:
             raise ConfigError(f"engine_kwargs.dcr.coding must be 'plain' or 'context', got {self.coding!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError(f"engine_kwargs.dcr.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if not isinstance(self.release_kv_cache, bool):
+            raise ConfigError(f"engine_kwargs.dcr.release_kv_cache must be true or false, got "
+                              f"{self.release_kv_cache!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"engine_kwargs.dcr.timeout_s must be > 0, got {self.timeout_s!r}")
         seen: dict[int, str] = {}
