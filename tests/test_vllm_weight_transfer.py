@@ -111,20 +111,20 @@ class TestDcrUpdateInfoValidation:
 
 
 class TestDcrEngineParsing:
-    def test_parse_init_info_reads_the_checkpoint_version_and_key(self):
+    def test_init_info_parses_into_the_checkpoint_version_and_key(self):
         info = _engine().parse_init_info({"checkpoint": "/ckpt", "version": 7, "key": "ab"})
         assert isinstance(info, DcrInitInfo)
         assert (info.checkpoint, info.version, info.key, info.verify_reload) == ("/ckpt", 7, "ab", True)
 
-    def test_parse_init_info_without_the_checkpoint_is_refused(self):
+    def test_init_info_without_the_checkpoint_is_refused(self):
         with pytest.raises(ValueError, match="Invalid init_info"):
             _engine().parse_init_info({"version": 0})
 
-    def test_parse_update_info_reads_versions_and_frames(self):
+    def test_update_info_parses_into_versions_and_frames(self):
         info = _engine().parse_update_info({"base": 1, "target": 2, "frames_b64": ["AQI="]})
         assert isinstance(info, DcrUpdateInfo) and (info.base, info.target, info.frames_b64) == (1, 2, ["AQI="])
 
-    def test_parse_update_info_with_an_unknown_field_is_refused(self):
+    def test_update_info_with_an_unknown_field_is_refused(self):
         with pytest.raises(ValueError, match="Invalid update_info"):
             _engine().parse_update_info({"base": 1, "target": 2, "names": ["w"]})
 
@@ -197,13 +197,13 @@ class RecordingClient:
 
 
 class TestTrainerClients:
-    def test_recording_client_is_protocol(self):
+    def test_the_recording_client_is_a_vllm_weight_sync_client(self):
         assert isinstance(RecordingClient(), VLLMWeightSyncClient)
 
-    def test_http_client_is_protocol(self):
+    def test_vllms_http_client_is_a_vllm_weight_sync_client(self):
         assert isinstance(HTTPVLLMWeightSyncClient("http://localhost:8000"), VLLMWeightSyncClient)
 
-    def test_ray_client_is_protocol(self):
+    def test_vllms_ray_client_is_a_vllm_weight_sync_client(self):
         assert isinstance(RayVLLMWeightSyncClient([]), VLLMWeightSyncClient)
 
     def test_the_http_client_sends_dcr_frame_bytes_as_base64_json(self):
@@ -231,16 +231,16 @@ def _module_with(*pairs):
 
 
 class TestModuleSource:
-    def test_metadata_reads_shape_and_dtype(self):
+    def test_metadata_reads_each_parameters_shape_and_dtype(self):
         meta = ModuleSource(_module_with(("w", torch.zeros(2, 3)), ("b", torch.zeros(3)))).metadata()
         assert [m.name for m in meta] == ["w", "b"] and [m.shape for m in meta] == [(2, 3), (3,)]
 
-    def test_iteration_yields_materialized_tensors(self):
+    def test_iteration_yields_the_materialized_tensors(self):
         w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
         pairs = list(ModuleSource(_module_with(("w", w))))
         assert [n for n, _ in pairs] == ["w"] and torch.equal(pairs[0][1], w)
 
-    def test_source_is_reiterable(self):
+    def test_a_source_can_be_iterated_again(self):
         source = ModuleSource(_module_with(("w", torch.zeros(2))))
         assert [n for n, _ in source] == [n for n, _ in source] == ["w"]
 
