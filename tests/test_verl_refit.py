@@ -27,9 +27,11 @@ The HYBRID flow is veRL's trainer's: ``sleep_replicas()`` right after building t
 each training step; ``update_weights()`` must wake them (veRL's own manager wakes them through its KV-cache
 release / resume). Checks: the server joins at launch without a dense frame (its digests equal the ranks'
 shards), two syncs after real AdamW steps commit, each woken replica shows by digest that it still
-serves the committed bits (a level-2 sleep could have discarded its weights on a GPU), every served tensor's bits equal the gathered trainer state
-(box digests checked by the server's workers, nothing written), and the server generates exactly (token
-ids and logprobs, ``==``) what a freshly loaded engine of the gathered weights generates.
+serves the committed bits (a level-2 sleep could have discarded its weights on a GPU), every served
+tensor's bits equal the gathered trainer state (box digests checked by the server's workers, nothing
+written), the server generates exactly (token ids and logprobs, ``==``) what a freshly loaded engine of
+the gathered weights generates, and once its served bits are changed behind dcr_ray's back (what a
+discarding sleep does) the next sync fails closed and sends nothing.
 """
 
 from __future__ import annotations
