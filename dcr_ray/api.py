@@ -14,13 +14,16 @@
     print(report)
 
 ``Refit`` is a thin public class over the private coordinator actor (named
-:data:`~dcr_ray.options.COORDINATOR_NAME` in namespace :data:`~dcr_ray.options.NAMESPACE`, so
-``Refit.get()`` finds it from any driver, and the Ray dashboard shows it with its owners, relays and
-engines).
+:data:`~dcr_ray.options.COORDINATOR_NAME` in the topology's namespace, :attr:`RefitConfig.namespace
+<dcr_ray.config.RefitConfig.namespace>`, :data:`~dcr_ray.options.NAMESPACE` by default), so
+``Refit.get(namespace=...)`` finds it from any driver, and the Ray dashboard shows it with its owners,
+relays and engines. Two topologies share one Ray cluster under two namespaces
+(``launch(..., namespace="reward")``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -79,13 +82,15 @@ class Refit:
     :meth:`run` is the blocking shortcut.
     """
 
-    def __init__(self, actor):
+    def __init__(self, actor, namespace: str = NAMESPACE):
         self._actor = actor
+        self.namespace = namespace
 
     @classmethod
-    def get(cls) -> "Refit":
-        """The topology launched earlier in this Ray cluster (by any driver)."""
-        return cls(ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE))
+    def get(cls, namespace: str = NAMESPACE) -> "Refit":
+        """The topology launched earlier in this Ray cluster (by any driver) in ``namespace``; ``ValueError``
+        when none runs there."""
+        return cls(ray.get_actor(COORDINATOR_NAME, namespace=namespace), namespace)
 
     def remote(self) -> ray.ObjectRef:
         """Start a refit; returns the ObjectRef of its :class:`RefitReport` (``ray.get`` it).
@@ -167,22 +172,28 @@ class Refit:
         """
         return ray.get(self._actor.replace_owner.remote(owner_id, handle))
 
-    def shutdown(self) -> None:
+    def shutdown(self, force: bool = False) -> None:
         """Kill the coordinator, engines and relays and remove their placement groups; also the owners
         ``launch(owner_tensors=...)`` made (owners given by the caller are left alone).
 
         Engines and relays outlive the coordinator (they are detached), so this also works when the
-        coordinator already died: it then finds them by name.
+        coordinator already died: it then finds them (and their placement groups) by name.
+        ``force=True`` does not ask the coordinator first (it may be stuck in a long call): the
+        topology's actors and placement groups are removed by name at once.
         """
-        self._shutdown()
+        self._shutdown(force=force)
 
-    def _shutdown(self, keep: set[str] = frozenset()) -> None:
+    def _shutdown(self, keep: set[str] = frozenset(), force: bool = False) -> None:
         """:meth:`shutdown`, sparing the engine and relay names in ``keep`` (those of another topology)."""
+        ns = self.namespace
         try:
+            if force:
+                raise ray.exceptions.GetTimeoutError("shutdown(force=True)")
             ray.get(self._actor.teardown.remote(), timeout=_SHUTDOWN_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            _kill_named(_TOPOLOGY_PREFIXES, keep=keep)
-        _kill_named((OWNER_PREFIX,))  # the owners launch(owner_tensors=...) made (detached, by name)
+            _kill_named(_TOPOLOGY_PREFIXES, keep=keep, namespace=ns)
+            _remove_placement_groups(ns)
+        _kill_named((OWNER_PREFIX,), namespace=ns)  # the owners launch(owner_tensors=...) made (detached)
         ray.kill(self._actor, no_restart=True)
 
 
@@ -197,6 +208,7 @@ def launch(
     transport: Transport | None = None,
     resume: bool = False,
     timeout_s: float | None = None,
+    namespace: str | None = None,
 ) -> Refit:
     """Start a topology: coordinator, engines per cluster, the transport; attach owners; bootstrap.
 
@@ -216,6 +228,10 @@ def launch(
     continues at the committed version. (A coordinator that merely crashed is restarted by Ray and
     resumes by itself.)
 
+    ``namespace`` (default ``config.namespace``, ``"dcr_ray"``) is the Ray namespace of every actor of
+    the topology: launch a second topology in the same Ray cluster under another one, and reach each
+    with ``Refit.get(namespace=...)``.
+
     ``timeout_s`` bounds the whole launch (placement, start-up, attach, dense bootstrap); default
     ``config.commit.start_timeout_s``. Past it, or on any failure, launch removes everything it
     created and raises (:class:`~dcr_ray.errors.RefitTimeoutError` for the timeout).
@@ -234,34 +250,44 @@ def launch(
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
         raise ConfigError(f"launch(timeout_s=...) must be a positive number of seconds, got {timeout_s!r}")
     planned = owners if owners is not None else {f"owner{i}": StandaloneOwner for i in range(len(owner_tensors))}
-    config = validate(config or RefitConfig(), clusters, planned, engine)
+    config = config or RefitConfig()
+    if namespace is not None:
+        if not isinstance(config, RefitConfig):
+            raise ConfigError(f"config must be a dcr_ray.RefitConfig, got {type(config).__name__}")
+        if config.namespace not in (NAMESPACE, namespace):
+            raise ConfigError(f"launch(namespace={namespace!r}) and RefitConfig.namespace={config.namespace!r} "
+                              f"differ: give one of them")
+        config = dataclasses.replace(config, namespace=namespace)
+    config = validate(config, clusters, planned, engine)
+    ns = config.namespace
     _check_placeable(coordinator_resources)
-    if _coordinator_exists():
-        raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in this Ray cluster; "
-                          "use dcr_ray.Refit.get() to reach it, or its shutdown() first")
-    if owner_tensors is not None and _named((OWNER_PREFIX,)):
-        raise ConfigError(f"owner actors {sorted(_named((OWNER_PREFIX,)))} of an earlier launch(owner_tensors=...) "
-                          f"still run in namespace {NAMESPACE!r} without a coordinator: kill them "
-                          f"(ray.kill(ray.get_actor(name, namespace={NAMESPACE!r}))) or resume that topology "
+    if _coordinator_exists(ns):
+        raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in namespace {ns!r} of this "
+                          f"Ray cluster; use dcr_ray.Refit.get(namespace={ns!r}) to reach it, or its shutdown() "
+                          f"first, or launch this topology in another namespace (launch(..., namespace=...))")
+    if owner_tensors is not None and _named((OWNER_PREFIX,), ns):
+        raise ConfigError(f"owner actors {sorted(_named((OWNER_PREFIX,), ns))} of an earlier "
+                          f"launch(owner_tensors=...) still run in namespace {ns!r} without a coordinator: kill "
+                          f"them (ray.kill(ray.get_actor(name, namespace={ns!r}))) or resume that topology "
                           f"with launch(owners=..., resume=True)")
-    foreign = _named(_TOPOLOGY_PREFIXES)  # a failed launch must not sweep another topology's actors
+    foreign = _named(_TOPOLOGY_PREFIXES, ns)  # a failed launch must not sweep another topology's actors
     own_owners = owner_tensors is not None
     if own_owners:
         # detached and named, like engines and relays: they outlive this driver's handles and a coordinator
         # restart (a restarted coordinator reaches them through the handles it was constructed with)
         Owner = ray.remote(StandaloneOwner)
         owners = {f"owner{i}": Owner.options(**actor_options("owner", f"{OWNER_PREFIX}owner{i}",
-                                                             detached=True)).remote(t)
+                                                             detached=True, namespace=ns)).remote(t)
                   for i, t in enumerate(owner_tensors)}
     Coordinator = ray.remote(CoordinatorActor)
     # detached and restarted by Ray when its process dies: it resumes from the commit record
     actor = Coordinator.options(**actor_options("coordinator", COORDINATOR_NAME, resources=coordinator_resources,
-                                                detached=True, max_restarts=-1)).remote(
+                                                detached=True, max_restarts=-1, namespace=ns)).remote(
         config, clusters, engine, dict(owners), transport)
     n_eng = sum(c.started + len(c.adopt) for c in clusters)
     log.info("starting %d engines in %d clusters, %d owners, transport=%s; dense bootstrap...", n_eng,
              len(clusters), len(owners), config.transport.kind)
-    refit = Refit(actor)
+    refit = Refit(actor, ns)
     limit = timeout_s if timeout_s is not None else config.commit.start_timeout_s
     try:
         try:
@@ -281,9 +307,9 @@ def launch(
         # their names once more after it is (detached actors claim their names when created).
         refit._shutdown(keep=foreign)
         deadline = time.monotonic() + _SWEEP_WAIT_S
-        while _coordinator_exists() and time.monotonic() < deadline:
+        while _coordinator_exists(ns) and time.monotonic() < deadline:
             time.sleep(0.1)
-        _kill_named(_TOPOLOGY_PREFIXES, keep=foreign)
+        _kill_named(_TOPOLOGY_PREFIXES, keep=foreign, namespace=ns)
         raise
     return refit
 
@@ -302,19 +328,31 @@ _SWEEP_WAIT_S = 10.0
 _TOPOLOGY_PREFIXES = ("dcr_engine:", "dcr_relay:")
 
 
-def _named(prefixes: tuple[str, ...]) -> set[str]:
-    """Names of the live actors of dcr_ray's namespace that start with one of ``prefixes``."""
+def _named(prefixes: tuple[str, ...], namespace: str = NAMESPACE) -> set[str]:
+    """Names of the live actors of ``namespace`` that start with one of ``prefixes``."""
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and a["name"].startswith(prefixes)}
+            if a["namespace"] == namespace and a["name"].startswith(prefixes)}
 
 
-def _kill_named(prefixes: tuple[str, ...], keep: set[str] = frozenset()) -> None:
-    """Kill every actor of dcr_ray's namespace whose name starts with one of ``prefixes``, except ``keep``."""
-    for name in _named(prefixes) - set(keep):
+def _kill_named(prefixes: tuple[str, ...], keep: set[str] = frozenset(), namespace: str = NAMESPACE) -> None:
+    """Kill every actor of ``namespace`` whose name starts with one of ``prefixes``, except ``keep``."""
+    for name in _named(prefixes, namespace) - set(keep):
         try:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
         except (ValueError, ray.exceptions.RayActorError):
             pass  # died meanwhile
+
+
+def _remove_placement_groups(namespace: str) -> None:
+    """Remove the placement groups of the topology of ``namespace`` (named ``dcr_cluster:<namespace>/...``,
+    see :mod:`~dcr_ray.actors.placement`) that this driver can reach by name."""
+    for info in ray.util.placement_group_table().values():
+        name = str(info.get("name") or "")
+        if name.startswith(f"dcr_cluster:{namespace}/") and info.get("state") != "REMOVED":
+            try:
+                ray.util.remove_placement_group(ray.util.get_placement_group(name))
+            except Exception:  # another job's namespace, or removed meanwhile
+                pass
 
 
 def _check_placeable(resources: dict | None) -> None:
@@ -329,9 +367,9 @@ def _check_placeable(resources: dict | None) -> None:
                           f"{have}); give resources a node has, or start a node with them")
 
 
-def _coordinator_exists() -> bool:
+def _coordinator_exists(namespace: str = NAMESPACE) -> bool:
     try:
-        ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
+        ray.get_actor(COORDINATOR_NAME, namespace=namespace)
     except ValueError:
         return False
     return True

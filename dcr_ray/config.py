@@ -18,6 +18,7 @@ from typing import Literal, Mapping, get_args
 
 from dcr_ray.codec.format import MAX_BUCKET_BYTES
 from dcr_ray.errors import ConfigError
+from dcr_ray.options import NAMESPACE
 
 __all__ = ["ApplyMode", "ClusterSpec", "CodecConfig", "CommitConfig", "EngineConfig", "Encodings", "OwnerConfig",
            "PlacementStrategy", "PromoteMode", "RefitConfig", "TransportConfig", "TransportKind", "validate"]
@@ -286,8 +287,15 @@ class RefitConfig:
     commit: CommitConfig = field(default_factory=CommitConfig)
     engines: EngineConfig = field(default_factory=EngineConfig)
     owners: OwnerConfig = field(default_factory=OwnerConfig)
+    namespace: str = NAMESPACE
+    """The Ray namespace of every actor of this topology (coordinator, engines, relays, the owners
+    ``launch(owner_tensors=...)`` makes): two topologies (a policy and a reward model, two experiments)
+    share one Ray cluster under two namespaces; ``Refit.get(namespace=...)`` reaches each."""
 
     def __post_init__(self):
+        if not isinstance(self.namespace, str) or not _CLUSTER_NAME.fullmatch(self.namespace):
+            raise ConfigError(f"RefitConfig.namespace must be a non-empty name of letters, digits, '.', '_' "
+                              f"or '-' (a Ray namespace), got {self.namespace!r}")
         for name, cls in (("codec", CodecConfig), ("transport", TransportConfig), ("commit", CommitConfig),
                           ("engines", EngineConfig), ("owners", OwnerConfig)):
             if not isinstance(getattr(self, name), cls):

@@ -23,6 +23,8 @@ def add_parser(groups) -> None:
                           description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default="auto", help="Ray cluster address (default: the running local one)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--namespace", default=None,
+                   help="the topology's Ray namespace (default: dcr_ray, launch()'s default)")
     p.set_defaults(func=run)
 
 
@@ -32,16 +34,17 @@ def run(args) -> int:
     from dcr_ray.api import Refit
     from dcr_ray.options import NAMESPACE
 
+    ns = args.namespace or NAMESPACE
     try:
-        ray.init(address=args.address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=args.address, namespace=ns, logging_level="ERROR", log_to_driver=False)
     except ConnectionError as e:
         print(f"dcr-ray status: no Ray cluster at {args.address!r} ({e})", file=sys.stderr)
         return 1
     try:
-        refit = Refit.get()
+        refit = Refit.get(namespace=ns)
     except ValueError:
-        print("dcr-ray status: no dcr_ray topology runs in this Ray cluster (nothing named "
-              "'dcr_coordinator' in namespace 'dcr_ray')", file=sys.stderr)
+        print(f"dcr-ray status: no dcr_ray topology runs in this Ray cluster (nothing named "
+              f"'dcr_coordinator' in namespace {ns!r}; another namespace: --namespace NAME)", file=sys.stderr)
         return 1
     st = refit.status(detail=True)
     print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))

@@ -231,7 +231,7 @@ LAUNCH_NAMES = ("dcr_coordinator", "dcr_owner:owner0", "dcr_engine:a/e0", "dcr_e
 def test_a_second_launch_in_the_same_ray_cluster_fails_with_a_clear_error_and_leaves_the_first_running(local_ray):
     refit, trainers = _launch(dcr_ray.RefitConfig(), world=1, engines=(1, 1))
     try:
-        with pytest.raises(dcr_ray.errors.ConfigError, match="already runs in this Ray cluster"):
+        with pytest.raises(dcr_ray.errors.ConfigError, match="already runs in namespace"):
             dcr_ray.launch(owners=trainers, clusters=[dcr_ray.ClusterSpec(name="other")], engine=dcr_ray.HFEngine(SPEC))
         assert _alive(*LAUNCH_NAMES, "dcr_engine:c0/e0") == {"dcr_coordinator", "dcr_engine:c0/e0"}
         ray.get(trainers[0].step.remote(seed=2))

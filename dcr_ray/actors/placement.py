@@ -26,26 +26,27 @@ def _bundle(c: ClusterSpec) -> dict[str, float]:
     return b
 
 
-def pg_name(c: ClusterSpec) -> str:
-    """The name of cluster ``c``'s placement group (a resumed coordinator finds it by name)."""
-    return f"dcr_cluster:{c.name}"
+def pg_name(c: ClusterSpec, namespace: str) -> str:
+    """The name of cluster ``c``'s placement group in the topology of ``namespace`` (a resumed coordinator
+    finds it by name; two topologies' clusters of one name do not collide)."""
+    return f"dcr_cluster:{namespace}/{c.name}"
 
 
-def find(c: ClusterSpec):
+def find(c: ClusterSpec, namespace: str):
     """Cluster ``c``'s existing placement group, or None."""
     if c.placement is None or not c.started:
         return None
     try:
-        return ray.util.get_placement_group(pg_name(c))
+        return ray.util.get_placement_group(pg_name(c, namespace))
     except ValueError:
         return None
 
 
-def reserve(c: ClusterSpec, timeout_s: float):
+def reserve(c: ClusterSpec, timeout_s: float, namespace: str):
     """The ready placement group of cluster ``c`` (None when it asks for none)."""
     if c.placement is None or not c.started:
         return None
-    pg = ray.util.placement_group([_bundle(c)] * c.started, strategy=c.placement, name=pg_name(c),
+    pg = ray.util.placement_group([_bundle(c)] * c.started, strategy=c.placement, name=pg_name(c, namespace),
                                   lifetime="detached")
     try:
         ray.get(pg.ready(), timeout=timeout_s)

@@ -23,7 +23,7 @@ import ray
 from dcr_ray.actors import placement
 from dcr_ray.actors.engine import EngineActor
 from dcr_ray.config import ClusterSpec, RefitConfig
-from dcr_ray.options import NAMESPACE, actor_options, create_named
+from dcr_ray.options import actor_options, create_named
 from dcr_ray.relay.transport import Transport
 
 
@@ -69,16 +69,16 @@ class Topology:
     def _spawn(self, eid: str, config: RefitConfig):
         cname, factory, bundle = self._plan[eid]
         c = self.clusters[cname]
-        opts = actor_options("engine", engine_name(eid), detached=True,
+        opts = actor_options("engine", engine_name(eid), detached=True, namespace=config.namespace,
                              **placement.engine_options(c, self.pgs.get(cname), bundle))
         return create_named(lambda: ray.remote(EngineActor).options(**opts).remote(
-            eid, cname, factory, config, self.transport.reader(cname)), engine_name(eid))
+            eid, cname, factory, config, self.transport.reader(cname)), engine_name(eid), namespace=config.namespace)
 
     def start(self, backend_factory, config: RefitConfig) -> None:
         """Create every engine actor, then the transport's own actors."""
         self._plan_engines(backend_factory, config)
         for c in self.clusters.values():
-            self.pgs[c.name] = placement.reserve(c, config.commit.timeout_s)
+            self.pgs[c.name] = placement.reserve(c, config.commit.timeout_s, config.namespace)
         for eid in self._plan:
             self.engines[eid] = self._spawn(eid, config)
         self.transport.build(list(self.clusters.values()), self.engines, self.engine_cluster)
@@ -88,11 +88,11 @@ class Topology:
         re-created. Returns the ids of re-created engines (they need a dense bootstrap)."""
         self._plan_engines(backend_factory, config)
         for c in self.clusters.values():
-            self.pgs[c.name] = placement.find(c)
+            self.pgs[c.name] = placement.find(c, config.namespace)
         fresh = []
         for eid in self._plan:
             try:
-                self.engines[eid] = ray.get_actor(engine_name(eid), namespace=NAMESPACE)
+                self.engines[eid] = ray.get_actor(engine_name(eid), namespace=config.namespace)
             except ValueError:
                 self.engines[eid] = self._spawn(eid, config)
                 fresh.append(eid)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 import ray
 
 from dcr_ray.codec import PayloadKey
-from dcr_ray.options import NAMESPACE, actor_options, create_named
+from dcr_ray.options import actor_options, create_named
 from dcr_ray.relay.backpressure import wait_bounded
 from dcr_ray.relay.relay import RelayActor
 from dcr_ray.relay.tree import plan_tree
@@ -116,16 +116,17 @@ class RelayTransport:
                 name = f"dcr_relay:{node.relay_id}"
                 if find and node.relay_id not in replace:
                     try:
-                        made[node.relay_id] = ray.get_actor(name, namespace=NAMESPACE)
+                        made[node.relay_id] = ray.get_actor(name, namespace=self.config.namespace)
                         continue
                     except ValueError:
                         pass  # gone: create it again
-                opts = actor_options("relay", name, resources=c.resources, detached=True)
+                opts = actor_options("relay", name, resources=c.resources, detached=True,
+                                     namespace=self.config.namespace)
                 cross = self.on_cross.get(c.name) if head else None
                 made[node.relay_id] = create_named(  # called at once: the loop variables are current
                     lambda: Relay.options(**opts).remote(node.relay_id, c.name, head=head, on_cross=cross,
                                                          window_bytes=self.config.transport.catchup_window_bytes),
-                    name, wait_s=RELAY_NAME_RELEASE_S)
+                    name, wait_s=RELAY_NAME_RELEASE_S, namespace=self.config.namespace)
             for node in tree.walk():
                 kids = [("engine", engines[e], [e]) for e in node.engines]
                 kids += [("relay", made[s.relay_id], s.all_engines()) for s in node.subrelays]
