@@ -20,8 +20,8 @@ from dcr_ray.codec.format import MAX_BUCKET_BYTES
 from dcr_ray.errors import ConfigError
 from dcr_ray.options import NAMESPACE
 
-__all__ = ["ApplyMode", "ClusterSpec", "CodecConfig", "CommitConfig", "EngineConfig", "Encodings", "OwnerConfig",
-           "PlacementStrategy", "PromoteMode", "RefitConfig", "TransportConfig", "TransportKind", "validate"]
+__all__ = ["ApplyMode", "ClusterSpec", "CodecConfig", "Coding", "CommitConfig", "EngineConfig", "Encodings",
+           "OwnerConfig", "PlacementStrategy", "PromoteMode", "RefitConfig", "TransportConfig", "TransportKind", "validate"]
 
 TransportKind = Literal["relay", "object_store"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportKind)
@@ -30,6 +30,8 @@ ApplyMode = Literal["in_place", "staged"]
 RollbackMode = Literal["in_place", "dense"]
 PromoteMode = Literal["background", "inline"]
 GpuBaseline = Literal["device", "host"]
+Coding = Literal["auto", "context", "plain"]
+CODINGS: tuple[str, ...] = get_args(Coding)
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
@@ -141,15 +143,24 @@ class CodecConfig:
     encodings: Encodings = "mixed"
     """``"mixed"``: XOR masks where allowed, absolute bits elsewhere (every retry sends ``"overwrite"``
     anyway). ``"overwrite"``: absolute new bits only."""
-    coding: Literal["context", "plain"] = "plain"
-    """How ``"mixed"`` first attempts code their relative chunks. ``"plain"`` (default): XOR masks at flat
+    coding: Coding = "auto"
+    """How ``"mixed"`` first attempts code their relative chunks. ``"plain"``: XOR masks at flat
     positions; receivers write only the changed elements. ``"context"``: XOR masks or integer differences
     and flat or class-order positions, picked per item; 0.54-0.72x the bytes of ``"plain"`` on AdamW
-    refits (``dcr-ray bench codec``), but each receiver reads the old bits of every class-ordered item's
-    whole range to place the changes (6-9x the apply CPU time on AdamW steps). Choose it when the link,
-    not the receivers' CPU, bounds a refit (slow cross-region links). Not with vLLM's capture mode under
-    tensor parallelism: a rank holds only its shard, cannot read the old bits class order needs, and
-    fails the attempt (the overwrite retry repairs it, at the cost of a second send)."""
+    refits (``dcr-ray bench codec``), for more CPU on both sides: each class-ordered item's whole range
+    of old bits is walked by the sender and by every receiver. ``"auto"`` (default): the coordinator
+    decides per refit from what recent refits measured, context where the link bounds the refit and plain
+    where the CPU does, and records the choice and why in the report (``RefitReport.coding`` /
+    ``coding_reason``; :mod:`dcr_ray.actors.coding_choice`). Owners encode once for every cluster, so
+    ``"auto"`` judges the slowest cluster link the refit feeds. An owner streaming without a coordinator
+    (vLLM's trainer-side weight transfer) codes ``"auto"`` plainly. Not ``"context"`` with vLLM's capture
+    mode under tensor parallelism: a rank holds only its shard, cannot read the old bits class order
+    needs, and fails the attempt (the overwrite retry repairs it, at the cost of a second send); ``"auto"``
+    turns back to plain for a while after a context refit that needed a retry."""
+    link_mbps: float | dict[str, float] | None = None
+    """The cluster links' throughput in Mbit/s for ``coding="auto"``: one figure for every cluster, or a
+    figure per cluster name (every cluster named). ``None`` (default): measured, from the bytes the
+    relays (or object-storage reads) counted into each cluster over recent refits' stream time."""
     key: bytes | None = None
     """Shared secret for keyed BLAKE2b frame digests; receivers reject frames not signed with it."""
 
@@ -166,9 +177,26 @@ class CodecConfig:
             raise ConfigError(f"CodecConfig.zstd_level must be an integer in 0..22 (0: no compression, 1 is the "
                               f"fastest zstd), got {self.zstd_level!r}")
         _choice("CodecConfig", "encodings", self.encodings, get_args(Encodings))
-        _choice("CodecConfig", "coding", self.coding, ("context", "plain"))
+        _choice("CodecConfig", "coding", self.coding, CODINGS)
+        self._check_link_mbps()
         if self.key is not None and not (isinstance(self.key, bytes) and 1 <= len(self.key) <= 64):
             raise ConfigError("CodecConfig.key must be bytes of length 1..64 (a BLAKE2b key) or None")
+
+    def _check_link_mbps(self) -> None:
+        v = self.link_mbps
+        if v is None:
+            return
+        if self.coding != "auto":
+            raise ConfigError(f"CodecConfig.link_mbps informs coding='auto' only; with coding={self.coding!r} "
+                              f"drop link_mbps (or set coding='auto')")
+        figures = v.items() if isinstance(v, dict) else [("", v)]
+        for name, mbps in figures:
+            if not isinstance(name, str) or isinstance(mbps, bool) or not isinstance(mbps, (int, float)) \
+                    or not math.isfinite(mbps) or mbps <= 0:
+                raise ConfigError(f"CodecConfig.link_mbps must be a finite number of Mbit/s > 0, or a dict "
+                                  f"cluster name -> such a number (e.g. {{'us-east': 1000}}); got {v!r}")
+        if isinstance(v, dict) and not v:
+            raise ConfigError("CodecConfig.link_mbps is an empty dict: name every cluster, or use None (measured)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -319,6 +347,10 @@ def validate(config: RefitConfig, clusters: list[ClusterSpec], owners: Mapping[s
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"cluster names must be unique; {dup} appear more than once")
+    links = config.codec.link_mbps
+    if isinstance(links, dict) and set(links) != set(names):
+        raise ConfigError(f"CodecConfig.link_mbps names clusters {sorted(links)}, the clusters are {sorted(names)}: "
+                          f"give a figure for each cluster (or one number for all)")
     if not owners:
         raise ConfigError("at least one owner is needed: owners=[trainer actors] or owner_tensors=[...]")
     starts = [c.name for c in clusters if c.started]

@@ -39,15 +39,31 @@ class RefitReport:
     warnings: list = field(default_factory=list)
     """Failures after the commit record was written (the refit still committed): an owner that did
     not promote, an engine that did not activate and left the required set."""
+    coding: str = "plain"
+    """Coding of the first attempt's relative items: ``plain`` or ``context`` (``CodecConfig.coding``;
+    with ``"auto"``, what the coordinator chose for this refit)."""
+    coding_reason: str = ""
+    """Why that coding: configured, or ``"auto"``'s comparison of link and codec throughput, with its
+    figures (:mod:`dcr_ray.actors.coding_choice`)."""
+    coding_inputs: dict = field(default_factory=dict)
+    """The figures ``"auto"`` compared: the slowest fed link's bytes/s and where that figure comes from,
+    the changed elements it planned for, and per coding the predicted link and codec seconds."""
+    cpu_seconds: dict = field(default_factory=dict)
+    """Process CPU seconds per role and actor, from before ``prepare`` to after ``activate``:
+    ``{"owners": {id: s}, "relays": {id: s}, "engines": {id: s}}`` (:mod:`dcr_ray.actors.cpu_clock`;
+    an actor that did not answer its reading is missing)."""
 
     @classmethod
     def from_stages(cls, *, version: int, transfer: str, attempts: int, sums: dict, acks: dict, link_bytes: dict,
-                    engine_versions: dict, warnings: list, marks: dict) -> "RefitReport":
+                    engine_versions: dict, warnings: list, marks: dict, coding=None,
+                    cpu_seconds: dict | None = None) -> "RefitReport":
         """Assemble the report of a committed attempt.
 
         ``sums``: owner id -> stream summary; ``acks``: engine id -> flush reply; ``marks``: clock
         readings (``perf_counter``) at ``start``, ``prepare``, ``stream``, ``flushed``, ``record``,
-        ``promoted``, ``activated`` and ``end``.
+        ``promoted``, ``activated`` and ``end``; ``coding``: the refit's
+        :class:`~dcr_ray.actors.coding_choice.CodingChoice`; ``cpu_seconds``: what
+        :meth:`~dcr_ray.actors.cpu_clock.CpuClock.stop` read.
         """
         m = marks
         construct = max(s["construct_s"] for s in sums.values())
@@ -62,7 +78,11 @@ class RefitReport:
                    payloads=sum(len(s["payloads"]) for s in sums.values()),
                    wire_bytes=sum(s["wire_bytes"] for s in sums.values()), link_bytes=link_bytes,
                    changed=sum(s["changed"] for s in sums.values()), numel=sum(s["numel"] for s in sums.values()),
-                   engine_versions=engine_versions, mode=next(iter(sums.values()))["mode"], warnings=warnings)
+                   engine_versions=engine_versions, mode=next(iter(sums.values()))["mode"], warnings=warnings,
+                   coding=next(iter(sums.values())).get("coding", "plain"),
+                   coding_reason=getattr(coding, "reason", ""),
+                   coding_inputs=dict(getattr(coding, "inputs", {})),
+                   cpu_seconds=dict(cpu_seconds or {}))
 
     @property
     def change_rate(self) -> float:
@@ -71,6 +91,11 @@ class RefitReport:
     @property
     def retries(self) -> int:
         return self.attempts - 1
+
+    @property
+    def cpu_role_seconds(self) -> dict[str, float]:
+        """CPU seconds per role, summed over its actors (``{"owners": s, "relays": s, "engines": s}``)."""
+        return {role: sum(per.values()) for role, per in self.cpu_seconds.items()}
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -86,6 +111,6 @@ class RefitReport:
             f"apply {s.get('apply', 0):.2f}s, commit {s.get('commit', 0):.2f}s) | "
             f"{self.changed:,}/{self.numel:,} elements changed ({100 * self.change_rate:.2f}%) | "
             f"{self.payloads} payloads, {self.wire_bytes / 1e6:.2f} MB [{links}] | "
-            f"{self.mode}, retries {self.retries} | engines {sorted(set(self.engine_versions.values()))}"
+            f"{self.mode} ({self.coding}), retries {self.retries} | engines {sorted(set(self.engine_versions.values()))}"
             + "".join(f"\n  warning: {w}" for w in self.warnings)
         )

@@ -247,13 +247,13 @@ def test_a_partly_applied_first_attempt_rolls_back_exactly_and_a_retry_overwrite
         assert torch.equal(ints(live[n]), ints(new[n]))
 
 
-def test_owners_code_first_attempts_plain_unless_told_context():
+def test_owners_code_as_configured_and_auto_is_decided_per_refit():
     from dcr_ray.config import CodecConfig
     from dcr_ray.errors import ConfigError
 
-    # context coding costs receivers ~8x the apply CPU: an opt-in for link-bound refits
-    assert CodecConfig().coding == "plain" and CodecConfig(coding="context").coding == "context"
-    with pytest.raises(ConfigError):
+    # context coding costs both sides CPU: "auto" (the default) picks it where the link bounds a refit
+    assert CodecConfig().coding == "auto" and CodecConfig(coding="context").coding == "context"
+    with pytest.raises(ConfigError, match=r"coding must be one of \('auto', 'context', 'plain'\)"):
         CodecConfig(coding="zigzag")
 
 

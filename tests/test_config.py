@@ -22,6 +22,13 @@ BAD = [
     (lambda: dcr_ray.CodecConfig(chunk_elems=True), "chunk_elems"),
     (lambda: dcr_ray.TransportConfig(max_inflight_payloads=2.5), r"max_inflight_payloads must be an integer in 1\.\.1024"),
     (lambda: dcr_ray.TransportConfig(max_inflight_payloads=0), "max_inflight_payloads"),
+    (lambda: dcr_ray.CodecConfig(coding="fast"), r"CodecConfig.coding must be one of \('auto', 'context', 'plain'\)"),
+    (lambda: dcr_ray.CodecConfig(link_mbps=0), r"link_mbps must be a finite number of Mbit/s > 0"),
+    (lambda: dcr_ray.CodecConfig(link_mbps=float("inf")), "link_mbps"),
+    (lambda: dcr_ray.CodecConfig(link_mbps="1000"), "link_mbps"),
+    (lambda: dcr_ray.CodecConfig(link_mbps={"us-east": -5}), r"cluster name -> such a number"),
+    (lambda: dcr_ray.CodecConfig(link_mbps={}), "name every cluster"),
+    (lambda: dcr_ray.CodecConfig(coding="plain", link_mbps=100), r"informs coding='auto' only; .* drop link_mbps"),
 ]
 
 
@@ -36,3 +43,14 @@ def test_good_settings_still_pass():
     dcr_ray.CommitConfig(dir="/tmp/x")
     dcr_ray.CodecConfig(chunk_elems=1 << 16, bucket_bytes=1 << 20)
     dcr_ray.TransportConfig(max_inflight_payloads=2)
+    dcr_ray.CodecConfig(link_mbps=100)
+    dcr_ray.CodecConfig(link_mbps={"us-east": 1000, "eu": 250.5})
+
+
+def test_a_link_figure_per_cluster_must_name_exactly_the_clusters():
+    from dcr_ray.config import validate
+
+    config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(link_mbps={"us-east": 1000}))
+    clusters = [dcr_ray.ClusterSpec(name="us-east"), dcr_ray.ClusterSpec(name="eu")]
+    with pytest.raises(ConfigError, match=r"names clusters \['us-east'\], the clusters are \['eu', 'us-east'\]"):
+        validate(config, clusters, {"o": object()}, engine=lambda: None)

@@ -20,8 +20,9 @@ Two ways in:
 Protocol (driven by the coordinator; every call is idempotent for the same arguments)::
 
     dcr_attach(owner_id, config) -> specs        # baseline := current bits, version 0
-    dcr_stream(transfer, attempt, base, target, sink, base_id="") -> summary
+    dcr_stream(transfer, attempt, base, target, sink, base_id="", coding=None) -> summary
         attempt 0: diff every tensor, keep the changed set *pending*, send mixed (XOR/OVERWRITE) frames
+                   coded as ``coding`` says (the coordinator's choice; see DeltaOwner.stream)
         attempt>0: re-send the same pending changed set as OVERWRITE (repairs any partial XOR)
     dcr_promote(version)                         # after the commit record: pending -> baseline
                                                  # (in a background thread unless
@@ -40,6 +41,7 @@ from typing import Iterable, Mapping
 import torch
 
 from dcr_ray import metrics
+from dcr_ray.actors.coding_choice import stream_coding
 from dcr_ray.codec.baseline import BaselineStore
 from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec.diff import TensorDelta, full_delta
@@ -51,7 +53,6 @@ from dcr_ray.sharding.digest import shard_digests
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
 from dcr_ray.relay.transport import Sink
-
 
 
 def stable_hash(name: str) -> int:
@@ -137,11 +138,14 @@ class DeltaOwner:
 
     # -- one transfer -------------------------------------------------------------------------------
     def stream(self, tensors: Mapping[str, torch.Tensor], *, transfer: str, attempt: int, base: int,
-               target: int, sink, base_id: str = "") -> dict:
+               target: int, sink, base_id: str = "", coding: str | None = None) -> dict:
         """Diff (attempt 0) or reuse the pending set (retries) and send every frame through ``sink``.
 
         ``base_id`` names the committed content ``base`` (the commit record's transfer); every frame
-        carries it, so an engine holding other content with the same version number refuses them."""
+        carries it, so an engine holding other content with the same version number refuses them.
+        ``coding``: ``"plain"`` or ``"context"`` for a first attempt; None takes ``CodecConfig.coding``
+        (``"auto"``, which a coordinator decides per refit, is plain for an owner streaming on its own)."""
+        coding = stream_coding(self.config.codec.coding, coding, self.owner_id)
         self.settle()
         if base != self.store.version:
             raise BaselineError(
@@ -157,11 +161,11 @@ class DeltaOwner:
         if fresh:
             self.store.begin(target)
             self._pending_transfer = transfer
-            deltas = self._diff_all(tensors)
+            deltas = self._diff_all(tensors, coding)
         else:
             deltas = iter(self.store.pending())
         summary = self._send(deltas, transfer=transfer, attempt=attempt, base=base, target=target,
-                             mode=mode, sink=sink, t0=t0, base_id=base_id)
+                             mode=mode, sink=sink, t0=t0, base_id=base_id, coding=coding)
         summary["key"] = key
         summary["numel"] = self._numel_total
         self._last_summary = summary
@@ -178,7 +182,7 @@ class DeltaOwner:
         return (self.store.in_arena(name) and spec.is_direct and spec.cells[0].name == name
                 and not spec.overwrite_only and name not in self.device)
 
-    def _diff_all(self, tensors: Mapping[str, object]) -> Iterable[TensorDelta | PackDelta]:
+    def _diff_all(self, tensors: Mapping[str, object], coding: str) -> Iterable[TensorDelta | PackDelta]:
         shards = resolve_shards(tensors, to_host=False)
         self._check_layout(shards)
         for plan in self._plans:  # small tensors: one scan per pack
@@ -196,12 +200,13 @@ class DeltaOwner:
                                         chunk_elems=self.config.codec.chunk_elems)
             else:
                 td = self.store.diff(name, t if t.device.type == "cpu" else t.detach().cpu(),
-                                     class_order=self.config.codec.coding == "context")
+                                     class_order=coding == "context")
             if td.chunks:
                 self.store.add_pending(td)
                 yield td
 
-    def _send(self, deltas, *, transfer, attempt, base, target, mode, sink, t0, base_id: str = "") -> dict:
+    def _send(self, deltas, *, transfer, attempt, base, target, mode, sink, t0, base_id: str = "",
+              coding: str = "plain") -> dict:
         meta = FrameMeta(transfer=transfer, attempt=attempt, producer=self.owner_id, payload=0,
                          base=base, target=target, base_id=base_id)
         payloads: list[PayloadKey] = []
@@ -217,7 +222,7 @@ class DeltaOwner:
         overwrite_only = {n: False for s in self.specs.values() if s.overwrite_only for n in s.names}
         for frame in encode_frames(canonical, meta, mode=mode, bucket_bytes=self.config.codec.bucket_bytes,
                                    zstd_level=self.config.codec.zstd_level, key=self.config.codec.key,
-                                   xor_ok=overwrite_only, coding=self.config.codec.coding):
+                                   xor_ok=overwrite_only, coding=coding):
             key = PayloadKey(transfer, attempt, self.owner_id, len(payloads))
             ts = time.perf_counter()
             sink.send(frame, key)
@@ -236,6 +241,7 @@ class DeltaOwner:
             "construct_s": time.perf_counter() - t0 - send_s,
             "send_wait_s": send_s,
             "mode": mode,
+            "coding": coding,
         }
 
     def bootstrap(self, *, transfer: str, sink) -> dict:
@@ -346,9 +352,9 @@ class OwnerMixin:
         return self._dcr
 
     def dcr_stream(self, transfer: str, attempt: int, base: int, target: int, sink: Sink,
-                   base_id: str = "") -> dict:
+                   base_id: str = "", coding: str | None = None) -> dict:
         return self._dcr_owner().stream(self.dcr_tensors(), transfer=transfer, attempt=attempt,
-                                        base=base, target=target, sink=sink, base_id=base_id)
+                                        base=base, target=target, sink=sink, base_id=base_id, coding=coding)
 
     def dcr_bootstrap(self, transfer: str, sink: Sink) -> dict:
         return self._dcr_owner().bootstrap(transfer=transfer, sink=sink)
