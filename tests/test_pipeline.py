@@ -45,15 +45,18 @@ def _assert_engines_hold(refit, trainers):
             assert torch.equal(got[n].view(torch.int16), dense_sd[n].view(torch.int16)), (eid, n)
 
 
-# both transports and both codings, each once (the codec tests pin every coding on each transport's frames)
-@pytest.mark.parametrize("transport,coding", [("relay", "plain"), ("object_store", "context")])
+# both transports and every coding, each once (the codec tests pin every coding on each transport's frames);
+# "auto" on a configured 1 Mbit/s link: the first refit codes plainly (nothing measured), then the link
+# bounds the refit and the second codes with class order
+@pytest.mark.parametrize("transport,coding", [("relay", "plain"), ("object_store", "context"), ("relay", "auto")])
 def test_engines_are_bit_identical_to_the_trainer_and_a_dense_reload_after_several_refits(local_ray, transport,
                                                                                          coding):
-    refit, trainers = _launch(dcr_ray.RefitConfig(transport=dcr_ray.TransportConfig(kind=transport),
-                                                  codec=dcr_ray.CodecConfig(coding=coding)))
+    codec = dcr_ray.CodecConfig(coding=coding, link_mbps=1.0 if coding == "auto" else None)
+    refit, trainers = _launch(dcr_ray.RefitConfig(transport=dcr_ray.TransportConfig(kind=transport), codec=codec))
     try:
         # the engines started from another seed: the dense bootstrap already made them equal
         _assert_engines_hold(refit, trainers)
+        codings = []
         for step in range(3):
             ray.get([t.step.remote(seed=step) for t in trainers])
             report = ray.get(refit.remote())
@@ -61,7 +64,18 @@ def test_engines_are_bit_identical_to_the_trainer_and_a_dense_reload_after_sever
             assert set(report.engine_versions.values()) == {step + 1}
             assert report.changed > 0 and report.wire_bytes > 0 and report.retries == 0
             assert 0 < report.change_rate < 1
+            assert report.coding_reason
+            codings.append((report.coding, report.coding_reason))
+            # process CPU time of every actor of the refit, per role
+            assert set(report.cpu_seconds["owners"]) == {"owner0", "owner1"} and set(report.cpu_seconds["engines"]) \
+                == set(report.engine_versions)
+            assert all(s > 0 for s in report.cpu_seconds["owners"].values())
+            assert len(report.cpu_seconds["relays"]) == (2 if transport == "relay" else 0)
             _assert_engines_hold(refit, trainers)
+        if coding == "auto":  # then class order is measured, and the third refit judges on both codings' costs
+            assert [c for c, _ in codings[:2]] == ["plain", "context"] and codings[2][1].count("(measured)") == 2
+        else:
+            assert [c for c, _ in codings] == [coding] * 3
         # each cluster received every payload's bytes exactly once
         assert set(report.link_bytes) == {"c0", "c1"}
         if transport == "relay":

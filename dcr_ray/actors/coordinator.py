@@ -47,8 +47,10 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from dcr_ray import metrics
 from dcr_ray.actors.calls import ActorsDied, gather, get_all
+from dcr_ray.actors.coding_choice import choose_coding
 from dcr_ray.actors.commit import CommitLog, CommitRecord
 from dcr_ray.actors.coverage import check_coverage
+from dcr_ray.actors.cpu_clock import CpuClock
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.actors.healing import Healing
 from dcr_ray.actors.inspection import Inspection
@@ -288,7 +290,8 @@ class CoordinatorActor(Recovery, Inspection):
         t = self.config.commit.timeout_s
         req = sorted(self.required)
         base_id = self._last_transfer()  # frames are bound to the committed content, not only its number
-        t0 = time.perf_counter()
+        choice = choose_coding(self.config.codec, self.history, {self.topology.engine_cluster[e] for e in req})
+        t0, clock = time.perf_counter(), CpuClock.start(self.topology, req)
         self._phase("prepare", transfer, attempt, target)
         self._engines_answer({e: self.engines[e].prepare.remote(transfer, attempt, base, target, base_id)
                               for e in req}, "prepare")
@@ -296,8 +299,8 @@ class CoordinatorActor(Recovery, Inspection):
         # engines outside the required set (healing, evicted) get nothing; their clusters' windows keep it
         sink = self.transport.sink(req, req, every_cluster=True)
         self._phase("stream", transfer, attempt, target)
-        sums = get_all({o: h.dcr_stream.remote(transfer, attempt, base, target, sink, base_id=base_id)
-                          for o, h in self.owners.items()}, t, "stream")
+        sums = get_all({o: h.dcr_stream.remote(transfer, attempt, base, target, sink, base_id=base_id,
+                                                coding=choice.coding) for o, h in self.owners.items()}, t, "stream")
         keys = [k for s in sums.values() for k in s["payloads"]]
         self._phase("flush", transfer, attempt, target)
         acks = self._engines_answer({e: self.engines[e].flush.remote(transfer, attempt, keys, t) for e in req},
@@ -343,9 +346,9 @@ class CoordinatorActor(Recovery, Inspection):
                                        base_id=base_id, keys=[tuple(k) for k in keys]))
         report = RefitReport.from_stages(
             version=target, transfer=transfer, attempts=attempt + 1, sums=sums, acks=acks, link_bytes=link,
-            engine_versions=versions, warnings=warnings,
+            engine_versions=versions, warnings=warnings, coding=choice,
             marks={"start": t_start, "prepare": t0, "stream": t1, "flushed": t2, "record": t_rec,
-                   "promoted": t_pro, "activated": t_act, "end": time.perf_counter()})
+                   "promoted": t_pro, "activated": t_act, "end": time.perf_counter()}, cpu_seconds=clock.stop())
         self.history.append({**report.to_dict(), "request": request})
         metrics.record("refit_seconds", report.seconds["total"])
         metrics.record("refit_wire", report.wire_bytes)
