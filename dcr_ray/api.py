@@ -142,9 +142,17 @@ class Refit:
         return ray.get(self._actor.relay_stats.remote())
 
     def rejoin(self, engine_id: str) -> dict:
-        """Bring ``engine_id`` to the committed version now (from a peer of its cluster, else densely from
-        the owners) and add it to the required set; re-created first if its actor died."""
+        """Bring ``engine_id`` to the committed version now (by the deltas it missed, else from a peer, else
+        densely from the owners: see :mod:`~dcr_ray.actors.healing`) and add it to the required set;
+        re-created first if its actor died."""
         return ray.get(self._actor.rejoin.remote(engine_id))
+
+    def invalidate(self, engine_id: str, why: str = "changed outside dcr_ray") -> dict:
+        """Tell dcr_ray that ``engine_id``'s weights changed outside it (a vLLM sleep at level 2 discarded
+        them, a reload from disk, a manual edit): no delta may build on them. The engine leaves the
+        required set, holds no version, and heals now: it rejoins without frames if its served bits still
+        have the committed digests, else from a peer, else densely from the owners. Returns ``status()``."""
+        return ray.get(self._actor.invalidate.remote(engine_id, why))
 
     def wait_healed(self, timeout: float = 600.0, poll_s: float = 0.5) -> dict:
         """Wait until no engine is healing in the background (dead, evicted or joining engines heal while

@@ -156,3 +156,30 @@ def test_a_recreated_engine_copies_its_peer_group_by_group_and_holds_the_committ
         assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 2)
     finally:
         refit.shutdown()
+
+
+@pytest.mark.slow
+def test_an_invalidated_engine_refuses_to_serve_until_it_heals_and_then_holds_the_committed_bits(local_ray):
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainer = Trainer.remote(SPEC, lr=1e-3)
+    refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=2)],
+                           engine=dcr_ray.HFEngine(SPEC))
+    try:
+        ray.get(trainer.step.remote(seed=0))
+        refit.run()
+        eng = refit.engines()["a/e1"]
+        ray.get(eng.invalidate.remote("a test changed its weights"))
+        with pytest.raises(EngineStateError, match="holds no version"):
+            ray.get(eng.generate.remote([[1, 2, 3]], 2))
+        with pytest.raises(dcr_ray.errors.ConfigError, match="unknown engine"):
+            refit.invalidate("a/e9")
+        st = refit.invalidate("a/e1", "its weights were reloaded from disk")
+        assert st["required"] == ["a/e0", "a/e1"]
+        healed = [h for h in st["healed"] if h["engine"] == "a/e1"][-1]
+        assert healed["sources"] == ["a/e0"] and healed["reason"].startswith("invalidated"), healed
+        assert ray.get(eng.generate.remote([[1, 2, 3]], 2))["version"] == 1
+        ray.get(trainer.step.remote(seed=1))
+        assert set(refit.run().engine_versions) == {"a/e0", "a/e1"}
+        assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 2)
+    finally:
+        refit.shutdown()

@@ -31,7 +31,8 @@ serves the committed bits (a level-2 sleep could have discarded its weights on a
 tensor's bits equal the gathered trainer state (box digests checked by the server's workers, nothing
 written), the server generates exactly (token ids and logprobs, ``==``) what a freshly loaded engine of
 the gathered weights generates, and once its served bits are changed behind dcr_ray's back (what a
-discarding sleep does) the next sync fails closed and sends nothing.
+discarding sleep does) the next sync finds it by digest, repairs it densely from the trainer's owners
+(``Refit.invalidate``), then sends the step's delta, and the server serves the trainer's bits again.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ requests = pytest.importorskip("requests")
 from test_vllm_server import Server, _fresh_engine_outputs  # noqa: E402
 from vllmtools import served_bits_equal, write_checkpoint  # noqa: E402
 
-from dcr_ray.errors import BackendError  # noqa: E402
 
 from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
 from dcr_ray.testing.sharded_trainer import start_ranks  # noqa: E402
@@ -282,12 +282,18 @@ def test_a_hybrid_verl_sync_wakes_the_slept_server_and_leaves_it_with_the_fsdp_r
         assert served_bits_equal(server.url, 2, state)
         got = server.greedy()
         # what a GPU's level-2 sleep does (discard the served weights), done here by writing other bits into
-        # the server through vLLM's own HTTP client (frames as bytes): the next sync fails closed, sends nothing
+        # the server through vLLM's own HTTP client (frames as bytes): the next sync finds it by digest,
+        # repairs it densely from the trainer's owners, then sends the step's delta
         _overwrite_served(server.url, state, version=2)
+        assert not served_bits_equal(server.url, 2, state)
         manager.sleep_replicas()
-        with pytest.raises(BackendError, match=r"no longer serve the committed version 2.*release_kv_cache: false"):
-            manager.update_weights(global_steps=3)
-        assert manager.refit.status()["version"] == 2 and not _is_sleeping(server.url)
+        ray.get([r.step.remote(seed=3) for r in ranks])
+        m = manager.update_weights(global_steps=3)
+        assert m["checkpoint_engine/dcr_repaired_densely"] == 1.0 and m["checkpoint_engine/dcr_version"] == 3
+        healed = [h for h in manager.refit.status()["healed"] if h["engine"] == "rollout/a0"][-1]
+        assert healed["sources"] == ["owners"] and healed["owner_bytes"] > 0, healed
+        assert server.weight_version() == "3" and not _is_sleeping(server.url)
+        assert served_bits_equal(server.url, 3, ray.get([r.gathered_state.remote() for r in ranks])[0])
     finally:
         manager.shutdown()
         server.stop()

@@ -2,7 +2,8 @@
 
 A replacement owner is checked against :meth:`DigestMembership.box_digests` of a settled engine; an
 adopted engine that already serves the committed version joins through
-:meth:`DigestMembership.join_by_digest` instead of a dense bootstrap. A mixin of
+:meth:`DigestMembership.join_by_digest` instead of a dense bootstrap; one whose weights changed outside
+dcr_ray is told so (:meth:`DigestMembership.invalidate`) and holds no version until it heals. A mixin of
 :class:`~dcr_ray.actors.engine.EngineActor` (it uses the engine's lock and state).
 """
 
@@ -23,6 +24,19 @@ class DigestMembership:
             if self._cur is not None or self._touched is not None or self._dirty is not None or self.version is None:
                 raise EngineStateError(f"engine {self.engine_id} holds no settled version to digest")
             return {"version": self.version, "digests": box_digests(self.backend.tensors(), boxes)}
+
+    def invalidate(self, why: str) -> dict:
+        """Hold no version: this engine's weights changed outside dcr_ray (``why``; e.g. a vLLM sleep at
+        level 2 discarded them, or its owner reloaded them). It refuses deltas and generation until it
+        heals (by digest, when its bits turn out to be the committed ones after all, else densely); an
+        update it held open is closed unapplied. Returns :meth:`state`."""
+        with self._cv:
+            self._cur = None
+            self._staged = []
+            self._mark_dirty(f"invalidated: {why}")
+            self._stats["invalidated"] = self._stats.get("invalidated", 0) + 1
+            self._cv.notify_all()
+        return self.state()
 
     def join_by_digest(self, version: int, digests: dict, version_id: str | None = None) -> bool:
         """Join at committed ``version`` without a dense bootstrap if the backend shows, by the owners'

@@ -237,7 +237,8 @@ class Healing:
                     # it over (or it cannot take a copy: an adopted engine's bits are not addressable)
                     self._set(e, phase="bootstrapping", source="owners")
                     c.required.discard(e)
-                    self._took(e, "owners", owner_bytes=c._bootstrap([e]))  # it joins the required set
+                    sent = c._bootstrap([e])  # it joins the required set (an adopted engine by digest if it can)
+                    self._took(e, "owners" if sent else "digest", owner_bytes=sent)
                     return {"engine": e, "version": version}
                 if peer is not None:
                     try:  # between refits (they hold the lock), so the peer holds the version settled

@@ -196,6 +196,19 @@ class Recovery:
             except Exception as err:
                 log.warning("dcr_ray: readmitting engine %s failed: %r", e, err)
 
+    def invalidate(self, engine_id: str, why: str) -> dict:
+        """``Refit.invalidate``: ``engine_id``'s weights changed outside dcr_ray; it leaves the required
+        set, holds no version, and heals now (by digest when its bits are still the committed ones, else
+        from a peer, else densely from the owners: :mod:`~dcr_ray.actors.healing`)."""
+        if engine_id not in self.engines:
+            raise ConfigError(f"unknown engine {engine_id!r}; known: {sorted(self.engines)}")
+        with self._lock:  # between refits
+            self.required.discard(engine_id)
+            self.evicted.discard(engine_id)
+            ray.get(self.engines[engine_id].invalidate.remote(str(why)), timeout=self.config.commit.timeout_s)
+        self.healer.heal_now(engine_id, f"invalidated: {why}", respawn=False)
+        return self.status()
+
     def replace_owner(self, owner_id: str, handle) -> dict:
         """Put ``handle`` in place of owner ``owner_id`` (one that died) at the committed version.
 

@@ -24,8 +24,10 @@ weights through it. This subclass keeps veRL's replica handling (``abort_replica
       later:      replicas whose served weights a sleep or release may have dropped (veRL 0.9.1 sleeps
                   HYBRID replicas at level 2, and releases KV cache with a level-2 sleep: on GPU both
                   discard the weights) show by digest that they still serve the committed bits (their
-                  workers digest what they serve, nothing is written); if one does not, the sync fails
-                  closed with a BackendError naming the setting that keeps the weights, and nothing is sent
+                  workers digest what they serve, nothing is written); one that does not is invalidated
+                  (Refit.invalidate) and repaired densely from the owners before the delta is sent (what
+                  veRL's naive backend sends every time; keep the weights with release_kv_cache: false /
+                  rollout.free_cache_engine: false to avoid it)
                   refit.remote()                         owners diff + stream XOR/OVERWRITE frames through
                                                          the relay tree (one crossing per cluster); engines
                                                          validate, apply, ACK; the commit record is written
@@ -56,7 +58,7 @@ from verl.checkpoint_engine.base import CheckpointEngineManager
 from verl.utils.ray_utils import auto_await
 
 import dcr_ray
-from dcr_ray.errors import BackendError, ConfigError
+from dcr_ray.errors import ConfigError
 from dcr_ray.integrations.verl.engine import BACKEND
 from dcr_ray.integrations.verl.settings import VerlDcrSettings
 from dcr_ray.integrations.verl.shards import declared_boxes, replica_exclusions
@@ -189,12 +191,13 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
                 out.append(self._engine_of[int(getattr(r, "replica_rank", i))])
         return out
 
-    def _verify(self, engine_ids: list[str]) -> None:
+    def _verify(self, engine_ids: list[str]) -> int:
         """Each engine in ``engine_ids`` must still serve the committed version: its proxy has the server's
         workers digest what they serve against the owners' committed box digests (the check a joining
-        engine passes; nothing is written). :class:`BackendError` names those whose bits are gone."""
+        engine passes; nothing is written). Those whose bits are gone are invalidated and repaired densely
+        from the owners (``Refit.invalidate``) before any delta is sent; returns how many."""
         if not engine_ids:
-            return
+            return 0
         status = self.refit.status()
         version, record = status["version"], status.get("commit_record") or {}
         digests: dict = {}
@@ -204,13 +207,15 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
         held = ray.get([engines[e].join_by_digest.remote(version, digests, record.get("transfer"))
                         for e in engine_ids], timeout=self.settings.timeout_s)
         lost = [e for e, ok in zip(engine_ids, held) if not ok]
-        if lost:
-            raise BackendError(
-                f"rollout engines {lost} no longer serve the committed version {version} after veRL's sleep / KV-cache "
-                f"release (veRL 0.9.1 does both with a level-2 vLLM sleep, which discards the weights on GPU), so "
-                f"no delta can apply to them; nothing was sent. Keep the weights: set checkpoint_engine.engine_kwargs."
-                f"dcr.release_kv_cache: false and, for HYBRID replicas, rollout.free_cache_engine: false (or use "
-                f"veRL's naive backend for a colocated run)")
+        for e in lost:
+            log.warning("dcr_ray: rollout engine %s no longer serves the committed version %d after veRL's sleep / "
+                        "KV-cache release (veRL 0.9.1 does both with a level-2 vLLM sleep, which discards the "
+                        "weights on GPU): repairing it densely from the trainer. Keep the weights to avoid this: "
+                        "checkpoint_engine.engine_kwargs.dcr.release_kv_cache: false and, for HYBRID replicas, "
+                        "rollout.free_cache_engine: false", e, version)
+            self.refit.invalidate(e, f"its served weights were discarded (veRL sleep / KV-cache release); "
+                                     f"digests differ from version {version}")
+        return len(lost)
 
     def shutdown(self) -> None:
         """Stop the dcr_ray topology (coordinator, proxies, relays); the vLLM servers keep running."""
@@ -254,9 +259,10 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
                 return {"checkpoint_engine/dcr_version": float(status.get("version", 0)),
                         "checkpoint_engine/dcr_launched": 1.0, **_sum(sent)}
             dropped = self._dropped(slept, released)
-            await asyncio.to_thread(self._verify, dropped)
+            repaired = await asyncio.to_thread(self._verify, dropped)
             report = await asyncio.wait_for(self.refit.remote(), timeout=self.settings.timeout_s)
-            return {**_sum(sent), **report_metrics(report), "checkpoint_engine/dcr_verified": float(len(dropped))}
+            return {**_sum(sent), **report_metrics(report), "checkpoint_engine/dcr_verified": float(len(dropped)),
+                    "checkpoint_engine/dcr_repaired_densely": float(repaired)}
         finally:
             if released:
                 await self.resume_kv_cache_replicas()
