@@ -161,8 +161,12 @@ def test_the_engine_refuses_to_send_before_it_has_an_owner_and_never_receives():
     engine = DcrCheckpointEngine(bucket_size=1, is_master=True)
     with pytest.raises(ConfigError, match="checkpoint_manager_class"):
         asyncio.run(engine.send_weights([("w", torch.ones(2))]))
+    async def receive():  # an async generator, as veRL's interface has it
+        async for _ in engine.receive_weights():
+            pass
+
     with pytest.raises(ConfigError, match="weight-transfer API"):
-        asyncio.run(engine.receive_weights())
+        asyncio.run(receive())
 
 
 def test_blocks_declared_identically_by_several_ranks_keep_exactly_one_owner_and_partial_overlaps_are_left_to_coverage():

@@ -37,7 +37,9 @@ from dcr_ray.codec.undo import UndoLog
 from dcr_ray.codec import kernels
 from dcr_ray.codec import DIGEST_SIZE, PayloadKey, decode_frame, open_frame
 from dcr_ray.config import RefitConfig
+from dcr_ray.engines.base import EngineBackend
 from dcr_ray.errors import (
+    ConfigError,
     DcrError,
     EngineStateError,
     FrameError,
@@ -61,6 +63,10 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         self.cluster = cluster
         self.config = config
         self.backend = backend_factory()
+        if not isinstance(self.backend, EngineBackend):
+            raise ConfigError(f"engine {engine_id}: the engine factory returned a {type(self.backend).__name__}; it "
+                              f"must return a dcr_ray.engines.base.EngineBackend (subclass it and implement its "
+                              f"abstract methods)")
         self.specs = self.backend.tensor_specs()
         self.version: int | None = None  # None until bootstrapped
         #: identity of the content this engine holds: the transfer that produced ``version`` (the
@@ -242,7 +248,7 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
     def _apply(self, data: bytes, frame) -> None:
         """Write a validated frame: decoded into the backend, or as wire bytes to a backend that forwards
         them to an engine of its own (adopted engines validate them again before writing)."""
-        if getattr(self.backend, "wants_wire_frames", False):
+        if self.backend.wants_wire_frames:
             self.backend.apply_wire(bytes(data), frame)
             return
         cur = self._cur
@@ -256,7 +262,7 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         # a frame closes once its raw size reaches the bucket, so it holds under two buckets
         return decode_frame(header, shapes=self.specs, expect_base=cur.base, expect_base_id=cur.base_id,
                             max_raw_bytes=max(self.config.codec.bucket_bytes * 2, 1 << 20),
-                            keep_packs=getattr(self.backend, "applies_packs", False))
+                            keep_packs=self.backend.applies_packs)
 
     def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8,
                  timeout_s: float | None = None) -> dict:
@@ -292,8 +298,7 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
                 self._touched = self._dirty = None
                 self._applied.clear()
                 self._undo.clear()
-                if hasattr(self.backend, "activate"):
-                    self.backend.activate(version)  # backends that tag their outputs with a version
+                self.backend.activate(version)  # backends that tag their outputs with a version
                 metrics.record("engine_version", version, tags=self._tags)
                 self._cv.notify_all()
             return self.version
@@ -333,12 +338,10 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         dense bootstrap. Its undo record and any open update of the backend's own are dropped."""
         self._touched = None
         self._undo.clear()
-        abandon = getattr(self.backend, "abandon", None)
-        if abandon is not None:  # a backend with an open update of its own closes it unapplied
-            try:
-                abandon()
-            except Exception as e:  # dirty either way: only a dense bootstrap trusts these weights again
-                log.warning("engine %s: closing the backend's open update failed (%r)", self.engine_id, e)
+        try:  # a backend with an open update of its own closes it unapplied
+            self.backend.abandon()
+        except Exception as e:  # dirty either way: only a dense bootstrap trusts these weights again
+            log.warning("engine %s: closing the backend's open update failed (%r)", self.engine_id, e)
         self._dirty = why
         self.version = self.version_id = None
 

@@ -74,8 +74,7 @@ class CatchUp:
             self._check_chain(steps)  # nothing moved while it read
             for cur, frames in decoded:
                 self._apply_step(cur, frames)
-            if hasattr(self.backend, "activate"):
-                self.backend.activate(self.version)
+            self.backend.activate(self.version)
             self._stats["caught_up"] = self._stats.get("caught_up", 0) + 1
             metrics.record("engine_version", self.version, tags=self._tags)
             self._cv.notify_all()

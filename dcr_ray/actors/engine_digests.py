@@ -43,18 +43,16 @@ class DigestMembership:
         box ``digests``, that it already serves it (:meth:`EngineBackend.matches_digests`). False (the
         coordinator then bootstraps densely) when it does not, cannot tell, or a transfer is open."""
         with self._cv:
-            check = getattr(self.backend, "matches_digests", None)
-            if check is None or self._cur is not None or self._touched is not None:
+            if self._cur is not None or self._touched is not None:
                 return False
-            if check(version, digests) is not True:
+            if self.backend.matches_digests(version, digests) is not True:  # None: this backend cannot tell
                 return False
             self.version = version
             self.version_id = version_id
             self._dirty = None
             self._applied.clear()
             self._undo.clear()
-            if hasattr(self.backend, "activate"):
-                self.backend.activate(version)
+            self.backend.activate(version)
             self._stats["joined_by_digest"] = self._stats.get("joined_by_digest", 0) + 1
             self._cv.notify_all()
             return True

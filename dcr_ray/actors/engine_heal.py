@@ -110,8 +110,7 @@ class PeerCopy:
                 raise EngineStateError(f"engine {self.engine_id}: {self._dirty}")
             self.version, self.version_id, self._dirty = version, version_id, None
             self._applied.clear()
-            if hasattr(self.backend, "activate"):
-                self.backend.activate(version)
+            self.backend.activate(version)
             self._stats["healed_from_peer"] = self._stats.get("healed_from_peer", 0) + 1
             metrics.record("engine_version", version, tags=self._tags)
             self._cv.notify_all()

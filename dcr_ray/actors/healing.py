@@ -47,9 +47,26 @@ MAX_ROUNDS = 5
 #: Completed heals ``status()`` lists.
 HEALED_KEPT = 20
 #: What a heal's record adds up over its rounds (bytes each source moved; ``steps``: versions replayed).
-TOOK = ("owner_bytes", "copy_bytes", "cross_bytes", "delta_bytes", "steps")
+TOOK = ("owner_bytes", "copy_bytes", "cross_bytes", "delta_bytes", "steps", "lock_seconds")
 #: Pause before another round when a peer was busy (inside a transfer) or a copy went stale.
 RETRY_PAUSE_S = 0.5
+
+
+class _TimedLock:
+    """A lock whose every hold reports its seconds to ``add`` (used one hold at a time)."""
+
+    def __init__(self, lock, add):
+        self.lock, self.add, self._t = lock, add, 0.0
+
+    def __enter__(self):
+        self.lock.acquire()
+        self._t = time.perf_counter()
+
+    def __exit__(self, *exc):
+        try:
+            self.add(time.perf_counter() - self._t)
+        finally:
+            self.lock.release()
 
 
 def _record(e: str, reason: str | None, respawn: bool) -> dict:
@@ -112,7 +129,8 @@ class Healing:
         one landed when a refit committed meanwhile), ``source`` the last one (``held``: none was
         needed); ``owner_bytes``: what the owners sent for it; ``copy_bytes``: what peers handed over
         (``cross_bytes``: the part a peer of another cluster handed over, across a cluster link);
-        ``delta_bytes`` / ``steps``: the missed deltas replayed from the catch-up window."""
+        ``delta_bytes`` / ``steps``: the missed deltas replayed from the catch-up window;
+        ``lock_seconds``: how long it held the coordinator's lock (refits wait only for that)."""
         with self._guard:
             return {"healing": {e: {k: v for k, v in r.items() if k != "respawn"} for e, r in self._table.items()},
                     "healed": list(self.healed)}
@@ -155,6 +173,14 @@ class Healing:
                  " then ".join(out["sources"]) or "what it held", secs)
         return out
 
+    def _holding(self, e: str, lock) -> "_TimedLock":
+        """``lock`` (the coordinator's) for ``e``'s heal: each hold's seconds add to its ``lock_seconds``
+        (how long this heal kept refits waiting, whatever else loads the machine)."""
+        def add(seconds: float) -> None:
+            with self._guard:
+                self._table[e]["lock_seconds"] += seconds
+        return _TimedLock(lock, add)
+
     def _took(self, e: str, source: str, **nbytes: int) -> None:
         """Record that ``e`` took bits from ``source`` (``owner_bytes``, ``copy_bytes``, ``delta_bytes``,
         ``steps``), whether or not that round's version is still the committed one when it lands."""
@@ -171,7 +197,7 @@ class Healing:
         for _ in range(MAX_ROUNDS):
             if self._table[e]["respawn"]:
                 self._set(e, phase="re-creating")
-                with c._lock:
+                with self._holding(e, c._lock):
                     c.topology.respawn(e, c.config)
                 self._set(e, respawn=False)
             self._set(e, phase="starting")
@@ -215,8 +241,8 @@ class Healing:
         coordinator's lock (between refits); the copy itself does only in the ``final`` round."""
         c = self._c
         t = c.config.commit.start_timeout_s
-        whole = c._lock if final else contextlib.nullcontext()
-        step = contextlib.nullcontext() if final else c._lock
+        whole = self._holding(e, c._lock) if final else contextlib.nullcontext()
+        step = contextlib.nullcontext() if final else self._holding(e, c._lock)
         handle = c.engines[e]
         with whole:
             try:

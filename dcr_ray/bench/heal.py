@@ -24,7 +24,9 @@ inside the cluster), ``union_delta_bytes`` (wire bytes of the versions a lagging
 (the slowest refit that started while an engine healed, over the quiet median; also
 ``refit_blocked_ratio_copying``: only refits that started while a copy or an owners' send ran, not
 while a re-created engine was still starting; the refit that met the fault is reported apart as
-``fault_refit_seconds``: it includes detecting a death or a stage timeout),
+``fault_refit_seconds``: it includes detecting a death or a stage timeout), ``coordinator_lock_seconds``
+(how long the heals held the coordinator's lock: the only wait the design puts on a refit; the rest of a
+refit's slowdown during a heal is the machine's CPU shared with the healing engine),
 and ``bit_exact`` (every engine's tensors vs the trainer's on integer views after the case).
 """
 
@@ -192,10 +194,12 @@ def _case(refit, one, base: float, cluster: str, fault, expect: int = 1, lag_unt
     # re-created engine was still being created or started (and nothing else healed)
     copying = max((t for t, p in healing if not (p and p <= {"re-creating", "starting"})), default=0.0)
     return {"heals": [{k: h.get(k) for k in ("engine", "sources", "version", "seconds", "owner_bytes", "copy_bytes",
-                                             "cross_bytes", "delta_bytes", "steps")} for h in heals],
+                                             "cross_bytes", "delta_bytes", "steps", "lock_seconds")}
+                      for h in heals],
             "cross_cluster_bytes": int(cross), "owner_bytes": int(sum(h.get("owner_bytes") or 0 for h in heals)),
             "copy_bytes": int(sum(h.get("copy_bytes") or 0 for h in heals)),
             "window_bytes": int(sum(h.get("delta_bytes") or 0 for h in heals)),
+            "coordinator_lock_seconds": sum(h.get("lock_seconds") or 0.0 for h in heals),
             "union_delta_bytes": int(union) if missed_from is not None else None,
             "missed_versions": len(reports) if missed_from is not None else None,
             "heal_seconds": max((h["seconds"] for h in heals), default=None),
@@ -221,12 +225,12 @@ def _targets_met(cases: dict) -> dict:
 def format_table(result: dict) -> str:
     lines = [f"model {result['model']}, quiet refit median {statistics.median(result['quiet_refit_seconds']):.2f} s",
              f"{'case':<22} {'cross MB':>9} {'owner MB':>9} {'copy MB':>8} {'window MB':>9} {'union MB':>9} {'heal s':>7} "
-             f"{'blocked':>8} {'copying':>8} {'fault s':>8}  sources"]
+             f"{'blocked':>8} {'copying':>8} {'lock s':>7} {'fault s':>8}  sources"]
     for name, c in result["cases"].items():
         mb = lambda b: "-" if b is None else f"{b / 1e6:.2f}"  # noqa: E731
         lines.append(f"{name:<22} {mb(c['cross_cluster_bytes']):>9} {mb(c['owner_bytes']):>9} {mb(c['copy_bytes']):>8} "
                      f"{mb(c.get('window_bytes')):>9} {mb(c['union_delta_bytes']):>9} {c['heal_seconds'] or 0:>7.2f} {c['refit_blocked_ratio']:>7.2f}x "
-                     f"{c['refit_blocked_ratio_copying']:>7.2f}x "
+                     f"{c['refit_blocked_ratio_copying']:>7.2f}x {c.get('coordinator_lock_seconds') or 0:>7.2f} "
                      f"{c['fault_refit_seconds']:>8.2f}  "
                      + ", ".join(f"{h['engine']}<-{'+'.join(h['sources'])}" for h in c["heals"]))
     lines.append("targets: " + ", ".join(f"{k}={'met' if v else 'UNMET'}" for k, v in result["targets_met"].items()))
@@ -238,12 +242,14 @@ def markdown(result: dict) -> str:
     mb = lambda b: "-" if b is None else f"{b / 1e6:.2f}"  # noqa: E731
     rows = ["| case | heals (engine <- source) | cross-cluster MB | owner MB | peer copy MB | replayed from the window MB "
             "| union of missed deltas MB | heal s | slowest refit while healing / quiet | same, copy phase only "
-            "| refit that met the fault s | bit-exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| coordinator lock held by the heal s | refit that met the fault s | bit-exact |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in result["cases"].items():
         rows.append(f"| {name} | {', '.join(h['engine'] + ' <- ' + ' + '.join(h['sources']) for h in c['heals'])} "
                     f"| {mb(c['cross_cluster_bytes'])} | {mb(c['owner_bytes'])} | {mb(c['copy_bytes'])} "
                     f"| {mb(c.get('window_bytes'))} | {mb(c['union_delta_bytes'])} | {c['heal_seconds']:.2f} | {c['refit_blocked_ratio']:.2f}x "
-                    f"| {c['refit_blocked_ratio_copying']:.2f}x | {c['fault_refit_seconds']:.2f} "
+                    f"| {c['refit_blocked_ratio_copying']:.2f}x | {c.get('coordinator_lock_seconds') or 0:.2f} "
+                    f"| {c['fault_refit_seconds']:.2f} "
                     f"| {'yes' if c['bit_exact'] else 'NO'} |")
     return "\n".join(rows)
 

@@ -72,6 +72,9 @@ class EngineBackend(ABC):
     #: Whether :meth:`apply` takes frames with packs of small tensors (``frame.packs``, written by
     #: :func:`~dcr_ray.codec.apply_decoded`); otherwise the engine expands them into per-tensor items.
     applies_packs: bool = False
+    #: Whether validated frames go to :meth:`apply_wire` as wire bytes instead of :meth:`apply` decoded:
+    #: a backend that forwards them to an engine of its own, which validates them again (adopted engines).
+    wants_wire_frames: bool = False
 
     @abstractmethod
     def tensors(self) -> Mapping[str, torch.Tensor]:
@@ -89,8 +92,21 @@ class EngineBackend(ABC):
     def apply(self, frame: DecodedFrame) -> None:
         """Write a validated frame in place."""
 
+    def apply_wire(self, data: bytes, frame: DecodedFrame) -> None:
+        """Forward one validated frame as its wire bytes (``frame``: the same frame decoded, for its
+        meta); only called when :attr:`wants_wire_frames`."""
+        raise NotImplementedError(f"{type(self).__name__} takes decoded frames (apply), not wire frames")
+
     def flush(self) -> None:
         """Make every write since the last flush visible to the serving runtime (default: nothing)."""
+
+    def activate(self, version: int) -> None:
+        """The engine now holds committed ``version`` (its record is durable): a backend that tags its
+        outputs with a version moves the tag here (default: nothing)."""
+
+    def abandon(self) -> None:
+        """Close an update this backend holds open of its own, without applying it: the engine's transfer
+        was abandoned and its weights are about to be declared dirty (default: nothing)."""
 
     def undo_tensors(self) -> Mapping[str, torch.Tensor] | None:
         """The tensors :meth:`apply` writes, readable at any position, for the engine's undo record

@@ -63,6 +63,23 @@ class _FlakyBackend(EngineBackend):
     def load_dense(self, tensors) -> None:
         self.inner.load_dense(tensors)
 
+    # the optional hooks go to the wrapped backend (the base class's defaults would shadow them)
+    @property
+    def wants_wire_frames(self) -> bool:
+        return self.inner.wants_wire_frames
+
+    def apply_wire(self, data: bytes, frame: DecodedFrame) -> None:
+        self.inner.apply_wire(data, frame)
+
+    def activate(self, version: int) -> None:
+        self.inner.activate(version)
+
+    def abandon(self) -> None:
+        self.inner.abandon()
+
+    def matches_digests(self, version: int, digests):
+        return self.inner.matches_digests(version, digests)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 

@@ -3,11 +3,11 @@ backend in every vLLM process, engine core and tensor-parallel workers included,
 workers the method ``dcr_transfer_status`` that the driver reads each call's outcome with
 (``collective_rpc("dcr_transfer_status", args=(nonce,))``; see :mod:`~dcr_ray.engines.vllm.transfer`).
 
-It also registers the trainer side, :class:`~dcr_ray.engines.vllm.trainer.DcrTrainerWeightTransferEngine`,
+It also registers the trainer side, :class:`~dcr_ray.integrations.vllm.trainer.DcrTrainerWeightTransferEngine`,
 in vLLM's ``WeightTransferTrainerFactory`` (so a vLLM-style trainer can say ``backend="dcr"``), and
 teaches vLLM's ``HTTPVLLMWeightSyncClient`` to send ``update_info["frames"]`` (bytes, which JSON cannot
 carry) as the ``frames_b64`` strings the backend reads. A trainer process that never starts a vLLM
-engine gets all three by importing :mod:`dcr_ray.engines.vllm.trainer` (or by calling
+engine gets all three by importing :mod:`dcr_ray.integrations.vllm.trainer` (or by calling
 ``vllm.plugins.load_general_plugins()``).
 
 vLLM loads general plugins only when ``VLLM_PLUGINS`` is unset or names them (``VLLM_PLUGINS=dcr``).
@@ -45,7 +45,7 @@ def register_trainer() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     try:
-        WeightTransferTrainerFactory.register_engine("dcr", "dcr_ray.engines.vllm.trainer",
+        WeightTransferTrainerFactory.register_engine("dcr", "dcr_ray.integrations.vllm.trainer",
                                                      "DcrTrainerWeightTransferEngine")
     except ValueError:  # already registered in this process
         pass

@@ -21,7 +21,7 @@ mirror); ``key`` the hex of the shared frame key, if refits sign frames with one
 ``frames_b64`` (base64 strings) instead of ``frames`` (JSON carries no bytes; vLLM's
 ``HTTPVLLMWeightSyncClient`` encodes ``frames`` that way itself in a process where dcr_ray's plugin is
 loaded, see :mod:`~dcr_ray.engines.vllm.plugin`; a frame that is not bytes is refused with that advice).
-The trainer side of this backend, :mod:`~dcr_ray.engines.vllm.trainer`, makes these calls for you
+The trainer side of this backend, :mod:`~dcr_ray.integrations.vllm.trainer`, makes these calls for you
 (``WeightTransferTrainerFactory.trainer_init(DcrTrainerInitInfo(...), client=...)``). Every frame of one
 ``update_weights`` call is validated before any is written; ``finish_weight_update`` reloads the touched
 fused groups (see :class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver`).

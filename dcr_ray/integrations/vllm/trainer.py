@@ -6,7 +6,7 @@ this module)::
 
     from vllm.distributed.weight_transfer import (ModuleSource, RayVLLMWeightSyncClient,
                                                   WeightTransferTrainerFactory)
-    from dcr_ray.engines.vllm.trainer import DcrTrainerInitInfo
+    from dcr_ray.integrations.vllm.trainer import DcrTrainerInitInfo
 
     llm = ray.remote(LLM).remote(model="/ckpt", weight_transfer_config={"backend": "dcr"})
     sender = WeightTransferTrainerFactory.trainer_init(
