@@ -236,7 +236,8 @@ CODEC_LAYERS = {
     **dict.fromkeys(["kernels", "ptrkernels"], "kernels"),
     **dict.fromkeys(["locations", "classorder", "intdiff", "planes", "estimate"], "primitives"),
     **dict.fromkeys(["scan", "diff", "packdiff", "encode", "baseline"], "encode"),
-    **dict.fromkeys(["header", "decoded", "sections", "packread", "decode", "context", "apply", "undo"], "decode"),
+    **dict.fromkeys(["header", "decoded", "sections", "packread", "decode", "classcounts", "context", "apply", "undo"],
+                    "decode"),
 }
 _MAY_IMPORT = {
     "format": {"format"},

@@ -27,8 +27,10 @@ The encode side (owners): :mod:`~dcr_ray.codec.scan` (where bits differ), :mod:`
 The decode side (engines): :mod:`~dcr_ray.codec.header` (prefix, digest, strict header parse),
 :mod:`~dcr_ray.codec.decoded` (its data types), :mod:`~dcr_ray.codec.sections` and
 :mod:`~dcr_ray.codec.packread` (each item's and pack's checked bytes), :mod:`~dcr_ray.codec.decode`
-(the validating reader, no writes), :mod:`~dcr_ray.codec.context` (class-mode positions against the old
-bits), :mod:`~dcr_ray.codec.apply` (in-place writes), :mod:`~dcr_ray.codec.undo` (in-place rollback).
+(the validating reader, no writes), :mod:`~dcr_ray.codec.classcounts` (the class counts of the bits a
+receiver holds, kept between refits, checked on use), :mod:`~dcr_ray.codec.context` (class-mode
+positions against the old bits), :mod:`~dcr_ray.codec.apply` (in-place writes), :mod:`~dcr_ray.codec.undo`
+(in-place rollback).
 """
 
 from dcr_ray.codec.apply import apply_decoded, apply_frame

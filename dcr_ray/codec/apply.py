@@ -101,6 +101,7 @@ def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> i
                          for s in threads.balance(frame.items, lambda it: len(it.values), n_threads)])
     else:
         write(frame.items)
+    context.written(frame.items, targets)  # the class counts of the bits now held, for the next refit
     return total + written
 
 

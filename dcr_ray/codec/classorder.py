@@ -30,6 +30,15 @@ construction. Whether an item is worth coding this way is the sender's estimate
 the receiver's old bits just before its first write (:mod:`~dcr_ray.codec.context`). Sender and
 receiver must hold the same old bits, as for XOR items; a frame is bound to its base version and
 content (:class:`~dcr_ray.codec.format.FrameMeta`).
+
+Cost. Both directions walk the item's old bits once, reading each element's class straight from its
+bits (compiled, :mod:`~dcr_ray.codec.kernels`). The sender counts every element into one of four
+interleaved per-class counters, notes each changed element's count among the earlier elements of its
+class, and sorts the ranks by class in O(changes) (a counting sort: ranks of one class rise with
+position). The receiver needs where each class starts before it can walk: a counting pass, unless it
+offers the counts it kept for the bits it holds (:func:`place`'s ``counts_hint``,
+:mod:`~dcr_ray.codec.classcounts`). A hint is never trusted: the walk covers every element, so it ends
+knowing the true counts, and a wrong hint costs a second walk, never a wrong position.
 """
 
 from __future__ import annotations
@@ -82,33 +91,74 @@ def ranks(old: np.ndarray, rel: np.ndarray, dtype: str) -> np.ndarray:
     """Sorted ranks (int64) in the class order of ``old`` (an item's old bits) of the sorted relative
     positions ``rel``."""
     shift, mask = _field(dtype)
-    if kernels.ENABLED:  # the walk reads a one-byte class per element (extracted by numpy, vectorized)
-        r = kernels.class_ranks(_narrow(old, shift, mask), rel.astype(np.int64, copy=False), 0, mask)
-    else:
-        order = np.argsort(_classes(old, shift, mask), kind="stable")
-        inv = np.empty(len(old), np.int64)
-        inv[order] = np.arange(len(old), dtype=np.int64)
-        r = inv[rel]
+    if kernels.ENABLED:  # one walk over the old bits, reading each element's class in place
+        return kernels.class_ranks(old, rel.astype(np.int64, copy=False), shift, mask)
+    order = np.argsort(_classes(old, shift, mask), kind="stable")
+    inv = np.empty(len(old), np.int64)
+    inv[order] = np.arange(len(old), dtype=np.int64)
+    r = inv[rel]
     r.sort()
     return r
 
 
-def positions(old: np.ndarray, r: np.ndarray, dtype: str) -> np.ndarray:
-    """Sorted relative positions (int64) of the sorted, unique ranks ``r`` (all ``< len(old)``)."""
+def counts(old: np.ndarray, dtype: str) -> np.ndarray:
+    """How many elements of ``old`` fall into each class (int64, :func:`class_count` entries)."""
     shift, mask = _field(dtype)
     if kernels.ENABLED:
-        return kernels.class_positions(_narrow(old, shift, mask), r, 0, mask)
-    order = np.argsort(_classes(old, shift, mask), kind="stable")
-    p = order[r]
-    p.sort()
-    return p
+        return np.diff(kernels.class_starts(old, shift, mask))
+    return np.bincount(_classes(old, shift, mask), minlength=mask + 1).astype(np.int64)
 
 
-def _narrow(old: np.ndarray, shift: int, mask: int) -> np.ndarray:
-    """The class of every element in the narrowest unsigned type that holds it."""
-    t = old.dtype.type
-    c = np.bitwise_and(np.right_shift(old, t(shift)), t(mask))
-    return c.astype(np.uint8 if mask < 256 else np.uint16)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placed:
+    """What :func:`place` found: the positions, and the class counts of the old bits they were read
+    against (``counts``, exact) with the classes those positions held (``hits``, per class), so a
+    receiver can keep the counts of the bits it holds after writing them (:mod:`~dcr_ray.codec.classcounts`)."""
+
+    positions: np.ndarray
+    counts: np.ndarray
+    hits: np.ndarray
+    #: whether the ``counts`` the caller offered were right (one walk), or had to be replaced (two)
+    counts_were_right: bool
+
+
+def positions(old: np.ndarray, r: np.ndarray, dtype: str) -> np.ndarray:
+    """Sorted relative positions (int64) of the sorted, unique ranks ``r`` (all ``< len(old)``)."""
+    return place(old, r, dtype).positions
+
+
+def place(old: np.ndarray, r: np.ndarray, dtype: str, counts_hint: np.ndarray | None = None) -> Placed:
+    """The positions of the sorted, unique ranks ``r`` (all ``< len(old)``), as :func:`positions`, with
+    what a receiver keeps between refits (:class:`Placed`).
+
+    ``counts_hint``: the class counts of ``old`` as the caller believes them (a receiver's counts of its
+    committed bits, kept between refits). They are never trusted: the walk covers every element, so it
+    learns the true counts as it goes, and when they differ from the hint it walks again with them. The
+    result is the same either way; a right hint saves the counting pass."""
+    shift, mask = _field(dtype)
+    ncls = mask + 1
+    if not kernels.ENABLED:
+        cls = _classes(old, shift, mask)
+        p = np.argsort(cls, kind="stable")[r]
+        p.sort()
+        true = np.bincount(cls, minlength=ncls).astype(np.int64)
+        return Placed(p, true, np.bincount(cls[p], minlength=ncls).astype(np.int64),
+                      counts_hint is not None and np.array_equal(counts_hint, true))
+    right = counts_hint is not None and len(counts_hint) == ncls and int(counts_hint.sum()) == len(old) \
+        and bool((counts_hint >= 0).all())
+    start = _starts(counts_hint) if right else kernels.class_starts(old, shift, mask)
+    p, run, hits, _ = kernels.class_positions(old, r, shift, mask, start)
+    if right and not np.array_equal(run, start[1:]):  # the hint was wrong: the walk counted the truth
+        right = False
+        start = _starts(run - start[:-1])
+        p, run, hits, _ = kernels.class_positions(old, r, shift, mask, start)
+    return Placed(p, np.diff(start), hits, right)
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    start = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=start[1:])
+    return start
 
 
 def _classes(old: np.ndarray, shift: int, mask: int) -> np.ndarray:

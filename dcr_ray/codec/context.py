@@ -3,7 +3,10 @@
 A class-mode item (:mod:`~dcr_ray.codec.classorder`) arrives as validated ranks in the class order of
 the bits its positions are about to replace, so its positions exist only against those bits.
 :func:`resolve` reads them from the tensors that are about to be written (the receiver's apply and its
-undo record both call it before the first write of a frame; resolving twice is a no-op). Ranks are
+undo record both call it before the first write of a frame; resolving twice is a no-op), with the counts
+of those bits the receiver kept since its last write (:mod:`~dcr_ray.codec.classcounts`: checked by the
+walk, so a stale count costs a pass, never a wrong position); :func:`written` renews them after the
+writes. Ranks are
 unique and inside ``[0, hi - lo)``, and class order is a permutation of the item's elements, so the
 resolved positions are unique, sorted and inside ``[lo, hi)`` by construction.
 
@@ -18,7 +21,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from dcr_ray.codec import classorder, threads
+from dcr_ray.codec import classcounts, classorder, threads
 from dcr_ray.codec.bits import bits_view, wire_name
 from dcr_ray.codec.decoded import DecodedItem
 from dcr_ray.codec.format import Encoding
@@ -46,13 +49,22 @@ def resolve(items: Iterable[DecodedItem], tensors: Mapping[str, torch.Tensor]) -
     def run(share) -> None:
         for it in share:
             view, dt = views[it.name]
-            it.positions = classorder.positions(view[it.lo:it.hi], it.ranks, dt) + it.lo
+            it.positions = classcounts.place(view, it.lo, it.hi, it.ranks, dt)
 
     n = threads.codec_threads()
     if n > 1 and len(todo) > 1 and sum(it.hi - it.lo for it in todo) >= PARALLEL_MIN_SPAN:
         threads.run_all([lambda s=s: run(s) for s in threads.balance(todo, lambda it: it.hi - it.lo, n)])
     else:
         run(todo)
+
+
+def written(items: Iterable[DecodedItem], tensors: Mapping[str, torch.Tensor]) -> None:
+    """After ``items`` were written into ``tensors``: renew the kept class counts of every class-mode
+    item's range (O(changes) each)."""
+    for it in items:
+        if it.ranks is not None and it.positions is not None:
+            t = tensors[it.name]
+            classcounts.after_write(bits_view(t), it.lo, it.hi, it.positions, wire_name(t.dtype))
 
 
 def absolute(items: Iterable[DecodedItem], read: Callable[[str], torch.Tensor]) -> list[DecodedItem]:

@@ -35,7 +35,7 @@ import numpy as np
 from dcr_ray.codec import ptrkernels
 from dcr_ray.codec.jit import ENABLED, once
 
-__all__ = ["ENABLED", "add_into", "changed_in_block", "class_positions", "class_ranks", "gap_positions",
+__all__ = ["ENABLED", "add_into", "changed_in_block", "class_positions", "class_ranks", "class_starts", "gap_positions",
            "gather_changes", "join2", "put_into", "take", "warm_up", "xor_into"]
 
 
@@ -46,7 +46,7 @@ def _build() -> dict:
 
     return {name: getattr(k, name) for name in (
         "xor_into", "put_into", "add_into", "take_into", "gap_positions", "join2", "changed_in_block",
-        "gather_changes", "class_ranks", "class_positions", "class_positions_sparse")}
+        "gather_changes", "class_ranks", "class_starts", "class_positions", "class_positions_sparse")}
 
 
 #: The kernels by name, defined on first use.
@@ -91,21 +91,34 @@ def gather_changes(old: np.ndarray, new: np.ndarray, positions: np.ndarray) -> t
 
 
 def class_ranks(old: np.ndarray, positions: np.ndarray, shift: int, mask: int) -> np.ndarray:
-    """Rank of each of the sorted ``positions`` in the class order of ``old`` (see
-    :mod:`~dcr_ray.codec.classorder`): elements sorted stably by ``(old >> shift) & mask``."""
+    """Sorted ranks of the sorted ``positions`` in the class order of ``old`` (see
+    :mod:`~dcr_ray.codec.classorder`): elements sorted stably by ``(old >> shift) & mask``. One pass over
+    ``old``, then a counting sort of the ranks by class."""
     t = old.dtype.type
     return _compiled()["class_ranks"](old, positions, t(shift), t(mask))
+
+
+def class_starts(old: np.ndarray, shift: int, mask: int) -> np.ndarray:
+    """``start[c]``: the rank of the first class-``c`` element of ``old`` (``mask + 2`` entries, the last
+    ``len(old)``)."""
+    t = old.dtype.type
+    return _compiled()["class_starts"](old, t(shift), t(mask))
 
 
 #: Below this share of changed elements the receiver's walk branches on hits (rare, so predicted).
 SPARSE_WALK_MAX = 1 / 20
 
 
-def class_positions(old: np.ndarray, ranks: np.ndarray, shift: int, mask: int) -> np.ndarray:
-    """Inverse of :func:`class_ranks`: sorted positions of the sorted, unique, in-range ``ranks``."""
+def class_positions(old: np.ndarray, ranks: np.ndarray, shift: int, mask: int,
+                    start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Inverse of :func:`class_ranks` given the class starts ``start`` (of :func:`class_starts`, or a
+    cached copy): ``(positions, running ranks at the end, hits per class, hits)``. The walk covers all of
+    ``old``, so the starts were right exactly when every class's running rank ended at the next class's
+    start (``running == start[1:]``); only then are the positions those of the sorted, unique, in-range
+    ``ranks``. Wrong starts never write out of bounds."""
     t = old.dtype.type
     fn = "class_positions_sparse" if len(ranks) < SPARSE_WALK_MAX * len(old) else "class_positions"
-    return _compiled()[fn](old, ranks, t(shift), t(mask))
+    return _compiled()[fn](old, ranks, t(shift), t(mask), start)
 
 
 def gap_positions(symbols: np.ndarray, lo: int) -> np.ndarray:
@@ -149,10 +162,11 @@ def warm_up(background: bool = True) -> None:
                 gather_changes(view, vals, pos.astype(np.int32))
         b = np.frombuffer(bytes(2), np.uint8)
         join2(b, b)
-        for dt in (np.uint8, np.uint16):  # class arrays (codec.classorder narrows the old bits to these)
-            cls = np.zeros(64, dt)
+        for dt in (np.uint8, np.uint16, np.uint32, np.uint64):  # the old bits of every float width
+            old = np.zeros(64, dt)
+            start = class_starts(old, 0, 1)
             for ranks in (pos, np.arange(1, dtype=np.int64)):  # the dense and the sparse walk
-                class_positions(cls, class_ranks(cls, ranks, 0, 1), 0, 1)
+                class_positions(old, class_ranks(old, ranks, 0, 1), 0, 1, start)
         ptrkernels.warm_up()
 
     if background:

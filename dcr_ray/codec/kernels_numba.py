@@ -94,88 +94,111 @@ def class_starts(old, shift, mask):  # pragma: no cover - compiled
 
 @jit
 def class_ranks(old, pos, shift, mask):  # pragma: no cover - compiled
-    # count the elements between two changes into four interleaved counters (no branch,
-    # no chained increments), then read the changed element's rank from their sum
-    start = class_starts(old, shift, mask)
-    cnt = np.zeros((4, np.int64(mask) + 1), np.int64)
-    out = np.empty(len(pos), np.int64)
+    # one pass: count every element into four interleaved per-class counters (no chained
+    # increments), note each changed element's class and its count among the earlier elements
+    # of its class, walk on to the end for the class totals, then put each rank (its class's
+    # start + that count) in its class's slot: ranks of one class rise with position, so this
+    # counting sort leaves them sorted
+    ncls = np.int64(mask) + 1
+    cnt = np.zeros((4, ncls), np.int64)
+    k = len(pos)
+    n = len(old)
+    cls = np.empty(k, np.int64)
+    within = np.empty(k, np.int64)
     i = 0
-    for j in range(len(pos)):
-        p = pos[j]
+    for j in range(k + 1):
+        p = pos[j] if j < k else n
         while i + 4 <= p:
             cnt[0, np.int64((old[i] >> shift) & mask)] += 1
             cnt[1, np.int64((old[i + 1] >> shift) & mask)] += 1
             cnt[2, np.int64((old[i + 2] >> shift) & mask)] += 1
             cnt[3, np.int64((old[i + 3] >> shift) & mask)] += 1
             i += 4
-        while i < p:
-            cnt[0, np.int64((old[i] >> shift) & mask)] += 1
+        while i < p:  # a short gap (dense changes): rotate the lanes so that no increment waits on the last
+            cnt[i & 3, np.int64((old[i] >> shift) & mask)] += 1
             i += 1
-        c = np.int64((old[p] >> shift) & mask)
-        out[j] = start[c] + cnt[0, c] + cnt[1, c] + cnt[2, c] + cnt[3, c]
+        if j < k:
+            c = np.int64((old[p] >> shift) & mask)
+            cls[j] = c
+            within[j] = cnt[0, c] + cnt[1, c] + cnt[2, c] + cnt[3, c]
+    start = np.zeros(ncls + 1, np.int64)
+    slot = np.zeros(ncls + 1, np.int64)
+    for c in range(ncls):
+        start[c + 1] = start[c] + cnt[0, c] + cnt[1, c] + cnt[2, c] + cnt[3, c]
+    for j in range(k):
+        slot[cls[j] + 1] += 1
+    for c in range(ncls):
+        slot[c + 1] += slot[c]
+    out = np.empty(k, np.int64)
+    for j in range(k):
+        c = cls[j]
+        out[slot[c]] = start[c] + within[j]
+        slot[c] += 1
     return out
 
 
 @jit
-def _wanted(old, ranks, shift, mask):  # pragma: no cover - compiled
-    # what both receiver walks start from: each class's first rank, the wanted ranks with a -1
-    # sentinel after the last, and each class's index of its next wanted rank among them
-    start = class_starts(old, shift, mask)
-    ncls = np.int64(mask) + 1
+def _wanted(ranks, start, ncls):  # pragma: no cover - compiled
+    # what both receiver walks start from: the wanted ranks with a -1 sentinel after the last,
+    # and each class's index of its next wanted rank among them
     n = len(ranks)
     r = np.empty(n + 1, np.int64)
     r[:n] = ranks
     r[n] = -1
-    return start, ncls, r, np.searchsorted(r[:n], start[:ncls])
+    return r, np.searchsorted(r[:n], start[:ncls])
 
 
 @jit
-def class_positions(old, ranks, shift, mask):  # pragma: no cover - compiled
-    # branch-free walk: element i is the next wanted one of its class when the class's
-    # next wanted rank equals its running count. Past a class's last wanted rank the
-    # next rank belongs to a later class (>= its start, above any count of this class),
-    # and a sentinel ends the list, so the comparison is always safe.
-    start, ncls, r, ptr = _wanted(old, ranks, shift, mask)
+def class_positions(old, ranks, shift, mask, start):  # pragma: no cover - compiled
+    # branch-free walk with the class starts given: element i is the next wanted one of its
+    # class when the class's next wanted rank equals its running rank. Past a class's last
+    # wanted rank the next one belongs to a later class (above any running rank of this
+    # class, when the starts are right) and a sentinel ends the list. The walk covers every
+    # element, so each class's running rank ends at its start + its count: the caller checks
+    # that against the next class's start. Wrong starts cannot write out of bounds (the output
+    # index is clamped; a pointer stops at the sentinel, which no running rank equals).
+    ncls = np.int64(mask) + 1
     n = len(ranks)
-    cnt = start[:ncls].copy()
+    r, ptr = _wanted(ranks, start, ncls)
+    first = ptr.copy()
+    run = start[:ncls].copy()
     out = np.empty(n + 1, np.int64)
     k = 0
     for i in range(len(old)):
-        if k == n:
-            break
         c = np.int64((old[i] >> shift) & mask)
         q = ptr[c]
-        hit = np.int64(r[q] == cnt[c])
-        out[k] = i
+        hit = np.int64(r[q] == run[c])
+        out[min(k, n)] = i
         k += hit
         ptr[c] = q + hit
-        cnt[c] += 1
-    return out[:n]
+        run[c] += 1
+    return out[:n], run, ptr - first, k
 
 
 @jit
-def class_positions_sparse(old, ranks, shift, mask):  # pragma: no cover - compiled
-    # the same walk with a branch on hits: cheaper where hits are rare (predictable),
-    # and it stops at the last wanted element
-    start, ncls, r, ptr = _wanted(old, ranks, shift, mask)
+def class_positions_sparse(old, ranks, shift, mask, start):  # pragma: no cover - compiled
+    # the same walk with a branch on hits: cheaper where hits are rare (predictable)
+    ncls = np.int64(mask) + 1
     n = len(ranks)
+    r, ptr = _wanted(ranks, start, ncls)
+    first = ptr.copy()
     st = np.empty(2 * ncls, np.int64)  # (next wanted rank, running rank) per class
     for c in range(ncls):
         st[2 * c] = r[ptr[c]]
         st[2 * c + 1] = start[c]
     out = np.empty(n, np.int64)
     k = 0
-    if n == 0:
-        return out
     for i in range(len(old)):
         c = np.int64((old[i] >> shift) & mask)
         hit = st[2 * c] == st[2 * c + 1]
         st[2 * c + 1] += 1
         if hit:
-            out[k] = i
+            if k < n:
+                out[k] = i
             k += 1
-            if k == n:
-                break
             ptr[c] += 1
             st[2 * c] = r[ptr[c]]
-    return out
+    run = np.empty(ncls, np.int64)
+    for c in range(ncls):
+        run[c] = st[2 * c + 1]
+    return out, run, ptr - first, k
