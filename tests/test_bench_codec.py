@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dcr_ray.bench import codec, peers
+from dcr_ray.bench.codec import default
 from dcr_ray.cli import build_parser, main
 from dcr_ray.codec import bits_view
 
@@ -58,8 +59,34 @@ def test_measuring_a_small_stress_step_reports_every_field_and_is_bit_exact():
     assert 0 < r["per_tensor_bound_bytes"] < r["wire_bytes"] < r["today_wire_bytes"] < r["overwrite_only_bytes"]
     assert r["entropy_bound_bytes"] < r["today_wire_bytes"]  # (context coding may beat the global bound)
     assert set(r["peers"]) == set(peers.PEERS)
+    # both codings timed in the same run, the context receiver with and without kept class counts,
+    # every repeat's seconds kept
+    for k in ("plain_encode", "context_encode", "plain_apply", "context_apply", "context_apply_cold"):
+        assert r[f"{k}_gbps"] > 0 and len(r["samples_s"][k]) == 1 and len(r["samples_s"][k][0]) == 1
+    r.update(default.library_default(r, 100.0))
+    assert r["default_coding"] in ("plain", "context") and r["default_reason"]
+    assert r["default_wire_bytes"] == (r["wire_bytes"] if r["default_coding"] == "context" else r["today_wire_bytes"])
+    assert r["default_encode_gbps"] == r[f"{r['default_coding']}_encode_gbps"]
     json.dumps(r)  # JSON-able
     table = codec.format_table({"quick": True, "memcpy_gbps": 1.0, "cases": [r], "zstd_sweep": None,
                                 "machine": {"codec_threads": 1, "loadavg_start": None},
                                 "checks": codec.checks([r]), "elapsed_s": 0.0})
     assert "stress-3%" in table
+
+
+def _case(wire_plain, wire_context, enc=(4.0, 1.0), app=(10.0, 2.0)):
+    """A measured case as bench codec reports it: 1 GB canonical, 10 M changes."""
+    return {"changed": 10_000_000, "canonical_bytes": 1e9, "today_wire_bytes": wire_plain, "wire_bytes": wire_context,
+            "plain_encode_gbps": enc[0], "context_encode_gbps": enc[1], "plain_apply_gbps": app[0],
+            "context_apply_gbps": app[1]}
+
+
+def test_the_default_columns_are_the_librarys_own_choice_on_the_stated_link():
+    case = _case(14e6, 8e6)  # plain: 0.35 s of codec; context: 1.5 s of codec, 43% fewer bytes
+    slow = default.library_default(case, 10.0)  # 11.2 s vs 6.4 s on the link: the link bounds the refit
+    assert slow["default_coding"] == "context" and slow["default_wire_bytes"] == 8e6
+    assert slow["default_over_plain"] == 8e6 / 14e6 and slow["default_encode_gbps"] == 1.0
+    assert "the link bounds the refit" in slow["default_reason"]
+    fast = default.library_default(case, 1000.0)
+    assert fast["default_coding"] == "plain" and fast["default_apply_gbps"] == 10.0
+    assert fast["default_by_link"] == {"10": "context", "100": "plain", "1000": "plain", "10000": "plain"}

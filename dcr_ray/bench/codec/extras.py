@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from dcr_ray.bench.codec.measure import Step, _best, _decode_apply, _encode, _exact, _fresh_targets, _meta
+from dcr_ray.bench.codec.measure import Step
+from dcr_ray.bench.codec.timing import decode_apply, encode, exact, fresh_targets, meta, timed
 from dcr_ray.bench.codec.settings import LINK_GBITPS, ZSTD_LEVELS
 
 
@@ -27,33 +28,33 @@ def measure_fixed_cost(step: Step, coding: str) -> dict:
     addrs = [np.fromiter((address(step.old[n]) for n in grp), np.int64, len(grp)) for grp in plan]  # kept by baselines
 
     def receive(frames, keep_packs):
-        tg = _fresh_targets(step)
+        tg = fresh_targets(step)
         t0 = time.perf_counter()
         decoded = [decode_frame(open_frame(f, key=None), shapes=shapes, keep_packs=keep_packs) for f in frames]
         t_dec = time.perf_counter() - t0
         for d in decoded:
             apply_decoded(d, tg)
-        return t_dec, time.perf_counter() - t0, _exact(tg, step)
+        return t_dec, time.perf_counter() - t0, exact(tg, step)
 
     def diff(grp, a):
         return diff_pack(grp, [shapes[n][1] for n in grp], [step.old[n] for n in grp], [step.new[n] for n in grp], a)
 
     warm = plan[0][:8]  # load the compiled kernels (numba's cache) before the clock starts
-    for f in encode_frames([diff(warm, addrs[0][:8])], _meta(), coding=coding):
-        apply_decoded(decode_frame(open_frame(f, key=None), shapes=shapes, keep_packs=True), _fresh_targets(
+    for f in encode_frames([diff(warm, addrs[0][:8])], meta(), coding=coding):
+        apply_decoded(decode_frame(open_frame(f, key=None), shapes=shapes, keep_packs=True), fresh_targets(
             Step(old={n: step.old[n] for n in warm}, new={n: step.new[n] for n in warm})))
     t0 = time.perf_counter()
     packs = [diff(grp, a) for grp, a in zip(plan, addrs)]
-    frames = list(encode_frames([p for p in packs if p is not None], _meta(), coding=coding))
+    frames = list(encode_frames([p for p in packs if p is not None], meta(), coding=coding))
     t_enc = time.perf_counter() - t0
-    t_dec, t_app, exact = receive(frames, True)
+    t_dec, t_app, ok = receive(frames, True)
     changed = sum(p.changed for p in packs if p is not None)
     del packs
     t0 = time.perf_counter()
-    deltas, item_frames = _encode(step, coding=coding)
+    deltas, item_frames = encode(step, coding=coding)
     t_enc_items = time.perf_counter() - t0
-    _, t_app_items, exact_items = receive(item_frames, False)
-    plain = list(encode_frames(deltas, _meta(), coding="plain")) if coding == "context" else item_frames
+    _, t_app_items, ok_items = receive(item_frames, False)
+    plain = list(encode_frames(deltas, meta(), coding="plain")) if coding == "context" else item_frames
     n = len(step.new)
     wire = sum(map(len, frames))
     return {"tensors": n, "elements": sum(t.numel() for t in step.new.values()), "changed": changed,
@@ -63,7 +64,7 @@ def measure_fixed_cost(step: Step, coding: str) -> dict:
             "encode_s": t_enc, "decode_s": t_dec, "decode_apply_s": t_app,
             "encode_us_per_tensor": t_enc / n * 1e6, "decode_apply_us_per_tensor": t_app / n * 1e6,
             "items_encode_s": t_enc_items, "items_decode_apply_s": t_app_items,
-            "bit_exact": exact and exact_items}
+            "bit_exact": ok and ok_items}
 
 
 def memcpy_gbps(nbytes: int, repeats: int) -> float:
@@ -72,7 +73,7 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
 
     src = np.ones(nbytes // 8, np.uint64)
     dst = np.empty_like(src)
-    t, _ = _best(lambda: np.copyto(dst, src), max(repeats, 3))
+    t = timed(lambda: np.copyto(dst, src), max(repeats, 3)).best
     return src.nbytes / t / 1e9
 
 
@@ -86,7 +87,7 @@ def zstd_sweep(step: Step, repeats: int) -> list[dict]:
     from dcr_ray.codec import encode as encode_mod
 
     deltas = [diff_tensor(n, step.old[n], t) for n, t in step.new.items()]
-    t_diff, _ = _best(lambda: [diff_tensor(n, step.old[n], t) for n, t in step.new.items()], repeats)
+    t_diff = timed(lambda: [diff_tensor(n, step.old[n], t) for n, t in step.new.items()], repeats).best
     canon = sum(t.numel() * t.element_size() for t in step.new.values())
     changed = sum(d.changed for d in deltas)
     tuned = encode_mod.ZSTD_HASH_LOG
@@ -97,19 +98,19 @@ def zstd_sweep(step: Step, repeats: int) -> list[dict]:
     for level, hash_log in variants:
         encode_mod.ZSTD_HASH_LOG = hash_log
         try:
-            t_fr, frames = _best(lambda: list(encode_frames(deltas, _meta(), zstd_level=level, coding="context")),
-                                 repeats)
+            got = timed(lambda: list(encode_frames(deltas, meta(), zstd_level=level, coding="context")), repeats)
         finally:
             encode_mod.ZSTD_HASH_LOG = tuned
-        t_app, _ = _best(lambda tg: _decode_apply(frames, tg), repeats, setup=lambda: _fresh_targets(step))
-        tg = _fresh_targets(step)
-        _decode_apply(frames, tg)
+        t_fr, frames = got.best, got.result
+        t_app = timed(lambda tg: decode_apply(frames, tg), repeats, setup=lambda: fresh_targets(step)).best
+        tg = fresh_targets(step)
+        decode_apply(frames, tg)
         wire = sum(map(len, frames))
         row = {"level": level, "hash_log": hash_log if hash_log is not None else "zstd default",
                "wire_bytes": wire, "bytes_per_change": wire / changed,
                "frame_encode_s": t_fr, "frame_encode_gbps": canon / t_fr / 1e9,
                "encode_gbps": canon / (t_diff + t_fr) / 1e9,
-               "apply_gbps": canon / t_app / 1e9, "bit_exact": _exact(tg, step)}
+               "apply_gbps": canon / t_app / 1e9, "bit_exact": exact(tg, step)}
         for gbit in LINK_GBITPS:  # serial estimate: encode + transfer + decode/apply
             row[f"refit_s_at_{gbit:g}gbit"] = t_diff + t_fr + wire * 8 / (gbit * 1e9) + t_app
         out.append(row)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 from dcr_ray.bench.codec.settings import _log
+from dcr_ray.bench.codec.timing import Receiver, Timed, decode_apply, encode, exact, meta, timed
 
 
 @dataclass
@@ -15,6 +15,12 @@ class Step:
 
     old: dict  # name -> np.ndarray (flat unsigned bit view, owned copy)
     new: dict  # name -> torch.Tensor
+
+
+#: What each case times, per coding: ``<coding>_encode`` (diff + frames), ``<coding>_apply`` (decode + apply
+#: on a live receiver), ``context_apply_cold`` (a receiver without kept class counts), ``diff`` (the main
+#: coding's diff alone).
+TIMINGS = ("plain_encode", "context_encode", "plain_apply", "context_apply", "context_apply_cold", "diff")
 
 
 @dataclass
@@ -32,27 +38,22 @@ class Acc:
     pt_pos_bits: float = 0.0
     class_pos_bits: float = 0.0
     diff_bits: float = 0.0
-    encode_s: float = 0.0
-    encode_cpu_s: float = 0.0
-    apply_cpu_s: float = 0.0
-    diff_s: float = 0.0
-    apply_s: float = 0.0
-    #: the same four times of the other coding
-    other_encode_s: float = 0.0
-    other_encode_cpu_s: float = 0.0
-    other_apply_s: float = 0.0
-    other_apply_cpu_s: float = 0.0
+    #: per timing: the sum over steps of the best wall (``secs``) and CPU (``cpu``) seconds of its repeats,
+    #: and every repeat's wall seconds, one list per step (``samples``)
+    secs: dict = field(default_factory=lambda: dict.fromkeys(TIMINGS, 0.0))
+    cpu: dict = field(default_factory=lambda: dict.fromkeys(TIMINGS, 0.0))
+    samples: dict = field(default_factory=lambda: {k: [] for k in TIMINGS})
+    coding: str = "plain"
     frames: int = 0
     exact: bool = True
     peers_exact: bool = True
     peers: dict = field(default_factory=dict)
     rates: list = field(default_factory=list)
 
-
-def _meta():
-    from dcr_ray.codec import FrameMeta
-
-    return FrameMeta(transfer="bench", attempt=0, producer="bench", payload=0, base=0, target=1)
+    def add(self, key: str, t: Timed) -> None:
+        self.secs[key] += t.best
+        self.cpu[key] += t.best_cpu
+        self.samples[key].append([round(x, 6) for x in t.wall])
 
 
 def _entropy_bits(counts) -> float:
@@ -66,66 +67,6 @@ def _entropy_bits(counts) -> float:
 
 def _h2(p: float) -> float:
     return 0.0 if p <= 0 or p >= 1 else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
-
-
-def _best(fn, repeats: int, setup=None, cpu: list | None = None):
-    """(best wall seconds, last result) of ``fn()`` over ``repeats`` runs; ``setup()`` runs untimed first.
-
-    ``cpu``, when given, receives the least CPU time (all threads of the process) of one run.
-    """
-    best, best_cpu, out = float("inf"), float("inf"), None
-    for _ in range(repeats):
-        arg = setup() if setup else None
-        c = time.process_time()
-        t = time.perf_counter()
-        out = fn(arg) if setup else fn()
-        best = min(best, time.perf_counter() - t)
-        best_cpu = min(best_cpu, time.process_time() - c)
-    if cpu is not None:
-        cpu.append(best_cpu)
-    return best, out
-
-
-def _encode(step: Step, *, mode="mixed", zstd_level=None, coding="context"):
-    """(deltas, frames) of ``step``: the owner's encode path (diff every tensor, then frames; class-order
-    positions only for the context coding, as owners do)."""
-    from dcr_ray.codec import diff_tensor, encode_frames
-    from dcr_ray.codec.encode import DEFAULT_ZSTD_LEVEL
-
-    deltas = [diff_tensor(n, step.old[n], t, class_order=coding == "context") for n, t in step.new.items()]
-    frames = list(encode_frames(deltas, _meta(), mode=mode, coding=coding,
-                                zstd_level=DEFAULT_ZSTD_LEVEL if zstd_level is None else zstd_level))
-    return deltas, frames
-
-
-def _fresh_targets(step: Step) -> dict:
-    """Receiver tensors holding the committed bits (a new copy each call)."""
-    import torch
-
-    from dcr_ray.codec import bits_view
-
-    out = {}
-    for n, t in step.new.items():
-        x = torch.empty_like(t)
-        bits_view(x)[:] = step.old[n]
-        out[n] = x
-    return out
-
-
-def _decode_apply(frames, targets) -> None:
-    from dcr_ray.codec import apply_decoded, read_frame
-
-    for f in frames:
-        apply_decoded(read_frame(f, targets), targets)
-
-
-def _exact(targets: dict, step: Step) -> bool:
-    """Bit-exact: every receiver tensor's integer view equals the new tensor's."""
-    import numpy as np
-
-    from dcr_ray.codec import bits_view
-
-    return all(np.array_equal(bits_view(targets[n]), bits_view(t)) for n, t in step.new.items())
 
 
 def _class_pos_bits(old, pos, dtype: str) -> float:
@@ -177,17 +118,16 @@ def measure_step(step: Step, acc: Acc, repeats: int, coding: str = "plain") -> N
     acc.mask_bits += changed * _entropy_bits(hist) if changed else 0.0
     acc.diff_bits += changed * _entropy_bits(dhist) if changed else 0.0
 
-    # encode: diff + frames (best of repeats), and diff alone for the breakdown; both codings
-    other_coding = "plain" if coding == "context" else "context"
-    cpu: list[float] = []
-    t_enc, (deltas, frames) = _best(lambda: _encode(step, coding=coding), repeats, cpu=cpu)
-    t_diff, _ = _best(lambda: [diff_tensor(n, step.old[n], t, class_order=coding == "context")
-                               for n, t in step.new.items()], repeats)
-    other_cpu: list[float] = []
-    t_other, (other_deltas, other) = _best(lambda: _encode(step, coding=other_coding), repeats, cpu=other_cpu)
-    if coding == "plain":
-        deltas = other_deltas  # with class-order positions: the context frames below need them
-    del other_deltas
+    # encode as owners do, both codings; the main coding's diff alone for the breakdown
+    acc.coding = coding
+    enc = {c: timed(lambda c=c: encode(step, coding=c), repeats) for c in ("plain", "context")}
+    for c, t in enc.items():
+        acc.add(f"{c}_encode", t)
+    acc.add("diff", timed(lambda: [diff_tensor(n, step.old[n], t, class_order=coding == "context")
+                                   for n, t in step.new.items()], repeats))
+    frames = {c: t.result[1] for c, t in enc.items()}
+    deltas = enc["context"].result[0]  # with class-order positions
+    del enc
     got = {d.name: d for d in deltas}
     for n, (pos, _nb) in changes.items():
         d = got[n]
@@ -195,40 +135,28 @@ def measure_step(step: Step, acc: Acc, repeats: int, coding: str = "plain") -> N
                 len(pos) and not np.array_equal(np.concatenate([c.positions() for c in d.chunks]), pos))):
             acc.exact = False
             _log(f"  MISMATCH: diff of {n} found {d.changed} changes, numpy finds {len(pos)}")
-    acc.encode_s += t_enc
-    acc.diff_s += t_diff
-    acc.wire += sum(map(len, frames))
-    acc.frames += len(frames)
+    acc.wire += sum(map(len, frames["context"]))
+    acc.wire_plain += sum(map(len, frames["plain"]))
+    acc.frames += len(frames[coding])
 
-    # decode + apply into fresh receiver copies (copy untimed), then check every bit; both codings
-    t_app, _ = _best(lambda tg: _decode_apply(frames, tg), repeats, setup=lambda: _fresh_targets(step), cpu=cpu)
-    t_other_app, _ = _best(lambda tg: _decode_apply(other, tg), repeats, setup=lambda: _fresh_targets(step),
-                           cpu=other_cpu)
-    acc.apply_s += t_app
-    acc.encode_cpu_s += cpu[0]
-    acc.apply_cpu_s += cpu[1]
-    acc.other_encode_s += t_other
-    acc.other_apply_s += t_other_app
-    acc.other_encode_cpu_s += other_cpu[0]
-    acc.other_apply_cpu_s += other_cpu[1]
-    for fr in (frames, other):
-        tg = _fresh_targets(step)
-        _decode_apply(fr, tg)
-        acc.exact &= _exact(tg, step)
+    # decode + apply on a live receiver (bits and kept class counts reset untimed), then every bit checked
+    rx = Receiver(step)
+    for c in ("plain", "context"):
+        rx.prime(frames[c])
+        acc.add(f"{c}_apply", timed(lambda tg, c=c: decode_apply(frames[c], tg), repeats, setup=rx.reset))
+        decode_apply(frames[c], rx.reset())
+        acc.exact &= exact(rx.targets, step)
+    acc.add("context_apply_cold", timed(lambda tg: decode_apply(frames["context"], tg), repeats,
+                                        setup=lambda: rx.reset(keep_counts=False)))
+    acc.exact &= exact(rx.targets, step)
 
     from dcr_ray.codec import encode_frames
 
-    ctx_frames, plain_frames = (frames, other) if coding == "context" else (other, frames)
-    acc.wire = acc.wire - sum(map(len, frames)) + sum(map(len, ctx_frames))
-    acc.wire_plain += sum(map(len, plain_frames))
-
     # overwrite-only (what a retry sends) from the same changed set
-
-    ow = list(encode_frames(deltas, _meta(), mode="overwrite"))
+    ow = list(encode_frames(deltas, meta(), mode="overwrite"))
     acc.overwrite += sum(map(len, ow))
-    tg = _fresh_targets(step)
-    _decode_apply(ow, tg)
-    acc.exact &= _exact(tg, step)
+    decode_apply(ow, rx.reset())
+    acc.exact &= exact(rx.targets, step)
 
     # peers, same data
     for name in peers.PEERS:
@@ -269,20 +197,27 @@ def case_result(name: str, source: str, acc: Acc, **extra) -> dict:
         "class_bound_positions_bytes": acc.class_pos_bits / 8,
         "overwrite_only_bytes": acc.overwrite,
         "mixed_saving": 1 - acc.wire / acc.overwrite if acc.overwrite else None,
-        "encode_gbps": acc.canon_bytes / acc.encode_s / 1e9,
-        "diff_gbps": acc.canon_bytes / acc.diff_s / 1e9,
-        "apply_gbps": acc.canon_bytes / acc.apply_s / 1e9,
-        "encode_cpu_gbps": acc.canon_bytes / acc.encode_cpu_s / 1e9,
-        "apply_cpu_gbps": acc.canon_bytes / acc.apply_cpu_s / 1e9,
-        "other_encode_gbps": acc.canon_bytes / acc.other_encode_s / 1e9,
-        "other_apply_gbps": acc.canon_bytes / acc.other_apply_s / 1e9,
-        "other_encode_cpu_gbps": acc.canon_bytes / acc.other_encode_cpu_s / 1e9,
-        "other_apply_cpu_gbps": acc.canon_bytes / acc.other_apply_cpu_s / 1e9,
+        **_throughput(acc),
         "canonical_bytes": acc.canon_bytes,
         "frames": acc.frames,
         "bit_exact": bool(acc.exact),
         "peers_bit_exact": bool(acc.peers_exact),
         "peers": dict(acc.peers),
         "peers_bytes_per_change": {k: v / c for k, v in acc.peers.items()},
+        "samples_s": acc.samples,
         **extra,
     }
+
+
+def _throughput(acc: Acc) -> dict:
+    """GB/s of canonical bytes per timing (wall, and per CPU-second), by coding, and the legacy columns:
+    the main coding's (``encode_gbps``, ``apply_gbps``, ...) and the other one's (``other_*``)."""
+    gb = acc.canon_bytes / 1e9
+    out = {f"{k}_gbps": gb / acc.secs[k] for k in TIMINGS}
+    out.update({f"{k}_cpu_gbps": gb / acc.cpu[k] for k in TIMINGS})
+    main, other = acc.coding, "plain" if acc.coding == "context" else "context"
+    for prefix, c in (("", main), ("other_", other)):
+        for what in ("encode", "apply"):
+            out[f"{prefix}{what}_gbps"] = out[f"{c}_{what}_gbps"]
+            out[f"{prefix}{what}_cpu_gbps"] = out[f"{c}_{what}_cpu_gbps"]
+    return out

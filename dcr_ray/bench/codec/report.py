@@ -18,6 +18,13 @@ def checks(cases: list[dict]) -> dict:
     }
     out["wire<=0.85x today's (adamw)"] = {
         c["name"]: _le(c["new_over_today"], t["new_over_today_adamw_max"]) for c in cases if c["source"] == "adamw"}
+    out["default wire<=0.75x plain (adamw)"] = {
+        c["name"]: _le(c.get("default_over_plain"), t["default_over_plain_adamw_max"]) for c in cases
+        if c["source"] == "adamw"}
+    out["context encode>=1.5GB/s"] = {c["name"]: c["context_encode_gbps"] >= t["context_encode_gbps_min"]
+                                      for c in cases}
+    out["context decode+apply>=3GB/s"] = {c["name"]: c["context_apply_gbps"] >= t["context_apply_gbps_min"]
+                                          for c in cases}
     out["bytes_per_change(stress-3%)<=1.35"] = {
         c["name"]: c["bytes_per_change"] <= t["bytes_per_change_stress3_max"] for c in cases
         if c["name"] == "stress-3%"
@@ -85,19 +92,26 @@ def format_table(r: dict) -> str:
         if c.get("step_change_rates"):
             lines.append(f"  {c['name']} per-step change rates: "
                          + ", ".join(f"{x:.3%}" for x in c["step_change_rates"]))
-    coding = r.get("settings", {}).get("coding", "plain")
-    other = "plain" if coding == "context" else "context"
-    lines += ["", f"throughput, GB/s of canonical BF16 bytes (best wall time of the repeats; 'cpu' = per "
-              f"CPU-second of all threads), {coding} coding, then {other} coding:"]
-    cols = [("case", 14, "{}"), ("encode", 7, "{:.2f}"), ("(diff)", 7, "{:.2f}"), ("apply", 7, "{:.2f}"),
-            ("enc cpu", 8, "{:.2f}"), ("apply cpu", 9, "{:.2f}"), (f"{other[:4]} enc", 8, "{:.2f}"),
-            (f"{other[:4]} apply", 10, "{:.2f}"), (f"{other[:4]} enc cpu", 12, "{:.2f}"),
-            (f"{other[:4]} apply cpu", 14, "{:.2f}")]
+    lines += ["", "throughput, GB/s of canonical BF16 bytes (best wall time of the repeats; 'cpu' = per CPU-second "
+              "of all threads); apply = decode+apply on a live receiver (bits and kept class counts as after its "
+              "last refit), cold = without kept class counts:"]
+    cols = [("case", 14, "{}"), ("plain enc", 9, "{:.2f}"), ("(cpu)", 6, "{:.2f}"), ("plain app", 9, "{:.2f}"),
+            ("(cpu)", 6, "{:.2f}"), ("ctx enc", 7, "{:.2f}"), ("(cpu)", 6, "{:.2f}"), ("ctx app", 7, "{:.2f}"),
+            ("(cpu)", 6, "{:.2f}"), ("ctx cold", 8, "{:.2f}")]
     nan = float("nan")
-    lines += _rows(cols, [[c["name"], c["encode_gbps"], c["diff_gbps"], c["apply_gbps"],
-                           c.get("encode_cpu_gbps", nan), c.get("apply_cpu_gbps", nan),
-                           c.get("other_encode_gbps", nan), c.get("other_apply_gbps", nan),
-                           c.get("other_encode_cpu_gbps", nan), c.get("other_apply_cpu_gbps", nan)]
+    lines += _rows(cols, [[c["name"], *(c.get(k, nan) for k in (
+        "plain_encode_gbps", "plain_encode_cpu_gbps", "plain_apply_gbps", "plain_apply_cpu_gbps",
+        "context_encode_gbps", "context_encode_cpu_gbps", "context_apply_gbps", "context_apply_cpu_gbps",
+        "context_apply_cold_gbps"))] for c in r["cases"]])
+    link = r.get("settings", {}).get("link_mbps")
+    lines += ["", f"the library default (CodecConfig.coding='auto') on a {link:g} Mbit/s link, and its choice at other "
+                  f"links:" if link else "the library default:"]
+    cols = [("case", 14, "{}"), ("coding", 7, "{}"), ("wire MB", 8, "{:.3f}"), ("B/chg", 6, "{:.3f}"),
+            ("/plain", 6, "{:.3f}"), ("enc", 6, "{:.2f}"), ("apply", 6, "{:.2f}"), ("by link (Mbit/s)", 40, "{}")]
+    lines += _rows(cols, [[c["name"], c.get("default_coding"), c.get("default_wire_bytes", nan) / 1e6,
+                           c.get("default_bytes_per_change"), c.get("default_over_plain"),
+                           c.get("default_encode_gbps"), c.get("default_apply_gbps"),
+                           " ".join(f"{k}:{v}" for k, v in c.get("default_by_link", {}).items())]
                           for c in r["cases"]])
     mt = r.get("many_tensors")
     if mt:
@@ -143,6 +157,8 @@ def plot(r: dict, path: str) -> None:
         "dcr_ray (context coding)": [c["bytes_per_change"] for c in cases],
         "dcr_ray today (plain coding)": [c["today_bytes_per_change"] for c in cases],
         "dcr_ray overwrite": [c["overwrite_only_bytes"] / max(c["changed"], 1) for c in cases],
+        f"library default (auto, {r.get('settings', {}).get('link_mbps', 0):g} Mbit/s)":
+            [c.get("default_bytes_per_change", float("nan")) for c in cases],
         **{f"{k} (peer)": [c["peers_bytes_per_change"][k] for c in cases] for k in cases[0]["peers"]},
         "global bound": [c["entropy_bound_bytes"] / max(c["changed"], 1) for c in cases],
         "per-tensor bound": [c["per_tensor_bound_bytes"] / max(c["changed"], 1) for c in cases],

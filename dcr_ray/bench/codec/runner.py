@@ -6,8 +6,10 @@ import os
 import platform
 import time
 
+from dcr_ray.bench import provenance
 from dcr_ray.bench.codec.data import MOE_RATE, MOE_SHAPE, MOE_TENSORS, moe_step, real_steps, stress_step
 from dcr_ray.bench.codec.extras import measure_fixed_cost, memcpy_gbps, zstd_sweep
+from dcr_ray.bench.codec.default import library_default
 from dcr_ray.bench.codec.measure import Acc, case_result, measure_step
 from dcr_ray.bench.codec.report import _short, checks, fixed_cost_checks
 from dcr_ray.bench.codec.settings import REAL_LRS, STRESS_RATES, TARGETS, Settings, _log
@@ -23,7 +25,7 @@ def run(s: Settings) -> dict:
     from dcr_ray.codec.encode import DEFAULT_ZSTD_LEVEL, ZSTD_HASH_LOG
 
     t_start = time.perf_counter()
-    load0 = _loadavg()
+    load0 = provenance.loadavg()
     _log(f"dcr-ray bench codec ({'quick' if s.quick else 'full'}): memcpy reference")
     mem = memcpy_gbps(s.memcpy_bytes, s.repeats)
     _log(f"  numpy copy {mem:.2f} GB/s")
@@ -36,6 +38,7 @@ def run(s: Settings) -> dict:
             _log(f"    change rate {acc.rates[-1]:.3%}")
         cases.append(case_result(f"adamw-lr{lr:g}", "adamw", acc, lr=lr, steps=s.steps,
                                  step_change_rates=acc.rates))
+        cases[-1].update(library_default(cases[-1], s.link_mbps))
         _log(f"  done: {_short(cases[-1])}")
     sweep = None
     for rate in STRESS_RATES:
@@ -44,6 +47,7 @@ def run(s: Settings) -> dict:
         acc = Acc()
         measure_step(step, acc, s.repeats, s.coding)
         cases.append(case_result(f"stress-{rate:.0%}", "stress", acc))
+        cases[-1].update(library_default(cases[-1], s.link_mbps))
         _log(f"  done: {_short(cases[-1])}")
         if rate == 0.03:
             _log("  zstd level sweep on stress-3%")
@@ -57,6 +61,7 @@ def run(s: Settings) -> dict:
          f"{moe['bytes_per_change']:.2f} B/change (today {moe['today_bytes_per_change']:.2f})")
     result = {
         "bench": "codec",
+        "git": provenance.git_commit(),
         "quick": s.quick,
         "memcpy_gbps": mem,
         "cases": cases,
@@ -69,16 +74,12 @@ def run(s: Settings) -> dict:
             "cpus": os.cpu_count(), "codec_threads": threads_mod.codec_threads(), "platform": platform.platform(),
             "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
             "zstandard": zstandard.__version__, "loadavg_start": load0,
-            "loadavg_end": _loadavg(),
+            "loadavg_end": provenance.loadavg(),
         },
-        "settings": {"seed": s.seed, "repeats": s.repeats, "coding": s.coding, "stress_elems": s.stress_elems,
+        "settings": {"seed": s.seed, "repeats": s.repeats, "coding": s.coding, "link_mbps": s.link_mbps,
+                     "stress_elems": s.stress_elems,
                      "warm_steps": s.warm_steps, "steps": s.steps, "batch": list(s.batch)},
         "elapsed_s": time.perf_counter() - t_start,
     }
     _log(f"finished in {result['elapsed_s']:.1f}s")
     return result
-
-
-def _loadavg() -> list[float] | None:
-    """1/5/15-minute load averages: the machine may be shared, and throughput depends on it."""
-    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
