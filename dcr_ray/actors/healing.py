@@ -197,6 +197,7 @@ class Healing:
         for _ in range(MAX_ROUNDS):
             if self._table[e]["respawn"]:
                 self._set(e, phase="re-creating")
+                c.topology.retire(e, c.config)  # its name is released before the lock is taken
                 with self._holding(e, c._lock):
                     c.topology.respawn(e, c.config)
                 self._set(e, respawn=False)
@@ -238,7 +239,9 @@ class Healing:
     def _round(self, e: str, *, final: bool):
         """One copy: the result dict once ``e`` joined, None when the copy landed on a version that is no
         longer committed, or the error that failed it. Choosing the source and the join hold the
-        coordinator's lock (between refits); the copy itself does only in the ``final`` round."""
+        coordinator's lock (between refits); the peer's snapshot and the copy hold it only in the
+        ``final`` round (the peer refuses a snapshot unless it holds the committed version read under
+        the lock, settled)."""
         c = self._c
         t = c.config.commit.start_timeout_s
         whole = self._holding(e, c._lock) if final else contextlib.nullcontext()
@@ -248,6 +251,7 @@ class Healing:
             try:
                 held = self._held(e, t)
             except RayActorError as err:  # the healing engine died: re-created for the next round
+                c.topology.retire(e, c.config)
                 with step:
                     c.topology.respawn(e, c.config)
                 return err
@@ -266,11 +270,11 @@ class Healing:
                     sent = c._bootstrap([e])  # it joins the required set (an adopted engine by digest if it can)
                     self._took(e, "owners" if sent else "digest", owner_bytes=sent)
                     return {"engine": e, "version": version}
-                if peer is not None:
-                    try:  # between refits (they hold the lock), so the peer holds the version settled
-                        snap = ray.get(c.engines[peer].snapshot.remote(version, version_id), timeout=t)
-                    except Exception as err:  # the peer died or will not hand over: another round
-                        return err
+            if peer is not None:
+                try:  # the peer hands over only the committed version read above, settled (else it refuses)
+                    snap = ray.get(c.engines[peer].snapshot.remote(version, version_id), timeout=t)
+                except Exception as err:  # the peer died, is inside a refit, or moved on: another round
+                    return err
             try:
                 if steps:
                     self._set(e, phase="catching up", source="window")
@@ -282,6 +286,7 @@ class Healing:
                     remote = c.topology.engine_cluster[peer] != c.topology.engine_cluster[e]
                     self._took(e, peer, copy_bytes=snap["bytes"], cross_bytes=snap["bytes"] if remote else 0)
             except RayActorError as err:  # the healing engine itself died: re-created for the next round
+                c.topology.retire(e, c.config)
                 with step:
                     c.topology.respawn(e, c.config)
                 return err

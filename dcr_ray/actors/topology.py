@@ -16,6 +16,7 @@ died is re-created in its place (:meth:`Topology.respawn`) to rejoin by dense bo
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import ray
@@ -23,7 +24,7 @@ import ray
 from dcr_ray.actors import placement
 from dcr_ray.actors.engine import EngineActor
 from dcr_ray.config import ClusterSpec, RefitConfig
-from dcr_ray.options import actor_options, create_named
+from dcr_ray.options import NAME_RELEASE_S, actor_options, create_named
 from dcr_ray.relay.transport import Transport
 
 
@@ -98,6 +99,21 @@ class Topology:
                 fresh.append(eid)
         self.transport.reconnect(list(self.clusters.values()), self.engines, self.engine_cluster)
         return fresh
+
+    def retire(self, eid: str, config: RefitConfig, wait_s: float = NAME_RELEASE_S) -> None:
+        """Kill engine ``eid``'s actor (it died, or is being replaced) and wait until its name is free, so
+        that :meth:`respawn` creates the new one at once (callers hold no lock while this waits)."""
+        try:
+            ray.kill(self.engines[eid], no_restart=True)
+        except Exception:
+            pass  # already gone
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(engine_name(eid), namespace=config.namespace)
+            except ValueError:
+                return
+            time.sleep(0.1)
 
     def respawn(self, eid: str, config: RefitConfig):
         """Re-create engine ``eid`` (its actor died) and route the transport to the new actor."""
