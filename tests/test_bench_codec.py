@@ -90,3 +90,22 @@ def test_the_default_columns_are_the_librarys_own_choice_on_the_stated_link():
     fast = default.library_default(case, 1000.0)
     assert fast["default_coding"] == "plain" and fast["default_apply_gbps"] == 10.0
     assert fast["default_by_link"] == {"10": "context", "100": "plain", "1000": "plain", "10000": "plain"}
+
+
+def test_a_runs_tables_are_rendered_from_its_json_alone_with_every_target_met_or_unmet():
+    from dcr_ray.bench.markdown import render
+
+    acc = codec.Acc()
+    codec.measure_step(codec.stress_step(1 << 16, 0.03, seed=3), acc, repeats=1)
+    r = codec.case_result("stress-3%", "stress", acc)
+    r.update(default.library_default(r, 100.0))
+    result = json.loads(json.dumps({"bench": "codec", "cases": [r], "settings": {"link_mbps": 100.0},
+                                    "checks": {**codec.checks([r]), "a target nobody met": {"x": False}},
+                                    "git": {"commit": "0123456789abcdef", "dirty": False},
+                                    "machine": {"loadavg_start": [0.5], "loadavg_end": [0.7]}, "elapsed_s": 60}))
+    md = render(result, "run.json")
+    assert md.count("| stress-3% |") == 3  # bytes, throughput, the library default
+    assert "| a target nobody met | **unmet**: x |" in md and "| bit_exact | met |" in md
+    assert "commit 0123456789" in md and "dcr-ray bench markdown run.json" in md
+    with pytest.raises(ValueError, match="not the JSON of dcr-ray bench codec or refit"):
+        render({"bench": "heal"})

@@ -104,13 +104,33 @@ def test_speedups_against_each_reference_come_from_the_measured_times():
 
 
 def test_a_speedup_that_holds_only_against_the_formula_is_reported_as_missed():
-    s = _settings()
-    c = _case(0.03)
-    assert c["speedup"] > 40
+    s = _settings(link_mbps=100.0)
+    c = _case(0.03, link=100.0, changed_frac=0.01)
+    assert c["speedup"] > 60
     R.attach_references([c], {"measured_reference_seconds": 10 * c["dcr_seconds"], "measured_reference_bytes": 1,
                               "measured_dense_refit_seconds": 5 * c["dcr_seconds"], "measured_dense_refit_bytes": 1})
     checks = R.checks([c], s)
-    assert checks["speedup>=40x@3% (measured reference)"] == {c["name"]: False}
+    assert checks["speedup>=60x@3% relay 100 Mbit/s (measured reference)"] == {c["name"]: False}
+    assert checks["speedup>=20x@3% relay 1000 Mbit/s (measured reference)"] == {}  # no case at that link
+
+
+def test_the_speedup_targets_are_judged_at_their_own_links_from_the_sweep_too():
+    s = _settings(link_mbps=1000.0)
+    head, slow = _case(0.03, link=1000.0), _case(0.03, link=100.0)
+    for c, x in ((head, 21.0), (slow, 59.0)):
+        R.attach_references([c], {"measured_reference_seconds": x * c["dcr_seconds"], "measured_reference_bytes": 1,
+                                  "measured_dense_refit_seconds": 1.0, "measured_dense_refit_bytes": 1})
+    checks = R.checks([head], s, link_cases=[slow])
+    assert checks["speedup>=20x@3% relay 1000 Mbit/s (measured reference)"] == {head["name"]: True}
+    assert checks["speedup>=60x@3% relay 100 Mbit/s (measured reference)"] == {slow["name"]: False}
+
+
+def test_auto_more_than_five_percent_slower_than_the_better_coding_misses_its_target():
+    s = _settings()
+    rows = [{"link_mbps": 100.0, "auto_over_best": 1.04, "bit_exact": True},
+            {"link_mbps": None, "auto_over_best": 1.06, "bit_exact": True}]
+    got = R.checks([], s, coding_cases=rows)["auto<=1.05x the better coding, every link"]
+    assert got == {"3% relay 100 Mbit/s": True, "3% relay no link": False}
 
 
 def test_a_promote_that_dirties_more_than_one_and_a_half_pages_per_changed_page_misses_its_target():
@@ -229,6 +249,15 @@ def test_a_tiny_refit_bench_runs_end_to_end_bit_exact_and_writes_its_outputs(tmp
     # a uniform 3% change puts a change on every page of the tiny model; the promote dirtied no other page
     assert 0 < c["changed_pages"] <= c["baseline_pages"] and c["dirty_pages"] <= 1.5 * c["changed_pages"]
     assert 0 < c["tensors"] <= c["tensors_total"]
+    # the refit's coding and why, and every actor's CPU seconds with the critical path they imply
+    assert c["coding"] in ("plain", "context") and c["coding_reason"]
+    assert c["cpu_role_seconds"]["owners"] > 0 and c["cpu_role_seconds"]["engines"] > 0
+    assert len(c["cpu_seconds"]["relays"]) == 1 and c["derived_serial_s"] >= c["derived_streamed_s"] > 0
+    # auto against plain and context at the headline link: every refit's seconds, auto's choices
+    (row,) = result["coding_cases"]
+    assert row["rounds"] == 2 and row["bit_exact"] and all(len(v) == 2 for v in row["samples_s"].values())
+    assert len(row["auto_chose"]) == 2 and row["auto_over_best"] > 0
+    assert result["git"]["commit"] and "auto / better" in R.markdown(result)
     R.plot(result, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
 
@@ -255,3 +284,29 @@ def test_the_vllm_receiver_case_refits_dcr_ray_started_vllm_engines_and_serves_w
     assert sv["reference_checkpoint_exact"] and sv["served_tensors"] > 0
     (m,) = result["summary"]
     assert m["engine_kind"] == "vllm" and m["bit_exact"]
+
+
+def test_cpu_seconds_per_actor_give_the_critical_path_with_one_core_per_actor_labelled_derived():
+    from dcr_ray.bench.refit import cpu
+
+    got = cpu.critical_path({"owners": {"o0": 0.4, "o1": 0.3}, "relays": {"r": 0.05},
+                             "engines": {"e0": 0.2, "e1": 0.25}}, link_lower_bound_s=0.18)
+    assert got["cpu_role_seconds"] == {"owners": 0.4 + 0.3, "relays": 0.05, "engines": 0.2 + 0.25}
+    assert got["cpu_slowest_actor_seconds"] == {"owners": 0.4, "relays": 0.05, "engines": 0.25}
+    assert got["derived_streamed_s"] == 0.4  # the busiest stage
+    assert got["derived_serial_s"] == 0.18 + (0.4 + 0.05 + 0.25)  # one stage after another
+    c = _case(0.03, **got, coding="plain")
+    md = cpu.markdown([c, _case(0.05)])  # a case without CPU readings is left out
+    assert md.count("\n| stress-") == 1 and "derived, one core per actor" in md and "| plain |" in md
+
+
+def test_the_coding_comparison_table_lists_every_sample_and_what_auto_chose():
+    from dcr_ray.bench.refit import codings
+
+    row = {"link_mbps": 100.0, "rounds": 2, "samples_s": {"plain": [2.0, 2.2], "context": [1.9, 1.8],
+                                                          "auto": [1.85, 1.9]},
+           "median_s": {"plain": 2.1, "context": 1.85, "auto": 1.875}, "auto_over_best": 1.875 / 1.85,
+           "auto_chose": [{"coding": "context", "reason": "the link bounds the refit"}] * 2, "bit_exact": True}
+    md = codings.markdown([row, {**row, "link_mbps": None}])
+    assert "| 100 Mbit/s | 2.10 (2.00, 2.20) | 1.85 (1.90, 1.80) |" in md and "| no link |" in md
+    assert "context, context" in md and "**1.01x**" in md

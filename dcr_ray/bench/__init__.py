@@ -11,6 +11,7 @@ matplotlib) inside the functions that run, so ``dcr-ray --help`` stays fast.
 - :mod:`~dcr_ray.bench.projection`  sharded owners projecting their changes vs gather-then-convert-then-diff
 - :mod:`~dcr_ray.bench.heal`  healing a dead, lagging or lost engine: bytes across the link, owner bytes, refit stall
 - :mod:`~dcr_ray.bench.peers`  compact peer encodings (AReaL-DTE style, slime style) for comparison
+- :mod:`~dcr_ray.bench.markdown`  a run's tables (BENCHMARKS.md) rendered from its JSON alone
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import importlib
 
 #: Benchmark modules (under ``dcr_ray.bench``) that add a ``dcr-ray bench <name>`` subcommand.
-MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal")
+MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal", "markdown")
 
 
 def add_parsers(subparsers) -> None:

@@ -178,3 +178,44 @@ def plot(r: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def markdown(r: dict) -> str:
+    """The result tables in Markdown, as BENCHMARKS.md shows them (``dcr-ray bench markdown``)."""
+    out = ["| case | change rate | context B/change | plain B/change | context / plain | global bound | "
+           "per-tensor bound | class bound | context / per-tensor bound | overwrite-only | AReaL-style | "
+           "slime-style |", "|" + "---|" * 12]
+    for c in r["cases"]:
+        n = max(c["changed"], 1)
+        out.append(f"| {c['name']} | {c['change_rate']:.2%} | **{c['bytes_per_change']:.3f}** | "
+                   f"{c['today_bytes_per_change']:.3f} | {c['new_over_today']:.3f} | {c['entropy_bound_bytes'] / n:.3f} | "
+                   f"{c['per_tensor_bound_bytes'] / n:.3f} | {c['class_bound_bytes'] / n:.3f} | "
+                   f"{c['wire_over_per_tensor_bound']:.3f} | {c['overwrite_only_bytes'] / n:.3f} | "
+                   f"{c['peers_bytes_per_change']['areal']:.2f} | {c['peers_bytes_per_change']['slime']:.2f} |")
+    keys = ("plain_encode", "plain_apply", "context_encode", "context_apply")
+    out += ["", "| case | encode plain | (cpu) | decode+apply plain | (cpu) | encode context | (cpu) | "
+                "decode+apply context | (cpu) | decode+apply context, cold | (cpu) |", "|" + "---|" * 11]
+    for c in r["cases"]:
+        cells = [f"{c[f'{k}_gbps']:.2f} | {c[f'{k}_cpu_gbps']:.2f}" for k in (*keys, "context_apply_cold")]
+        out.append(f"| {c['name']} | " + " | ".join(cells) + " |")
+    link = r.get("settings", {}).get("link_mbps")
+    out += ["", f"| case | library default at {link:g} Mbit/s | B/change | / plain | encode GB/s | decode+apply GB/s "
+                f"| its choice at 10 / 100 / 1000 / 10000 Mbit/s |", "|" + "---|" * 7]
+    for c in r["cases"]:
+        if "default_coding" in c:
+            by = " / ".join(c["default_by_link"].values())
+            out.append(f"| {c['name']} | {c['default_coding']} | {c['default_bytes_per_change']:.3f} | "
+                       f"{c['default_over_plain']:.3f} | {c['default_encode_gbps']:.2f} | "
+                       f"{c['default_apply_gbps']:.2f} | {by} |")
+    out += ["", targets_markdown(r)]
+    return "\n".join(out)
+
+
+def targets_markdown(r: dict) -> str:
+    """Every target of the run, met or unmet, with the cases that missed it."""
+    out = ["| target | result |", "|---|---|"]
+    for name, per in r["checks"].items():
+        bad = [k for k, v in per.items() if not v]
+        out.append(f"| {name} | " + ("met" if per and not bad else "no case" if not per
+                                     else f"**unmet**: {', '.join(bad)}") + " |")
+    return "\n".join(out) + "\n"

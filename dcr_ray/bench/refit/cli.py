@@ -54,6 +54,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="owners' baseline store: memory-mapped files (dcr_ray's default) or in-memory arrays")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-sweep", action="store_true", help="skip the other links (--links)")
+    p.add_argument("--no-codings", action="store_true",
+                   help="skip the comparison of CodecConfig.coding auto / plain / context at every link (3 rounds "
+                        "of 3% relay refits per link, 2 with --quick)")
     p.add_argument("--no-reference-check", action="store_true",
                    help="skip the measured references (speedups then only against the formula)")
     p.set_defaults(func=run)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from dcr_ray.bench.refit.actors import engine_apply_stats, engine_digests
+from dcr_ray.bench.refit.cpu import critical_path
 from dcr_ray.bench.refit.memory import MemorySampler
 from dcr_ray.bench.refit.progress import log
 from dcr_ray.bench.refit.settings import PEERS
@@ -134,6 +135,10 @@ def measure_refit(topo: Topology, *, with_peers: bool = True) -> dict:
         "changed_pages": sum(p["changed_pages"] for p in promotes),
         "baseline_pages": sum(p["baseline_pages"] for p in promotes),
         "tensors": sum(p["tensors"] for p in promotes), "tensors_total": topo.tensors,
+        # which coding the refit used and why (CodecConfig.coding="auto" decides per refit)
+        "coding": rep.coding, "coding_reason": rep.coding_reason,
+        # process CPU seconds per actor, and the critical path they imply with one core per actor (derived)
+        **critical_path(rep.cpu_seconds, lower),
     }
     if peer is not None:
         link_s = {p: reference_seconds(v["bytes"], topo.link_mbps, lat) for p, v in peer.items()}

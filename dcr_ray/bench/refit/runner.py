@@ -6,7 +6,9 @@ import os
 import platform
 import time
 
+from dcr_ray.bench import provenance
 from dcr_ray.bench.codec import MOE_TENSORS, expert_shapes
+from dcr_ray.bench.refit.codings import compare_codings
 from dcr_ray.bench.refit.large_models import projection
 from dcr_ray.bench.refit.measure import check_exact_elementwise, measure_refit
 from dcr_ray.bench.refit.progress import log
@@ -28,7 +30,7 @@ def run_bench(s: Settings) -> dict:
     _init_ray()
     log(f"dcr-ray bench refit ({'quick' if s.quick else 'full'}): headline link {s.link_mbps:g} Mbit/s, "
         f"latency {s.latency_s * 1e3:g} ms, transports {','.join(s.transports)}")
-    result: dict = {"bench": "refit", "quick": s.quick}
+    result: dict = {"bench": "refit", "git": provenance.git_commit(), "quick": s.quick}
     receivers = _available(s.receivers, result) if "adamw" in s.cases else ()
     cases = []
     for transport in s.transports:
@@ -43,7 +45,7 @@ def run_bench(s: Settings) -> dict:
     result["sweep"] = link_table(result, s)
     result["projection"] = projection(cases)
     result["targets"] = TARGETS
-    result["checks"] = checks(cases, s, result.get("link_cases"))
+    result["checks"] = checks(cases, s, result.get("link_cases"), result.get("coding_cases"))
     result["settings"] = {k: getattr(s, k) for k in Settings.__dataclass_fields__}
     result["machine"] = {
         "cpus": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_model(),
@@ -91,6 +93,9 @@ def run_stress(s: Settings, transport: str, result: dict) -> list[dict]:
             attach_references(cases, measure_references(topo))
             for c in cases:
                 log(f"    {c['case']}: {_vs(c)}")
+        compare = s.coding_rounds and transport == "relay"
+        if compare:
+            result.setdefault("coding_cases", []).append(compare_codings(topo, perturb, s.coding_rounds))
         links = []
         if s.sweep and transport == "relay":
             for mbps in s.links:
@@ -103,11 +108,13 @@ def run_stress(s: Settings, transport: str, result: dict) -> list[dict]:
                     attach_references([c], measure_references(topo))
                 links.append(c)
                 log(f"  link {('%g Mbit/s' % mbps) if mbps else 'none'}: {_short(c)}; {_vs(c)}")
+                if compare:
+                    result["coding_cases"].append(compare_codings(topo, perturb, s.coding_rounds))
             topo.set_link(s.link_mbps, s.latency_s)
             result["link_cases"] = links
         ok = check_exact_elementwise(topo)
         log(f"  element-wise integer-view check: {'ok' if ok else 'MISMATCH'}")
-        for c in cases + links:
+        for c in cases + links + (result.get("coding_cases", []) if compare else []):
             c["bit_exact"] = c["bit_exact"] and ok
     finally:
         topo.shutdown()

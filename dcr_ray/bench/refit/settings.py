@@ -50,6 +50,8 @@ class Settings:
     baseline: str = "mmap"
     receivers: tuple = ("hf",)
     links: tuple = ()
+    #: rounds of (plain, context, auto) 3% relay refits at every link (0: none; :mod:`.codings`)
+    coding_rounds: int = 0
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "Settings":
@@ -60,7 +62,8 @@ class Settings:
                    real_lr=a.lr, bucket_bytes=_bucket_bytes(a.bucket_mib), seed=a.seed, sweep=not a.no_sweep,
                    reference_check=not a.no_reference_check, cases=tuple(a.cases.split(",")),
                    baseline=a.baseline, receivers=_receivers(getattr(a, "receivers", None), a.quick),
-                   links=_links(getattr(a, "links", None), a.link_mbps))
+                   links=_links(getattr(a, "links", None), a.link_mbps),
+                   coding_rounds=0 if getattr(a, "no_codings", False) else (2 if a.quick else 3))
 
 
 def _bucket_bytes(mib) -> int | None:

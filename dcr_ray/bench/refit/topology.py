@@ -58,6 +58,13 @@ class Topology:
         self.link_mbps, self.latency_s = mbps, (latency_s if mbps else 0.0)
         ray.get([a.__ray_call__.remote(_set_link, mbps, latency_s) for a in self._link_holders().values()])
 
+    def set_coding(self, coding: str) -> None:
+        """``CodecConfig.coding`` of the refits that follow (``plain``, ``context`` or ``auto``): the
+        coordinator passes its choice to the owners per refit."""
+        import ray
+
+        ray.get(self.refit.actor.__ray_call__.remote(_set_coding, coding))
+
     def link_busy(self) -> dict:
         """Link -> (serialisation seconds, bytes) so far."""
         import ray
@@ -81,6 +88,13 @@ def _set_link(actor_self, mbps, latency_s) -> None:
     from dcr_ray.testing.links import link_of
 
     link_of(actor_self).set(mbps, latency_s)
+
+
+def _set_coding(coordinator_self, coding: str) -> None:
+    import dataclasses
+
+    cfg = coordinator_self.config
+    coordinator_self.config = dataclasses.replace(cfg, codec=dataclasses.replace(cfg.codec, coding=coding))
 
 
 def _link_busy(actor_self) -> tuple[float, int]:
