@@ -21,8 +21,9 @@ import time
 
 import ray
 
-#: How long ``stop`` waits for the actors' readings.
-READ_TIMEOUT_S = 5.0
+#: How long ``stop`` waits for the actors' readings (a reading takes milliseconds; only an actor that hangs
+#: makes the refit's answer wait this long, after its commit).
+READ_TIMEOUT_S = 2.0
 #: Roles in the order reports list them.
 ROLES = ("owners", "relays", "engines")
 
