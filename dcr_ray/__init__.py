@@ -17,7 +17,8 @@ Toy models, a toy trainer, link emulation and fault injection for tests and exam
 """
 
 from dcr_ray.actors.owner import DeltaOwner, OwnerMixin, StandaloneOwner, owned_names
-from dcr_ray.api import HFEngine, Refit, launch
+from dcr_ray.api import Refit, launch
+from dcr_ray.engines import HFEngine
 from dcr_ray.config import (
     ClusterSpec,
     CodecConfig,

@@ -45,35 +45,6 @@ from dcr_ray.report import RefitReport
 log = logging.getLogger(__name__)
 
 
-class HFEngine:
-    """Engine factory: a ``transformers`` causal LM in each engine actor (the embedded receiver).
-
-    ``model`` is a Hugging Face checkpoint directory visible to the engines' nodes (loaded with
-    ``AutoModelForCausalLM.from_pretrained`` in ``dtype``), or a picklable zero-argument callable that
-    returns the model (e.g. :class:`dcr_ray.testing.models.ModelSpec`). The engine's initial bits do not
-    matter: the dense bootstrap replaces them with the owners' committed bits.
-    """
-
-    def __init__(self, model: str | Callable[[], torch.nn.Module], *, dtype: str = "bfloat16"):
-        if not (isinstance(model, str) or callable(model)):
-            raise ConfigError(f"HFEngine(model) takes a checkpoint directory or a callable returning a model, "
-                              f"got {type(model).__name__}")
-        self.model = model
-        self.dtype = dtype
-
-    def _build(self) -> torch.nn.Module:
-        if callable(self.model):
-            return self.model()
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(self.model, dtype=getattr(torch, self.dtype))
-
-    def __call__(self) -> EngineBackend:
-        from dcr_ray.engines.hf import TransformersBackend
-
-        return TransformersBackend(self._build)
-
-
 class Refit:
     """Handle of a running dcr_ray topology.
 
@@ -223,7 +194,7 @@ def launch(
     Owners come either as ``owners`` (actor handles whose class mixes in :class:`dcr_ray.OwnerMixin`;
     a dict names them, a list names them ``owner0``, ``owner1``, ...) or as ``owner_tensors`` (one
     ``{name: tensor}`` dict per standalone owner actor to create). ``engine`` builds one backend in
-    each engine actor dcr_ray starts (:class:`HFEngine`, :class:`~dcr_ray.engines.vllm.VllmEngine`);
+    each engine actor dcr_ray starts (:class:`~dcr_ray.engines.HFEngine`, :class:`~dcr_ray.engines.VllmEngine`);
     engines of other systems join through ``ClusterSpec(adopt=[...])``. ``transport`` replaces the one
     ``config.transport`` names (e.g. a wrapped one that emulates slow links in benchmarks).
 

@@ -14,6 +14,7 @@ import torch
 from dcr_ray.codec.bits import bits_view
 from dcr_ray.codec import DecodedFrame, apply_decoded
 from dcr_ray.engines.base import EngineBackend, canonical_state_dict
+from dcr_ray.errors import ConfigError
 
 
 class TransformersBackend(EngineBackend):
@@ -58,3 +59,30 @@ class TransformersBackend(EngineBackend):
         """Greedy continuation token ids (for examples and checks)."""
         out = self.model.generate(torch.tensor(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
         return out[:, len(input_ids[0]):].tolist()
+
+
+class HFEngine:
+    """Engine factory: a ``transformers`` causal LM in each engine actor (the embedded receiver).
+
+    ``model`` is a Hugging Face checkpoint directory visible to the engines' nodes (loaded with
+    ``AutoModelForCausalLM.from_pretrained`` in ``dtype``), or a picklable zero-argument callable that
+    returns the model (e.g. :class:`dcr_ray.testing.models.ModelSpec`). The engine's initial bits do not
+    matter: the dense bootstrap replaces them with the owners' committed bits.
+    """
+
+    def __init__(self, model: str | Callable[[], torch.nn.Module], *, dtype: str = "bfloat16"):
+        if not (isinstance(model, str) or callable(model)):
+            raise ConfigError(f"HFEngine(model) takes a checkpoint directory or a callable returning a model, "
+                              f"got {type(model).__name__}")
+        self.model = model
+        self.dtype = dtype
+
+    def _build(self) -> torch.nn.Module:
+        if callable(self.model):
+            return self.model()
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model, dtype=getattr(torch, self.dtype))
+
+    def __call__(self) -> EngineBackend:
+        return TransformersBackend(self._build)
