@@ -50,7 +50,8 @@ def s3_server():
     proc.wait(10)
 
 
-def test_refits_through_an_s3_compatible_store_are_bit_exact_and_leave_no_objects(s3_server):
+def test_refits_through_an_s3_compatible_store_are_bit_exact_keep_only_committed_payloads_and_leave_none_at_shutdown(
+        s3_server):
     import s3fs
 
     opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3_server,
@@ -71,17 +72,22 @@ def test_refits_through_an_s3_compatible_store_are_bit_exact_and_leave_no_object
             codec=dcr_ray.CodecConfig(key=b"shared-secret"))
         refit = dcr_ray.launch(owners=trainers, clusters=[dcr_ray.ClusterSpec(name="remote", engines=2)],
                                engine=dcr_ray.HFEngine(spec.with_seed(3)), config=cfg)
+        committed = []
         for step in range(2):
             ray.get([t.step.remote(seed=step) for t in trainers])
             report = refit.run()
             assert report.version == step + 1 and report.changed > 0
+            committed.append(f"dcr-test/refits/{report.transfer}/a{report.attempts - 1}/")
         want = ray.get(trainers[0].rollout_state.remote())
         for eng in refit.engines().values():
             got = ray.get(eng.tensors.remote())
             for n in want:
                 assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), n
         fs.invalidate_cache()
-        assert fs.find("dcr-test/refits") == []  # objects are deleted after commit
+        kept = fs.find("dcr-test/refits")  # the committed attempts stay for catch-up, nothing else
+        assert kept and all(any(p.startswith(c) for c in committed) for p in kept), kept
         refit.shutdown()
+        fs.invalidate_cache()
+        assert fs.find("dcr-test/refits") == []  # and none after shutdown
     finally:
         ray.shutdown()

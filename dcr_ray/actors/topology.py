@@ -126,7 +126,12 @@ class Topology:
         return self.engines[eid]
 
     def teardown(self) -> None:
-        """Kill every engine and relay and remove the placement groups (``Refit.shutdown``)."""
+        """Kill every engine and relay, drop the payloads kept for catch-up and remove the placement groups
+        (``Refit.shutdown``)."""
+        try:
+            self.transport.drop_windows()
+        except Exception:  # best effort: the store's objects can be deleted by hand
+            pass
         for a in [*self.engines.values(), *self.transport.actors().values()]:
             try:
                 ray.kill(a, no_restart=True)

@@ -137,6 +137,9 @@ class ObjectStoreTransport:
                                        target=step.target, base_id=step.base_id, keys=keys, payloads=paths,
                                        nbytes=sum(sizes)))
 
+    def drop_windows(self) -> None:
+        self._window.clear()  # deletes each kept transfer's prefix
+
     def window(self, cluster: str, version: int, version_id: str | None) -> list[CommittedStep] | None:
         return self._window.since(version, version_id)
 

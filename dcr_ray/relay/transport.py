@@ -78,6 +78,9 @@ class Transport(Protocol):
         window (bounded by ``TransportConfig.catchup_window_bytes``) and release everything else of the
         transfer, as :meth:`release` does."""
 
+    def drop_windows(self) -> None:
+        """Drop every payload the catch-up windows keep (the topology shuts down)."""
+
     def window(self, cluster: str, version: int, version_id: str | None) -> list[CommittedStep] | None:
         """The committed steps ``cluster`` keeps from content ``(version, version_id)`` to the newest
         commit, each with its payloads as the cluster's engines read them; None when the window does

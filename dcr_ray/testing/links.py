@@ -131,6 +131,9 @@ class EmulatedLinks:
     def keep(self, step) -> None:
         self.inner.keep(step)
 
+    def drop_windows(self) -> None:
+        self.inner.drop_windows()
+
     def window(self, cluster: str, version: int, version_id):
         return self.inner.window(cluster, version, version_id)
 
