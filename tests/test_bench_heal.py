@@ -20,12 +20,15 @@ def test_the_heal_benchmark_heals_every_case_exactly_and_inside_the_cluster_wher
     cases = out["cases"]
     assert all(c["bit_exact"] for c in cases.values())
     rp, lag, lost = cases["recreated_with_peer"], cases["lagging_3_versions"], cases["whole_cluster_lost"]
-    # the copy comes from the peer; a refit that commits while it lands is then caught up by its delta
+    # the copy comes from the peer; a refit that commits while it lands is then caught up by its delta (or
+    # by another copy, where the delta outweighs the model)
     assert [(h["engine"], h["sources"][0]) for h in rp["heals"]] == [("a/e1", "a/e0")]
-    assert set(rp["heals"][0]["sources"][1:]) <= {"window"}
+    assert set(rp["heals"][0]["sources"][1:]) <= {"window", "a/e0"}
     assert rp["cross_cluster_bytes"] == 0 and rp["owner_bytes"] == 0 and rp["copy_bytes"] > 0
     assert lag["missed_versions"] == 3 and lag["cross_cluster_bytes"] <= 1.05 * lag["union_delta_bytes"]
-    assert lag["heals"][0]["sources"][0] == "window" and lag["window_bytes"] >= lag["union_delta_bytes"]
+    # the missed deltas replayed from the window, or the peer's dense copy where those deltas outweigh the
+    # model (this benchmark's learning rate changes most elements every step)
+    assert lag["heals"][0]["sources"][0] in ("window", "a/e0") and lag["owner_bytes"] == 0
     # the lost cluster's first engine copies from cluster a (across the link once, not from the owners)
     assert [(h["engine"], h["sources"][0]) for h in lost["heals"]] == [("b/e0", "a/e0"), ("b/e1", "b/e0")]
     assert lost["owner_bytes"] == 0 and lost["cross_cluster_bytes"] == lost["heals"][0]["cross_bytes"] > 0

@@ -63,7 +63,7 @@ def _relay_head(refit, cluster: str):
 @pytest.mark.parametrize("transport", ["relay", "object_store"])
 def test_an_engine_that_missed_four_refits_catches_up_by_their_deltas_without_the_owners(local_ray, transport):
     Trainer = ray.remote(num_cpus=0)(TinyTrainer)
-    trainer = Trainer.remote(SPEC, lr=1e-3)
+    trainer = Trainer.remote(SPEC, lr=1e-5)  # an RL-sized step: four versions of deltas are smaller than the model
     # a/e1's first delta flush hangs for 14 s; the stage timeout is 4 s: it is evicted and misses refits
     refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=2)],
                            engine=StallingEngine(dcr_ray.HFEngine(SPEC), stall_s=14.0, only="a/e1"),

@@ -8,7 +8,9 @@ while the refits go on without it. Where its bits come from, in order of prefere
 1. **The deltas it missed**, when it holds an older committed version (evicted as hung, then answering
    again): its cluster keeps the committed payloads of the last versions (the catch-up window,
    :mod:`~dcr_ray.relay.window`), and it replays them (:mod:`~dcr_ray.actors.engine_catchup`), every
-   frame validated before any write. The bytes are the missed deltas, already inside the cluster.
+   frame validated before any write. The bytes are the missed deltas, already inside the cluster;
+   where they outweigh the model (large learning rates, many versions), the peer's dense copy is
+   taken instead.
 2. **A peer of its cluster** (:mod:`~dcr_ray.actors.engine_heal`): a required engine that holds the
    committed version settled hands its canonical tensors over through the Ray object store; the copy
    stays inside the cluster and is checked tensor by tensor against the peer's digests before the
@@ -262,7 +264,8 @@ class Healing:
                 if held == (version, version_id):  # it missed nothing (or took it in an earlier round)
                     return self._join(e, version)
                 steps = self._window(e, held, (version, version_id))
-                peer = None if steps else self._peer(e)
+                peer = self._peer(e) if not steps or self._dense_is_smaller(e, steps) else None
+                steps = None if peer is not None else steps
                 if not steps and (peer is None or c.topology.is_adopted(e)):  # no delta, no peer can hand
                     # it over (or it cannot take a copy: an adopted engine's bits are not addressable)
                     self._set(e, phase="bootstrapping", source="owners")
@@ -323,6 +326,13 @@ class Healing:
         if not steps or (steps[-1].target, steps[-1].transfer) != committed:
             return None
         return steps
+
+    def _dense_is_smaller(self, e: str, steps: list) -> bool:
+        """Whether a peer's dense copy moves fewer bytes than replaying ``steps`` (large learning rates:
+        a few versions of deltas outweigh the model); an adopted engine cannot take a copy."""
+        c = self._c
+        model = c._model_bytes  # 0 when unknown (a resumed coordinator): replay
+        return bool(model) and not c.topology.is_adopted(e) and sum(s.nbytes for s in steps) >= model
 
     def _join(self, e: str, version: int) -> dict:
         """``e`` holds the committed ``version``: it joins the required set (under the coordinator's lock)."""

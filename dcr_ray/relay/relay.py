@@ -102,7 +102,7 @@ class RelayActor:
             held = self._held.pop(step.transfer, {})
             self._seen = {k for k in self._seen if k[0] != step.transfer}
             keys = sorted(tuple(k) for k in step.keys)
-            if not self.head or self._window.max_bytes <= 0 or not keys or any(k not in held for k in keys):
+            if not self.head or self._window.max_bytes <= 0 or any(k not in held for k in keys):
                 return False
             kept = CommittedStep(transfer=step.transfer, attempt=step.attempt, base=step.base, target=step.target,
                                  base_id=step.base_id, keys=keys, payloads=[held[k][0] for k in keys],
