@@ -265,6 +265,8 @@ class Healing:
                     return self._join(e, version)
                 steps = self._window(e, held, (version, version_id))
                 peer = self._peer(e) if not steps or self._dense_is_smaller(e, steps) else None
+                if steps and peer is not None and not self._same_cluster(e, peer):
+                    peer = None  # deltas inside the cluster beat a dense copy across the link
                 steps = None if peer is not None else steps
                 if not steps and (peer is None or c.topology.is_adopted(e)):  # no delta, no peer can hand
                     # it over (or it cannot take a copy: an adopted engine's bits are not addressable)
@@ -286,8 +288,8 @@ class Healing:
                 else:
                     self._set(e, phase="copying", source=peer)
                     ray.get(handle.heal_from.remote(snap, t), timeout=t)
-                    remote = c.topology.engine_cluster[peer] != c.topology.engine_cluster[e]
-                    self._took(e, peer, copy_bytes=snap["bytes"], cross_bytes=snap["bytes"] if remote else 0)
+                    cross = 0 if self._same_cluster(e, peer) else snap["bytes"]
+                    self._took(e, peer, copy_bytes=snap["bytes"], cross_bytes=cross)
             except RayActorError as err:  # the healing engine itself died: re-created for the next round
                 c.topology.retire(e, c.config)
                 with step:
@@ -326,6 +328,10 @@ class Healing:
         if not steps or (steps[-1].target, steps[-1].transfer) != committed:
             return None
         return steps
+
+    def _same_cluster(self, e: str, peer: str) -> bool:
+        cluster = self._c.topology.engine_cluster
+        return cluster[e] == cluster[peer]
 
     def _dense_is_smaller(self, e: str, steps: list) -> bool:
         """Whether a peer's dense copy moves fewer bytes than replaying ``steps`` (large learning rates:
