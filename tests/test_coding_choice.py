@@ -141,3 +141,13 @@ def test_an_owner_streaming_on_its_own_codes_auto_plainly_and_takes_the_coordina
     assert stream_coding("auto", "context") == "context"
     with pytest.raises(ConfigError, match="coding must be one of"):
         stream_coding("auto", "auto", "o0")
+
+
+def test_one_refit_slowed_by_other_work_does_not_decide_the_codec_costs_alone():
+    steady = [refit("plain", stream=0.5, construct=0.3, apply=0.2) for _ in range(2)]
+    slowed = refit("plain", stream=1.2, construct=0.9, apply=0.3)
+    got = choose_coding(AUTO, [steady[0], slowed, steady[1]], {"c0"})
+    plain = got.inputs["predicted"]["plain"]
+    assert plain["codec_s"] == 0.3 + 0.2 and plain["source"] == "median of 3 measured"
+    two = choose_coding(AUTO, [steady[0], slowed], {"c0"}).inputs["predicted"]["plain"]
+    assert two["codec_s"] == (0.3 + 0.9) / 2 + (0.2 + 0.3) / 2  # the mean of the middle two

@@ -14,10 +14,11 @@ What it reads, per refit of the window (the last :data:`WINDOW` reports):
   rate only when the link bounded that refit (its stream took more than :data:`LINK_BOUND` times its
   codec stages); otherwise it is a lower bound on the link's throughput, which only raises the estimate.
   ``CodecConfig.link_mbps`` replaces the measurement with a configured figure.
-- **codec throughput** of each coding: the slowest owner's ``construct`` and the slowest engine's
-  ``apply`` seconds of the latest clean refit (one attempt, mixed frames) that used it, and its wire
-  bytes per changed element. A coding no refit in the window used is estimated from the other with the
-  ratios :data:`PRIOR` (measured by ``dcr-ray bench codec``; BENCHMARKS.md).
+- **codec throughput** of each coding: the slowest owner's ``construct`` plus the slowest engine's
+  ``apply`` seconds, the median over the last :data:`CODEC_SAMPLES` clean refits (one attempt, mixed
+  frames) that used it (one refit slowed by other work on the machine does not decide alone), and the
+  wire bytes per changed element of the latest. A coding no refit in the window used is estimated from
+  the other with the ratios :data:`PRIOR` (measured by ``dcr-ray bench codec``; BENCHMARKS.md).
 
 The model of one refit: ``T(c) = max(link seconds, codec seconds)`` with link seconds = the wire bytes
 coding ``c`` would send over the slowest link the refit feeds (owners encode once for every cluster, so
@@ -41,6 +42,8 @@ from dcr_ray.errors import ConfigError
 CODINGS = ("plain", "context")
 #: Recent committed refits the choice reads.
 WINDOW = 16
+#: Refits per coding whose codec seconds are taken together (their median).
+CODEC_SAMPLES = 3
 #: A refit whose stream took longer than this times its codec stages (construct + apply) waited on its link.
 LINK_BOUND = 1.25
 #: ``"context"`` must promise at least this share less refit time than ``"plain"`` (below the 5% by which
@@ -123,11 +126,13 @@ def _costs(clean: list[dict]) -> dict:
     measured (the latest clean refit that used it) or derived from the other coding by :data:`PRIOR`."""
     out = {}
     for c in CODINGS:
-        h = next((h for h in reversed(clean) if h["coding"] == c), None)
-        if h is not None:
-            s = h.get("seconds", {})
-            out[c] = {"wire": h["wire_bytes"] / h["changed"], "construct": s.get("construct", 0.0),
-                      "apply": s.get("apply", 0.0), "source": "measured"}
+        mine = [h for h in clean if h["coding"] == c][-CODEC_SAMPLES:]
+        if mine:
+            by = sorted(mine, key=_codec_seconds)
+            mid = by[(len(by) - 1) // 2:len(by) // 2 + 1]  # the median refit, or the middle two
+            construct, apply = (sum(_seconds(h, k) for h in mid) / len(mid) for k in ("construct", "apply"))
+            out[c] = {"wire": mine[-1]["wire_bytes"] / mine[-1]["changed"], "construct": construct, "apply": apply,
+                      "source": "measured" if len(mine) == 1 else f"median of {len(mine)} measured"}
     if "context" not in out:
         out["context"] = {k: out["plain"][k] * PRIOR[k] for k in PRIOR}
         out["context"]["source"] = "plain x prior ratio"
@@ -137,13 +142,20 @@ def _costs(clean: list[dict]) -> dict:
     return out
 
 
+def _seconds(h: dict, key: str) -> float:
+    return h.get("seconds", {}).get(key, 0.0)
+
+
+def _codec_seconds(h: dict) -> float:
+    return _seconds(h, "construct") + _seconds(h, "apply")
+
+
 def _links(link_mbps, clean: list[dict], fed: set) -> dict:
     """Per fed cluster with bytes seen: its throughput (bytes/s), where that figure comes from, and how
     many copies of the wire bytes cross it (1 through a relay head; one per engine from object storage)."""
     out: dict = {}
     for h in clean:  # oldest first: a later link-bound refit replaces what earlier ones measured
-        stream = h.get("seconds", {}).get("stream", 0.0)
-        codec_s = h.get("seconds", {}).get("construct", 0.0) + h.get("seconds", {}).get("apply", 0.0)
+        stream, codec_s = _seconds(h, "stream"), _codec_seconds(h)
         for k, nbytes in h.get("link_bytes", {}).items():
             if k not in fed or nbytes <= 0 or stream <= 0:
                 continue
