@@ -204,3 +204,17 @@ def test_wire_dtype_of_the_counts_follows_the_tensor():
     assert torch.equal(live["w"].view(torch.int32), new.view(torch.int32))
     (counts, _), = classcounts.snapshot().values()
     assert len(counts) == classorder.class_count(wire_name(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("jit", [True, False], ids=["kernels", "numpy"])
+def test_the_classes_at_some_positions_are_counted_the_same_by_kernels_and_numpy(dtype, jit, monkeypatch):
+    if jit and not kernels.ENABLED:
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(kernels, "ENABLED", jit)
+    rng = np.random.default_rng(7)
+    width = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}.get(dtype, 1)
+    view = rng.integers(0, 256, 3000 * width, dtype=np.uint8).view(f"<u{width}")
+    pos = np.flatnonzero(rng.random(3000) < 0.1)
+    want = np.bincount(classorder.classes(view[pos], dtype), minlength=classorder.class_count(dtype))
+    assert np.array_equal(classorder.counts_at(view, pos, dtype), want)

@@ -91,6 +91,8 @@ def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> i
     def write(items) -> None:
         for it in items:
             write_item(views[it.name], it)
+            if it.ranks is not None:  # the class counts of the bits now held, read while they are in cache
+                context.written([it], targets)
 
     # Items never overlap (read_frame refused overlapping ranges), so the codec threads may write
     # them concurrently: deal them out largest first to the least loaded thread.
@@ -101,7 +103,6 @@ def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> i
                          for s in threads.balance(frame.items, lambda it: len(it.values), n_threads)])
     else:
         write(frame.items)
-    context.written(frame.items, targets)  # the class counts of the bits now held, for the next refit
     return total + written
 
 

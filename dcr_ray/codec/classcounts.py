@@ -71,7 +71,7 @@ def after_write(view: np.ndarray, lo: int, hi: int, positions: np.ndarray, dtype
     if entry is None or entry[1] is None:
         return
     counts, held = entry
-    now = np.bincount(classorder.classes(view[positions], dtype), minlength=len(counts))
+    now = classorder.counts_at(view, positions, dtype)
     _store(k, counts - held + now, None)
 
 

@@ -109,6 +109,14 @@ def counts(old: np.ndarray, dtype: str) -> np.ndarray:
     return np.bincount(_classes(old, shift, mask), minlength=mask + 1).astype(np.int64)
 
 
+def counts_at(view: np.ndarray, positions: np.ndarray, dtype: str) -> np.ndarray:
+    """How many of the elements of ``view`` at the in-bounds ``positions`` fall into each class (int64)."""
+    shift, mask = _field(dtype)
+    if kernels.ENABLED:
+        return kernels.class_counts_at(view, positions, shift, mask)
+    return np.bincount(_classes(view[positions], shift, mask), minlength=mask + 1).astype(np.int64)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Placed:
     """What :func:`place` found: the positions, and the class counts of the old bits they were read

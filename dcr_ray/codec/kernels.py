@@ -35,8 +35,8 @@ import numpy as np
 from dcr_ray.codec import ptrkernels
 from dcr_ray.codec.jit import ENABLED, once
 
-__all__ = ["ENABLED", "add_into", "changed_in_block", "class_positions", "class_ranks", "class_starts", "gap_positions",
-           "gather_changes", "join2", "put_into", "take", "warm_up", "xor_into"]
+__all__ = ["ENABLED", "add_into", "changed_in_block", "class_counts_at", "class_positions", "class_ranks", "class_starts",
+           "gap_positions", "gather_changes", "join2", "put_into", "take", "warm_up", "xor_into"]
 
 
 def _build() -> dict:
@@ -46,7 +46,8 @@ def _build() -> dict:
 
     return {name: getattr(k, name) for name in (
         "xor_into", "put_into", "add_into", "take_into", "gap_positions", "join2", "changed_in_block",
-        "gather_changes", "class_ranks", "class_starts", "class_positions", "class_positions_sparse")}
+        "gather_changes", "class_ranks", "class_starts", "class_positions", "class_positions_sparse",
+        "class_counts_at")}
 
 
 #: The kernels by name, defined on first use.
@@ -103,6 +104,13 @@ def class_starts(old: np.ndarray, shift: int, mask: int) -> np.ndarray:
     ``len(old)``)."""
     t = old.dtype.type
     return _compiled()["class_starts"](old, t(shift), t(mask))
+
+
+def class_counts_at(view: np.ndarray, positions: np.ndarray, shift: int, mask: int) -> np.ndarray:
+    """How many of the elements of ``view`` at the in-bounds ``positions`` fall into each class (int64,
+    ``mask + 1`` entries)."""
+    t = view.dtype.type
+    return _compiled()["class_counts_at"](view, positions, t(shift), t(mask))
 
 
 #: Below this share of changed elements the receiver's walk branches on hits (rare, so predicted).
@@ -167,6 +175,7 @@ def warm_up(background: bool = True) -> None:
             start = class_starts(old, 0, 1)
             for ranks in (pos, np.arange(1, dtype=np.int64)):  # the dense and the sparse walk
                 class_positions(old, class_ranks(old, ranks, 0, 1), 0, 1, start)
+            class_counts_at(old, pos, 0, 1)
         ptrkernels.warm_up()
 
     if background:

@@ -138,6 +138,15 @@ def class_ranks(old, pos, shift, mask):  # pragma: no cover - compiled
 
 
 @jit
+def class_counts_at(view, pos, shift, mask):  # pragma: no cover - compiled
+    # how many of the elements at pos fall into each class
+    out = np.zeros(np.int64(mask) + 1, np.int64)
+    for i in range(len(pos)):
+        out[np.int64((view[pos[i]] >> shift) & mask)] += 1
+    return out
+
+
+@jit
 def _wanted(ranks, start, ncls):  # pragma: no cover - compiled
     # what both receiver walks start from: the wanted ranks with a -1 sentinel after the last,
     # and each class's index of its next wanted rank among them
