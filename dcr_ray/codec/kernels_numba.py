@@ -184,30 +184,41 @@ def class_positions(old, ranks, shift, mask, start):  # pragma: no cover - compi
     return out[:n], run, ptr - first, k
 
 
+#: The sparse walk's sentinel rank: above any running rank, so no class ever reaches it.
+FAR = np.int64(1) << 62
+
+
 @jit
 def class_positions_sparse(old, ranks, shift, mask, start):  # pragma: no cover - compiled
-    # the same walk with a branch on hits: cheaper where hits are rare (predictable)
+    # the same walk with a branch on hits, cheaper where hits are rare (predicted), keeping one
+    # number per class: how many more of its elements to pass before its next wanted one (a
+    # load and a store per element). A hit sets it to the gap to the class's next wanted rank;
+    # past the last, a later class's rank (or the FAR sentinel) keeps it from reaching zero.
+    # The running rank at the end is the next wanted rank less what remained to pass.
     ncls = np.int64(mask) + 1
     n = len(ranks)
-    r, ptr = _wanted(ranks, start, ncls)
+    r = np.empty(n + 1, np.int64)
+    r[:n] = ranks
+    r[n] = FAR
+    ptr = np.searchsorted(r[:n], start[:ncls])
     first = ptr.copy()
-    st = np.empty(2 * ncls, np.int64)  # (next wanted rank, running rank) per class
+    left = np.empty(ncls, np.int64)
     for c in range(ncls):
-        st[2 * c] = r[ptr[c]]
-        st[2 * c + 1] = start[c]
+        left[c] = r[ptr[c]] - start[c]
     out = np.empty(n, np.int64)
     k = 0
     for i in range(len(old)):
         c = np.int64((old[i] >> shift) & mask)
-        hit = st[2 * c] == st[2 * c + 1]
-        st[2 * c + 1] += 1
-        if hit:
+        v = left[c] - 1
+        if v < 0:
             if k < n:
                 out[k] = i
             k += 1
-            ptr[c] += 1
-            st[2 * c] = r[ptr[c]]
+            q = ptr[c]
+            ptr[c] = q + 1
+            v = r[q + 1] - r[q] - 1
+        left[c] = v
     run = np.empty(ncls, np.int64)
     for c in range(ncls):
-        run[c] = st[2 * c + 1]
+        run[c] = r[ptr[c]] - left[c]
     return out, run, ptr - first, k
