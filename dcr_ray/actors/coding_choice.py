@@ -51,10 +51,10 @@ LINK_BOUND = 1.25
 #: context is measurably faster).
 MARGIN = 0.03
 #: Context / plain ratios for a coding no refit in the window measured: wire bytes per changed element,
-#: the slowest owner's construct seconds, the slowest engine's apply seconds. The bytes are the larger
-#: ratio of ``dcr-ray bench codec``'s AdamW cases (0.54 at lr 1e-6, 0.72 at lr 1e-5), the seconds its
-#: throughput of both codings on the same steps (BENCHMARKS.md, codec section).
-PRIOR = {"wire": 0.72, "construct": 4.0, "apply": 6.0}
+#: the slowest owner's construct seconds, the slowest engine's apply seconds. Each is the less favourable
+#: ratio of ``dcr-ray bench codec``'s two AdamW cases (BENCHMARKS.md, codec section): bytes 0.54 at
+#: lr 1e-6 and 0.72 at lr 1e-5; encode 3.0x and 4.4x the seconds; decode+apply 3.8x and 4.2x.
+PRIOR = {"wire": 0.72, "construct": 4.4, "apply": 4.2}
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def choose_coding(codec, history: list[dict], clusters) -> CodingChoice:
               "changed": changed, "predicted": pred}
     p, x = pred["plain"], pred["context"]
     rate = f"{'at least ' if link['source'] == 'lower bound' else ''}{link['rate'] / 1e6:.3g} MB/s ({link['source']})"
-    figures = (f"link {slowest} {rate}; plain: {p['link_s']:.3g} s on the link, {p['codec_s']:.3g} s of codec "
+    figures = (f"{slowest}'s link {rate}; plain: {p['link_s']:.3g} s on the link, {p['codec_s']:.3g} s of codec "
                f"({p['source']}); context: {x['link_s']:.3g} s on the link, {x['codec_s']:.3g} s of codec "
                f"({x['source']})")
     if x["seconds"] < (1 - MARGIN) * p["seconds"]:
