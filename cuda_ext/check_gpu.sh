@@ -15,6 +15,6 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   || echo "CuPy is not importable: pip install 'dcr_ray[cuda]' (cupy-cuda12x)"
 timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_cuda_ext.py
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_vllm_adopted.py
-timeout 90 "$PY" -m cuda_ext.bench --elems $((1 << 26)) --density 0.01
-timeout 30 "$PY" -m cuda_ext.bench --elems $((1 << 24)) --density 0.01 --width 1
-timeout 120 "$PY" -m cuda_ext.bench_patch --elems $((1 << 26)) --density 0.01
+timeout 90 "$PY" -m benchmarks.cuda.kernels --elems $((1 << 26)) --density 0.01
+timeout 30 "$PY" -m benchmarks.cuda.kernels --elems $((1 << 24)) --density 0.01 --width 1
+timeout 120 "$PY" -m benchmarks.cuda.patch --elems $((1 << 26)) --density 0.01

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from dcr_ray.bench import codec, peers
-from dcr_ray.bench.codec import default
+from benchmarks import codec, peers
+from benchmarks.codec import default
 from dcr_ray.cli import build_parser, main
 from dcr_ray.codec import bits_view
 
@@ -93,7 +93,7 @@ def test_the_default_columns_are_the_librarys_own_choice_on_the_stated_link():
 
 
 def test_a_runs_tables_are_rendered_from_its_json_alone_with_every_target_met_or_unmet():
-    from dcr_ray.bench.markdown import render
+    from benchmarks.markdown import render
 
     acc = codec.Acc()
     codec.measure_step(codec.stress_step(1 << 16, 0.03, seed=3), acc, repeats=1)

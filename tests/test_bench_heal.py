@@ -10,7 +10,7 @@ import raytools  # noqa: F401
 
 import pytest
 
-from dcr_ray.bench import heal
+from benchmarks import heal
 
 pytestmark = pytest.mark.slow
 

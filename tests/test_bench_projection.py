@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dcr_ray.bench import projection
+from benchmarks import projection
 from dcr_ray.cli import build_parser
 
 FIELDS = {"name", "layout", "change_rate", "direct_fraction", "projection_seconds", "gather_seconds", "speedup",

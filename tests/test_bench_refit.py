@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from dcr_ray.bench import refit as R
+from benchmarks import refit as R
 from dcr_ray.cli import build_parser
 from dcr_ray.testing.links import LinkModel
 
@@ -142,7 +142,7 @@ def test_a_promote_that_dirties_more_than_one_and_a_half_pages_per_changed_page_
 
 
 def test_the_headline_uses_the_librarys_default_bucket_unless_told_otherwise():
-    from dcr_ray.bench.refit.topology import _config
+    from benchmarks.refit.topology import _config
     from dcr_ray.config import CodecConfig
 
     s = _settings(bucket_mib=None)
@@ -287,7 +287,7 @@ def test_the_vllm_receiver_case_refits_dcr_ray_started_vllm_engines_and_serves_w
 
 
 def test_cpu_seconds_per_actor_give_the_critical_path_with_one_core_per_actor_labelled_derived():
-    from dcr_ray.bench.refit import cpu
+    from benchmarks.refit import cpu
 
     got = cpu.critical_path({"owners": {"o0": 0.4, "o1": 0.3}, "relays": {"r": 0.05},
                              "engines": {"e0": 0.2, "e1": 0.25}}, link_lower_bound_s=0.18)
@@ -301,7 +301,7 @@ def test_cpu_seconds_per_actor_give_the_critical_path_with_one_core_per_actor_la
 
 
 def test_the_coding_comparison_table_lists_every_sample_and_what_auto_chose():
-    from dcr_ray.bench.refit import codings
+    from benchmarks.refit import codings
 
     row = {"link_mbps": 100.0, "rounds": 2, "samples_s": {"plain": [2.0, 2.2], "context": [1.9, 1.8],
                                                           "auto": [1.85, 1.9]},
@@ -310,3 +310,26 @@ def test_the_coding_comparison_table_lists_every_sample_and_what_auto_chose():
     md = codings.markdown([row, {**row, "link_mbps": None}])
     assert "| 100 Mbit/s | 2.10 (2.00, 2.20) | 1.85 (1.90, 1.80) |" in md and "| no link |" in md
     assert "context, context" in md and "**1.01x**" in md
+
+
+def test_the_bench_receiver_keeps_the_engines_undo_record_in_the_applying_pass_and_rolls_back_exactly():
+    # the engine's default rollback is in place, so the benchmark's light receiver pays for the record as a
+    # transformers engine does: one pass (its own apply_with_undo), not the default read-back hook
+    from dcr_ray.codec.undo import UndoLog
+    from dcr_ray.engines.base import EngineBackend
+    from test_codec_context import small_step
+    from test_undo_fused import _clone, _decoded, _frames, _model, _same
+
+    assert R.SyntheticBackend.apply_with_undo is not EngineBackend.apply_with_undo
+    old = _model(21)
+    new = {n: small_step(t, seed=210 + i, rate=0.05) for i, (n, t) in enumerate(old.items())}
+    b = R.SyntheticBackend({n: tuple(t.shape) for n, t in old.items()})
+    b._tensors = _clone(old)
+    assert b.undo_tensors() is b.tensors()
+    log = UndoLog()
+    for f in _frames(old, new, coding="context"):
+        d = _decoded(f, b.tensor_specs(), keep_packs=True)
+        b.apply_with_undo(d, log.open("t", d))
+    assert _same(dict(b.tensors()), new)
+    log.rollback(b)
+    assert _same(dict(b.tensors()), old)

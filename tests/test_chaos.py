@@ -8,7 +8,7 @@ import raytools  # noqa: F401
 
 import pytest
 
-from dcr_ray.bench.chaos import FAULT_KINDS, run_chaos, schedule
+from benchmarks.chaos import FAULT_KINDS, run_chaos, schedule
 
 pytestmark = pytest.mark.slow
 

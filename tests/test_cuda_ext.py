@@ -283,8 +283,8 @@ def test_cuda_kernel_sources_compile_with_nvcc_when_a_toolkit_is_installed(width
 
 @pytest.mark.vllm
 def test_the_patch_benchmark_runs_both_paths_and_the_sparse_write_is_exact():
-    """``cuda_ext.bench_patch`` on whatever device there is (CPU here: a smoke test of the GPU script)."""
+    """``benchmarks.cuda.patch`` on whatever device there is (CPU here: a smoke test of the GPU script)."""
     pytest.importorskip("vllm")
-    from cuda_ext import bench_patch
+    from benchmarks.cuda import patch
 
-    assert bench_patch.main(["--elems", str(1 << 16), "--repeat", "1"]) == 0
+    assert patch.main(["--elems", str(1 << 16), "--repeat", "1"]) == 0

@@ -1,0 +1,44 @@
+"""Benchmarks behind ``dcr-ray bench ...`` and ``dcr-ray chaos``: part of a checkout, not of the installed
+``dcr_ray`` package (``dcr_ray.cli.find_benchmarks`` finds this package; tests import it from the
+checkout's root). The library never imports it.
+
+Each benchmark is a module or package here that exposes ``add_parser(subparsers)``: it adds its own
+subcommand (with ``set_defaults(func=...)``) to the ``bench`` group. :data:`MODULES` lists them; adding a
+benchmark is one entry there. Modules import their heavy dependencies (torch, transformers,
+matplotlib) inside the functions that run, so ``dcr-ray --help`` stays fast.
+
+- :mod:`~benchmarks.codec`  codec wire size vs the entropy bound and peers, encode/apply throughput
+- :mod:`~benchmarks.refit`  end-to-end refits over an emulated cross-cluster link vs a full-checkpoint
+  reference and peers; link sweep; projection to large models
+- :mod:`~benchmarks.projection`  sharded owners projecting their changes vs gather-then-convert-then-diff
+- :mod:`~benchmarks.heal`  healing a dead, lagging or lost engine: bytes across the link, owner bytes, refit stall
+- :mod:`~benchmarks.peers`  compact peer encodings (AReaL-DTE style, slime style) for comparison
+- :mod:`~benchmarks.markdown`  a run's tables (BENCHMARKS.md) rendered from its JSON alone
+- :mod:`~benchmarks.chaos`  ``dcr-ray chaos``: seeded faults against a multi-node topology, every refit checked
+- :mod:`~benchmarks.cuda`  scripts for a GPU (``cuda_ext/check_gpu.sh`` runs them): the CuPy kernels vs the
+  numpy path (``kernels``), one sparse patch's apply vs vLLM ``sparse_nccl``'s (``patch``)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: Benchmark modules (under ``benchmarks``) that add a ``dcr-ray bench <name>`` subcommand.
+MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal", "markdown")
+
+
+def add_parsers(subparsers) -> None:
+    """Let every module in :data:`MODULES` add its subcommand to ``subparsers``."""
+    for name in MODULES:
+        importlib.import_module(f"{__name__}.{name}").add_parser(subparsers)
+
+
+def write_json_and_plot(result: dict, path: str, plot) -> None:
+    """Write ``result`` as JSON at ``path`` and ``plot(result, png)`` beside it (same name, ``.png``)."""
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.splitext(path)[0] + ".png")

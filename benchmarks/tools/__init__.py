@@ -1,0 +1,1 @@
+"""Single-purpose measurement scripts (run as ``python -m benchmarks.tools.<name>`` from a checkout)."""
