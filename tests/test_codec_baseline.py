@@ -199,7 +199,7 @@ def test_promote_writes_only_changes_and_leaves_the_bits_of_a_dense_rewrite(seed
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="dirty pages are read from Linux smaps")
 def test_a_promote_dirties_only_the_pages_that_hold_a_change(tmp_path):
-    from dcr_ray.bench.refit.pages import dirty_pages, write_back
+    from benchmarks.refit.pages import dirty_pages, write_back
 
     n = 16 << 20  # 32 MiB of BF16, 8192 pages: large enough that readahead would build large folios here
     old = torch.randn(n).to(torch.bfloat16)

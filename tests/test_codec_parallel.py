@@ -162,11 +162,22 @@ def test_dcr_ray_jit_0_selects_the_numpy_path():
 
 
 def test_warming_up_the_kernels_loads_every_width_and_is_harmless_when_disabled(monkeypatch):
+    import numpy as np
+
     from dcr_ray.codec import kernels
 
+    if not kernels.ENABLED:
+        pytest.skip("numba is not installed (or DCR_RAY_JIT=0): no kernels to warm")
     kernels.warm_up(background=False)
+    compiled = kernels._compiled()
+    for name in ("xor_into", "put_into", "add_into", "take_into", "class_starts"):
+        # each kernel holds a compiled signature for every element width an owner or engine meets
+        widths = {str(sig[0].dtype) for sig in compiled[name].signatures}
+        assert {np.dtype(t).name for t in (np.uint8, np.uint16, np.uint32, np.uint64)} <= widths, name
+    before = {name: len(d.signatures) for name, d in compiled.items()}
     monkeypatch.setattr(kernels, "ENABLED", False)
-    kernels.warm_up(background=False)  # a no-op
+    kernels.warm_up(background=False)  # a no-op: nothing new is compiled or loaded
+    assert {name: len(d.signatures) for name, d in compiled.items()} == before
 
 
 def test_a_fresh_process_loads_every_warmed_kernel_from_numbas_cache_without_compiling():

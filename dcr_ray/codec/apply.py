@@ -5,10 +5,18 @@ position, range and value, so the compiled kernels (:mod:`~dcr_ray.codec.kernels
 :mod:`~dcr_ray.codec.ptrkernels` per pack) write without bound checks. What can still fail (a target
 that cannot be viewed in place) is checked before the first write, and class-mode positions are read
 from the old bits before it too (:func:`~dcr_ray.codec.context.resolve`).
+
+With an ``undo`` record (:class:`~dcr_ray.codec.undo.FrameUndo`), :func:`apply_decoded` keeps the bits
+every write replaces in the same pass (the ``*_swap`` kernels read each word once, keep it, write it),
+instead of a gather over the changed positions before the apply. Each item's (and pack's) inverse enters
+the record as soon as its write returns and never before, and a write cannot stop half-way (the kernels
+raise nothing on validated positions): whatever the frame wrote, even when it fails part-way, the
+record covers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import numpy as np
@@ -61,6 +69,51 @@ def write_item(view: np.ndarray, it: DecodedItem) -> None:
         np.put(view, it.positions, it.values)
 
 
+def _swap_blocks(view: np.ndarray, positions: np.ndarray, values: np.ndarray, combine) -> np.ndarray:
+    """numpy's ``view[positions] = combine(view[positions], values)`` returning the replaced bits, in
+    cache-sized runs (``combine`` None: overwrite)."""
+    old = np.empty(len(positions), view.dtype)
+    for a in range(0, len(positions), APPLY_BLOCK):
+        p = positions[a:a + APPLY_BLOCK]
+        was = np.take(view, p, out=old[a:a + APPLY_BLOCK])
+        v = values[a:a + APPLY_BLOCK]
+        np.put(view, p, v if combine is None else combine(was, v))
+    return old
+
+
+#: Each sparse encoding's write: its one-pass kernel, its pointer-walk op, its numpy combine.
+_SWAPS = {Encoding.XOR: ("xor_swap", "xor", np.bitwise_xor), Encoding.ADD: ("add_swap", "add", np.add),
+          Encoding.OVERWRITE: ("put_swap", "overwrite", None)}
+
+
+def swap_item(view: np.ndarray, it: DecodedItem) -> DecodedItem:
+    """Write one validated item into ``view`` (as :func:`write_item`) and return its inverse: the bits it
+    replaced, as an OVERWRITE of its positions (DENSE for a dense item), read in the same pass."""
+    if it.encoding == Encoding.DENSE:
+        old = np.array(view[it.lo:it.hi], copy=True)
+        view[it.lo:it.hi] = it.values
+        return DecodedItem(it.name, Encoding.DENSE, it.lo, it.hi, None, old)
+    kernel, _, combine = _SWAPS[it.encoding]
+    if kernels.ENABLED:
+        old = getattr(kernels, kernel)(view, it.positions, it.values)
+    else:
+        old = _swap_blocks(view, it.positions, it.values, combine)
+    return DecodedItem(it.name, Encoding.OVERWRITE, it.lo, it.hi, it.positions, old)
+
+
+def _swap_pack(pack: DecodedPack, targets: Mapping[str, torch.Tensor], addrs: np.ndarray | None) -> DecodedPack:
+    """Write ``pack`` (as :func:`apply_pack`) and return its inverse: the bits it replaced, as an
+    OVERWRITE pack of the same positions, read in the same pass."""
+    if ptrkernels.ENABLED:
+        if addrs is None:
+            addrs = pack.addresses(targets)
+        old = ptrkernels.swap_into(addrs, pack.offsets, pack.positions, pack.values, _SWAPS[pack.encoding][1])
+    else:
+        parts = [swap_item(bits_view(targets[it.name]), it).values for it in pack.items()]
+        old = np.concatenate(parts) if parts else np.empty(0, pack.values.dtype)
+    return dataclasses.replace(pack, encoding=Encoding.OVERWRITE, values=old)
+
+
 def apply_pack(pack: DecodedPack, targets: Mapping[str, torch.Tensor], addrs: np.ndarray | None = None) -> int:
     """Write ``pack`` into ``targets`` in place; returns the elements written. ``addrs``: the checked
     addresses of :meth:`~dcr_ray.codec.decoded.DecodedPack.addresses`, when the caller already has them."""
@@ -79,18 +132,30 @@ def apply_pack(pack: DecodedPack, targets: Mapping[str, torch.Tensor], addrs: np
     return len(pack.values)
 
 
-def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor]) -> int:
-    """Write a validated frame into ``targets`` in place; returns the number of elements written."""
+def apply_decoded(frame: DecodedFrame, targets: Mapping[str, torch.Tensor], undo=None) -> int:
+    """Write a validated frame into ``targets`` in place; returns the number of elements written.
+
+    ``undo`` (a :class:`~dcr_ray.codec.undo.FrameUndo`, or anything with ``add_item`` / ``add_pack``)
+    receives the inverse of each item and pack as soon as it is written, read in the same pass."""
     # Resolve every target's bit view and every pack's addresses before the first write: a target that
     # cannot be viewed (non-contiguous, not on the CPU) must fail the frame with nothing written.
     views = {it.name: bits_view(targets[it.name]) for it in frame.items}
     addrs = [pk.addresses(targets) for pk in frame.packs]
     context.resolve(frame.items, targets)  # class-mode positions, read from the old bits before any write
-    written = sum(apply_pack(pk, targets, a) for pk, a in zip(frame.packs, addrs))
+    written = 0
+    for pk, a in zip(frame.packs, addrs):
+        if undo is None:
+            written += apply_pack(pk, targets, a)
+        else:
+            undo.add_pack(_swap_pack(pk, targets, a))
+            written += len(pk.values)
 
     def write(items) -> None:
         for it in items:
-            write_item(views[it.name], it)
+            if undo is None:
+                write_item(views[it.name], it)
+            else:
+                undo.add_item(swap_item(views[it.name], it))
             if it.ranks is not None:  # the class counts of the bits now held, read while they are in cache
                 context.written([it], targets)
 

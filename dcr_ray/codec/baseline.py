@@ -8,12 +8,14 @@ and only when the commit record is written :meth:`BaselineStore.promote` folds i
 :meth:`BaselineStore.discard` drops it (attempt abandoned: the next diff starts from the same
 committed bits, which is what makes a retry recompute the same changed set).
 
-The default store keeps each tensor's bits in a memory-mapped file (``directory``, a private temporary
-directory unless given), so the page cache, not the owner's heap, holds the copy and host RAM is not
-doubled by accident; ``in_memory=True`` keeps numpy arrays instead. Small tensors (those packs take,
-:mod:`~dcr_ray.codec.packed`) share the few large maps of an :class:`~dcr_ray.codec.arena.Arena`, whose
-stable addresses the pack kernels scan and promote through: an MoE model's 10^5 expert tensors need a
-handful of maps, not 10^5.
+This store keeps each tensor's bits in a memory-mapped file (``directory``, a private temporary directory
+unless given), so the page cache, not the owner's heap, holds the copy and the kernel may evict clean
+pages when host RAM is short; ``in_memory=True`` keeps numpy arrays instead, which owners do unless
+``OwnerConfig.baseline_dir`` names a directory: a file-backed page a promote changes is written back to
+disk after the commit, and at 1% of the elements changed or more that is every page of a BF16 shard.
+Small tensors (those packs take, :mod:`~dcr_ray.codec.packed`) share the few large maps of an
+:class:`~dcr_ray.codec.arena.Arena`, whose stable addresses the pack kernels scan and promote through:
+an MoE model's 10^5 expert tensors need a handful of maps, not 10^5.
 
 Promote is O(changes) and leaves every page that holds no change clean:
 
@@ -58,12 +60,18 @@ class BaselineStore:
     """Committed bits per tensor name, versioned, with one pending changed set at a time."""
 
     def __init__(self, *, directory: str | None = None, in_memory: bool = False,
-                 chunk_elems: int = DEFAULT_CHUNK_ELEMS, dense_crossover: float = DEFAULT_DENSE_CROSSOVER):
+                 chunk_elems: int = DEFAULT_CHUNK_ELEMS, dense_crossover: float = DEFAULT_DENSE_CROSSOVER,
+                 temp_parent: str | None = None, prefix: str = "dcr_baseline_"):
+        """``directory``: where the memory-mapped files go; when None, a private temporary directory
+        (named ``prefix``..., under ``temp_parent``, made if missing, or the system's temporary directory)
+        that :meth:`close` removes."""
         self.in_memory = in_memory
         self._own_dir = False
         if not in_memory:
             if directory is None:
-                directory = tempfile.mkdtemp(prefix="dcr_baseline_")
+                if temp_parent is not None:
+                    os.makedirs(temp_parent, exist_ok=True)
+                directory = tempfile.mkdtemp(prefix=prefix, dir=temp_parent)
                 self._own_dir = True
             os.makedirs(directory, exist_ok=True)
         self.directory = directory

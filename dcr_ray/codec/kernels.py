@@ -4,7 +4,9 @@ of :mod:`~dcr_ray.codec.classorder`.
 
 numpy applies an XOR item as a take / xor / put round trip, three passes over the changed positions
 with two temporaries; :func:`xor_into` (``view[pos] ^= vals``) and :func:`put_into`
-(``view[pos] = vals``) do it in one pass. :func:`gap_positions` turns gap symbols into positions
+(``view[pos] = vals``) do it in one pass, and :func:`xor_swap`, :func:`put_swap` and :func:`add_swap`
+do the same while keeping the bits they replace (the receiver's undo record, read in the same pass
+instead of a gather before the apply). :func:`gap_positions` turns gap symbols into positions
 in one pass (numpy: widen, add, cumsum, offset) and :func:`join2` interleaves the two byte planes of
 16-bit values in one pass (their effect on decode+apply is in BENCHMARKS.md, ``dcr-ray bench
 codec``). They compute exactly what the numpy path computes (the tests compare both
@@ -35,8 +37,9 @@ import numpy as np
 from dcr_ray.codec import ptrkernels
 from dcr_ray.codec.jit import ENABLED, once
 
-__all__ = ["ENABLED", "add_into", "changed_in_block", "class_counts_at", "class_positions", "class_ranks", "class_starts",
-           "gap_positions", "gather_changes", "join2", "put_into", "take", "warm_up", "xor_into"]
+__all__ = ["ENABLED", "add_into", "add_swap", "changed_in_block", "class_counts_at", "class_positions", "class_ranks",
+           "class_starts", "gap_positions", "gather_changes", "join2", "put_into", "put_swap", "take", "warm_up",
+           "xor_into", "xor_swap"]
 
 
 def _build() -> dict:
@@ -45,9 +48,9 @@ def _build() -> dict:
     from dcr_ray.codec import kernels_numba as k
 
     return {name: getattr(k, name) for name in (
-        "xor_into", "put_into", "add_into", "take_into", "gap_positions", "join2", "changed_in_block",
-        "gather_changes", "class_ranks", "class_starts", "class_positions", "class_positions_sparse",
-        "class_counts_at")}
+        "xor_into", "put_into", "add_into", "take_into", "xor_swap", "put_swap", "add_swap", "gap_positions",
+        "join2", "changed_in_block", "gather_changes", "class_ranks", "class_starts", "class_positions",
+        "class_positions_sparse", "class_counts_at")}
 
 
 #: The kernels by name, defined on first use.
@@ -67,6 +70,28 @@ def put_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> Non
 def add_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
     """``view[positions] += values`` modulo the word size, for validated, in-bounds positions."""
     _compiled()["add_into"](view, positions, values)
+
+
+def xor_swap(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``view[positions] ^= values``, returning the bits it replaced (``view[positions]`` before), in one
+    pass: the write and its undo record (:mod:`~dcr_ray.codec.undo`) read each word once."""
+    old = np.empty(len(positions), view.dtype)
+    _compiled()["xor_swap"](view, positions, values, old)
+    return old
+
+
+def put_swap(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``view[positions] = values``, returning the bits it replaced, in one pass."""
+    old = np.empty(len(positions), view.dtype)
+    _compiled()["put_swap"](view, positions, values, old)
+    return old
+
+
+def add_swap(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``view[positions] += values`` modulo the word size, returning the bits it replaced, in one pass."""
+    old = np.empty(len(positions), view.dtype)
+    _compiled()["add_swap"](view, positions, values, old)
+    return old
 
 
 def changed_in_block(old: np.ndarray, new: np.ndarray, out: np.ndarray) -> int:
@@ -165,6 +190,8 @@ def warm_up(background: bool = True) -> None:
                 put_into(view, pos, vals)
                 take(view, pos)
                 add_into(view, pos, vals)
+                for swap in (xor_swap, put_swap, add_swap):
+                    swap(view, pos, vals)
                 gap_positions(vals, 0)
                 changed_in_block(view, vals[:1].repeat(4), np.empty(4, np.int32))
                 gather_changes(view, vals, pos.astype(np.int32))

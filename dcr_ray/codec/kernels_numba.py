@@ -26,6 +26,33 @@ def put_into(view, pos, vals):  # pragma: no cover - compiled
 
 
 @jit
+def xor_swap(view, pos, vals, old):  # pragma: no cover - compiled
+    # the write and its undo record in one pass: each replaced word is read once, kept, then written
+    for i in range(len(pos)):
+        p = pos[i]
+        o = view[p]
+        old[i] = o
+        view[p] = o ^ vals[i]
+
+
+@jit
+def put_swap(view, pos, vals, old):  # pragma: no cover - compiled
+    for i in range(len(pos)):
+        p = pos[i]
+        old[i] = view[p]
+        view[p] = vals[i]
+
+
+@jit
+def add_swap(view, pos, vals, old):  # pragma: no cover - compiled
+    for i in range(len(pos)):  # stores truncate to the view's width: a wrapping add
+        p = pos[i]
+        o = view[p]
+        old[i] = o
+        view[p] = o + vals[i]
+
+
+@jit
 def gap_positions(sym, lo):  # pragma: no cover - compiled
     out = np.empty(len(sym), np.int64)
     p = lo - 1

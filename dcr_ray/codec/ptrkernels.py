@@ -22,14 +22,14 @@ import numpy as np
 from dcr_ray.codec.arena import address
 from dcr_ray.codec.jit import ENABLED, once
 
-__all__ = ["ENABLED", "scan", "xor_into", "add_into", "put_into", "take_from"]
+__all__ = ["ENABLED", "scan", "xor_into", "add_into", "put_into", "swap_into", "take_from"]
 
 
 def _build() -> dict:
     """The pointer-walk and scan kernels (:mod:`~dcr_ray.codec.ptrkernels_numba`, imported on first use)."""
     from dcr_ray.codec import ptrkernels_numba as k
 
-    return {"walk": k.walk, "scan": k.scan}
+    return {"walk": k.walk, "walk_swap": k.walk_swap, "scan": k.scan}
 
 
 #: The kernels by name, compiled on first use (numba is slow to import; most processes never need them).
@@ -49,6 +49,18 @@ def add_into(addrs: np.ndarray, offsets: np.ndarray, pos: np.ndarray, vals: np.n
 def put_into(addrs: np.ndarray, offsets: np.ndarray, pos: np.ndarray, vals: np.ndarray) -> None:
     """``tensor_t[p - offsets[t]] = v``."""
     _compiled()["walk"](addrs, offsets, pos, vals, 2)
+
+
+#: :func:`swap_into`'s operation per encoding name (the walk's op codes).
+_SWAP_OPS = {"xor": 0, "add": 1, "overwrite": 2}
+
+
+def swap_into(addrs: np.ndarray, offsets: np.ndarray, pos: np.ndarray, vals: np.ndarray, op: str) -> np.ndarray:
+    """:func:`xor_into` (``op="xor"``), :func:`add_into` (``"add"``) or :func:`put_into` (``"overwrite"``),
+    returning the bits each write replaced, in pack order: the write and its undo record in one pass."""
+    old = np.empty(len(pos), vals.dtype)
+    _compiled()["walk_swap"](addrs, offsets, pos, vals, old, _SWAP_OPS[op])
+    return old
 
 
 def take_from(addrs: np.ndarray, offsets: np.ndarray, pos: np.ndarray, dtype) -> np.ndarray:
@@ -95,3 +107,5 @@ def warm_up() -> None:
         xor_into(addrs, offsets, pos, vals)
         add_into(addrs, offsets, pos, vals)
         put_into(addrs, offsets, pos, vals)
+        for op in _SWAP_OPS:
+            swap_into(addrs, offsets, pos, vals, op)

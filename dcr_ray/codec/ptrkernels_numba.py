@@ -45,6 +45,26 @@ def walk(addrs, offsets, pos, vals, op):  # pragma: no cover - compiled
 
 
 @jit
+def walk_swap(addrs, offsets, pos, vals, old, op):  # pragma: no cover - compiled
+    # walk's writes (op 0: ^=, 1: +=, 2: =), each keeping the bits it replaces in old (one pass)
+    t = 0
+    for i in range(len(pos)):
+        p = pos[i]
+        while p >= offsets[t + 1]:
+            t += 1
+        a = numba.carray(as_pointer(addrs[t], old), offsets[t + 1] - offsets[t])
+        j = p - offsets[t]
+        o = a[j]
+        old[i] = o
+        if op == 0:
+            a[j] = o ^ vals[i]
+        elif op == 1:
+            a[j] = o + vals[i]
+        else:
+            a[j] = vals[i]
+
+
+@jit
 def scan(old_addrs, new_addrs, offsets, t0, pos, xor, new):  # pragma: no cover - compiled
     # whole tensors from t0 on while the outputs can hold all of the next one: (next tensor, written)
     n = 0

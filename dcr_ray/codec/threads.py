@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, TypeVar
 
 #: Upper bound on codec threads per process (an owner usually shares its node with a trainer).
@@ -51,11 +51,17 @@ def pool() -> ThreadPoolExecutor:
 
 
 def run_all(fns: list[Callable[[], object]]) -> list:
-    """Results of ``fns``: the first runs in the calling thread, the rest on the pool, concurrently."""
+    """Results of ``fns``: the first runs in the calling thread, the rest on the pool, concurrently.
+
+    Returns (or raises the first error) only once every one has ended, so no task still writes after
+    its caller moved on (an apply that failed part-way is then undone whole)."""
     if len(fns) <= 1:
         return [f() for f in fns]
     futs: list[Future] = [pool().submit(f) for f in fns[1:]]
-    first = fns[0]()
+    try:
+        first = fns[0]()
+    finally:
+        wait(futs)
     return [first, *(f.result() for f in futs)]
 
 

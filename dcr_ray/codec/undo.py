@@ -1,7 +1,13 @@
 """In-place rollback: the inverse of every write a transfer made into an engine, in O(changes) memory.
 
-Before an engine applies a validated frame of a transfer, :meth:`UndoLog.record` keeps its inverse: the
-bits each item (or pack) is about to replace, as an OVERWRITE of those positions (DENSE for a dense item).
+Every validated frame an engine applies in place gets an inverse (:class:`FrameUndo`): the bits each
+item (or pack) replaces, as an OVERWRITE of those positions (DENSE for a dense item). Either
+:meth:`UndoLog.record` reads them all before the apply (two passes over the changed positions), or
+:meth:`UndoLog.open` puts an empty inverse in the log and the apply fills it as it writes, reading each
+replaced word in the pass that writes it (:func:`~dcr_ray.codec.apply.apply_decoded` with ``undo``; a
+backend offers that through ``EngineBackend.apply_with_undo``). An inverse in the log covers at least
+every write its frame made: read back whole before any write, or filled item by item as each write
+returns.
 Every inverse is idempotent: it restores the committed bits whether the frame was applied, applied in
 part (a backend that failed half-way) or not at all, which an XOR inverse (the same masks again) would
 not. If the transfer is abandoned, :meth:`UndoLog.rollback` applies the inverses newest first through
@@ -59,38 +65,75 @@ def _read_back(items: list, tensors: Mapping[str, torch.Tensor]) -> list[Decoded
     return out
 
 
+class FrameUndo:
+    """The inverse of one frame's writes: OVERWRITE (DENSE) items and OVERWRITE packs of the bits they
+    replaced. Filled before the apply (:meth:`read_back`, two passes) or by the apply itself as each
+    write returns (``apply_decoded(frame, targets, undo=...)``, one pass; the codec threads add to it
+    concurrently, which is safe: a frame's items and packs never overlap, so their order is free)."""
+
+    def __init__(self, frame: DecodedFrame):
+        # the inverse goes from the frame's target back to its base (backends that tag outputs with the
+        # version of the frames they applied then report the base again)
+        self.meta = dataclasses.replace(frame.meta, base=frame.meta.target, target=frame.meta.base)
+        self.items: list[DecodedItem] = []
+        self.packs: list[DecodedPack] = []
+
+    def add_item(self, inverse: DecodedItem) -> None:
+        self.items.append(inverse)
+
+    def add_pack(self, inverse: DecodedPack) -> None:
+        self.packs.append(inverse)
+
+    def read_back(self, frame: DecodedFrame, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Keep the inverse of all of ``frame`` now, before any of its writes (the two-pass record, for
+        backends whose apply does not fill it: it is right however much of the frame they then write)."""
+        context.resolve(frame.items, tensors)  # class-mode positions: from the bits about to be replaced
+        self.items.extend(_read_back(frame.items, tensors))
+        for pk in frame.packs:
+            old = _pack_old_values(pk, tensors)
+            self.packs.append(dataclasses.replace(pk, encoding=Encoding.OVERWRITE, values=old))
+
+    @property
+    def nbytes(self) -> int:
+        return (sum(it.values.nbytes + (0 if it.positions is None else it.positions.nbytes) for it in self.items)
+                + sum(pk.values.nbytes + pk.positions.nbytes + pk.offsets.nbytes for pk in self.packs))
+
+    def frame(self) -> DecodedFrame:
+        """The inverse as a frame a backend applies."""
+        return DecodedFrame(self.meta, list(self.items), packs=list(self.packs))
+
+
 class UndoLog:
     """Inverse frames of one transfer's in-place writes, newest last."""
 
     def __init__(self):
         self.transfer: str | None = None
-        self._inverse: list[DecodedFrame] = []
-        self.nbytes = 0
+        self._inverse: list[FrameUndo] = []
 
-    def record(self, transfer: str, frame: DecodedFrame, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Keep the inverse of ``frame`` (call just before applying it to ``tensors``)."""
+    def open(self, transfer: str, frame: DecodedFrame) -> FrameUndo:
+        """A new, empty inverse of ``frame``, already in the log: the apply that fills it (one pass) may
+        fail part-way, and whatever it wrote is still undone."""
         if self.transfer != transfer:
             self.clear()
             self.transfer = transfer
-        context.resolve(frame.items, tensors)  # class-mode positions: from the bits about to be replaced
-        items = _read_back(frame.items, tensors)
-        for it in items:
-            self.nbytes += it.values.nbytes + (0 if it.positions is None else it.positions.nbytes)
-        packs = []
-        for pk in frame.packs:
-            old = _pack_old_values(pk, tensors)
-            packs.append(dataclasses.replace(pk, encoding=Encoding.OVERWRITE, values=old))
-            self.nbytes += old.nbytes + pk.positions.nbytes + pk.offsets.nbytes
-        # the inverse goes from the frame's target back to its base (backends that tag outputs with the
-        # version of the frames they applied then report the base again)
-        back = dataclasses.replace(frame.meta, base=frame.meta.target, target=frame.meta.base)
-        self._inverse.append(DecodedFrame(back, items, packs=packs))
+        inv = FrameUndo(frame)
+        self._inverse.append(inv)
+        return inv
+
+    def record(self, transfer: str, frame: DecodedFrame, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Keep the inverse of ``frame`` (call just before applying it to ``tensors``)."""
+        self.open(transfer, frame).read_back(frame, tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the log holds (positions and old bits)."""
+        return sum(inv.nbytes for inv in self._inverse)
 
     def rollback(self, backend) -> int:
         """Undo every recorded write through ``backend`` (newest first), flush it; returns frames undone."""
         n = len(self._inverse)
         for inv in reversed(self._inverse):
-            backend.apply(inv)
+            backend.apply(inv.frame())
         backend.flush()
         self.clear()
         return n
@@ -98,4 +141,3 @@ class UndoLog:
     def clear(self) -> None:
         self.transfer = None
         self._inverse = []
-        self.nbytes = 0
