@@ -180,9 +180,13 @@ def test_blocks_declared_identically_by_several_ranks_keep_exactly_one_owner_and
     assert not any("w@0" in d for d in drop)  # different boxes under one key: not replicas
 
 
-def test_a_bad_coding_setting_names_the_choices():
+def test_coding_defaults_to_the_librarys_auto_and_a_bad_setting_names_the_choices():
     from dcr_ray.integrations.verl import VerlDcrSettings
 
+    assert VerlDcrSettings.from_kwargs({}).codec().coding == "auto"
     assert VerlDcrSettings.from_kwargs({"coding": "context"}).coding == "context"
-    with pytest.raises(ConfigError, match="'plain' or 'context'"):
+    assert VerlDcrSettings.from_kwargs({"link_mbps": {"rollout": 100}}).codec().link_mbps == {"rollout": 100}
+    with pytest.raises(ConfigError, match="one of .*'auto'"):
         VerlDcrSettings.from_kwargs({"coding": "zip"})
+    with pytest.raises(ConfigError, match="engine_kwargs.dcr: CodecConfig.link_mbps informs coding='auto' only"):
+        VerlDcrSettings.from_kwargs({"coding": "plain", "link_mbps": 100})

@@ -79,7 +79,7 @@ def test_delta_refits_leave_vllm_bit_identical_to_a_dense_restart(tmp_path, arch
 
 
 def test_fused_groups_put_qkv_and_gate_up_together_and_everything_else_alone(qwen_engine):
-    groups = sorted(sorted(g) for g in qwen_engine._groups)
+    groups = sorted(sorted(g) for g in qwen_engine.groups)
     qkv0 = sorted(f"model.layers.0.self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias"))
     assert qkv0 in groups
     assert sorted(["model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"]) in groups
@@ -109,9 +109,9 @@ def test_a_frame_with_a_wrong_base_or_an_unknown_tensor_is_rejected_and_outputs_
     data = next(iter(encode_frames([store.diff(name, changed), alien], meta)))
     with pytest.raises(TargetMismatchError, match="model.layers.7.mlp.down_proj.weight"):
         engine.apply_bytes(data)
-    # decoded without the receiver's specs, the backend itself refuses it before writing anything
-    with pytest.raises(DcrError, match="does not have"):
-        engine.apply(read_frame(data))
+    # sent without the backend's own check, the workers refuse it before writing anything
+    with pytest.raises(DcrError, match="model.layers.7.mlp.down_proj.weight"):
+        engine.send_frames([data], engine.version, engine.version + 1)
     engine.flush()  # nothing was touched: nothing is pushed
     assert engine.last_flush["reloaded_tensors"] == 0 and engine.version == 0
     for n, t in engine.tensors().items():
@@ -200,16 +200,14 @@ def test_load_dense_bootstraps_an_engine_to_given_weights(qwen_engine, tmp_path)
 
 
 def test_an_abandoned_transfer_rolls_back_in_place_and_vllm_serves_the_committed_outputs_again(qwen_engine):
-    # the engine's undo record (dcr_ray.codec.undo) through the vLLM backend: XOR and OVERWRITE
-    # writes, flushed into the served weights, then undone and flushed again
-    from dcr_ray.codec.undo import UndoLog
-
+    # the workers' undo record, as an engine actor uses it: two attempts of one transfer (XOR and
+    # OVERWRITE writes), each flushed into the served weights, then the transfer is abandoned
     engine = qwen_engine
     before = engine.generate(PROMPTS, MAX_TOKENS)
     mirror = {n: t.clone() for n, t in engine.tensors().items()}
     names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
     store = BaselineStore(in_memory=True)
-    undo = UndoLog()
+    base = engine.version
     for attempt, mode in enumerate(["mixed", "overwrite"]):
         deltas = []
         for n in names:
@@ -218,15 +216,14 @@ def test_an_abandoned_transfer_rolls_back_in_place_and_vllm_serves_the_committed
             if n not in store:
                 store.add(n, mirror[n])
             deltas.append(store.diff(n, changed))
-        meta = FrameMeta(transfer="t", attempt=attempt, producer="p", payload=0, base=engine.version,
-                         target=engine.version + 1)
+        meta = FrameMeta(transfer="t", attempt=attempt, producer="p", payload=0, base=base, target=base + 1)
         for data in encode_frames(deltas, meta, mode=mode, bucket_bytes=16 << 10):
-            frame = read_frame(data, shapes=engine.tensor_specs(), expect_base=engine.version)
-            undo.record("t", frame, engine.undo_tensors())
-            engine.apply(frame)
+            engine.apply_bytes(data, expect_base=base)
         engine.flush()
-    assert engine.generate(PROMPTS, MAX_TOKENS) != before  # the writes reached the served weights
-    undo.rollback(engine)
+    assert engine.version == base + 1 and engine.generate(PROMPTS, MAX_TOKENS) != before  # served
+    assert engine.rollback()
+    assert engine.version == base and engine.last_flush["reloaded_tensors"] > 0
     for n, t in engine.tensors().items():
         assert bits_identical(t, mirror[n]), n
     assert engine.generate(PROMPTS, MAX_TOKENS) == before
+    assert not engine.rollback()  # nothing left to undo

@@ -328,11 +328,19 @@ def test_the_llvmlite_shim_keeps_every_module_global_inspectable_for_vllm_start_
     from dcr_ray.engines.vllm.compat import make_llvmlite_safe_for_vllm
 
     pytest.importorskip("numba")
+    import llvmlite.binding.ffi as ffi
+
     make_llvmlite_safe_for_vllm()
+    assert vars(ffi.lib) == {}  # the object that broke the scan now has an ordinary, empty __dict__
+    scanned = 0
     for module in list(sys.modules.values()):
         for value in list((getattr(module, "__dict__", None) or {}).values()):
             if hasattr(value, "__dict__"):
-                vars(value).get("kernel")
+                vars(value).get("kernel")  # what vLLM's start-up does; raised AttributeError before the shim
+                scanned += 1
+    assert scanned > 1000  # the scan really walked the process's globals (numba's included)
+    make_llvmlite_safe_for_vllm()  # idempotent: a second call leaves the shimmed class in place
+    assert vars(ffi.lib) == {}
 
 
 def test_the_vllm_backend_says_how_to_install_vllm_when_it_is_missing(tmp_path, monkeypatch):

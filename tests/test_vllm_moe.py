@@ -50,7 +50,7 @@ def test_moe_refits_on_vllm_serve_exactly_what_a_fresh_dense_engine_serves(tmp_p
         assert set(engine.tensor_specs()) == set(state) and not engine.unresolved
         # experts reload per fused-experts layer: one group per layer holds all of its experts
         layers = hf_config(spec).num_hidden_layers
-        expert_groups = [g for g in engine._groups if any(".experts." in n for n in g)]
+        expert_groups = [g for g in engine.groups if any(".experts." in n for n in g)]
         assert len(expert_groups) == layers
         for g in expert_groups:
             assert len(g) == 4 * 3 and len({n.split(".experts.")[0] for n in g}) == 1

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import save_file
 
-from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames, read_frame
+from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
 from dcr_ray.engines.base import checkpoint_state_dict
 from dcr_ray.engines.vllm.storage import int_view
 from dcr_ray.testing.models import ModelSpec, build_model
@@ -63,7 +63,7 @@ def refit(engine: VllmBackend, store: BaselineStore, state: dict[str, torch.Tens
     meta = FrameMeta(transfer=f"refit-{base}", attempt=0, producer="owner-0", payload=0, base=base, target=base + 1)
     frames = list(encode_frames(deltas, meta, bucket_bytes=bucket_bytes))
     for data in frames:
-        engine.apply(read_frame(data, shapes=engine.tensor_specs(), expect_base=engine.version))
+        engine.apply_bytes(data)  # validated against the engine's tensors and version, then sent to its workers
     engine.flush()
     store.begin(base + 1)
     for d in deltas:

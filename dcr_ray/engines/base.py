@@ -8,7 +8,8 @@ canonical tensors through its own loader would give.
 Call order within one transfer (driven by the engine actor)::
 
     tensor_specs()            # once; frames are validated against it before apply()
-    apply(frame) ...          # in declared payload order; each write in place
+    apply(frame) ...          # in declared payload order; each write in place (apply_with_undo while the
+                              # engine keeps an undo record of the transfer)
     flush()                   # make writes visible to the runtime (may push through the loader)
     # commit record written -> the engine activates the new version
 
@@ -26,6 +27,7 @@ import torch
 
 from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec import DecodedFrame
+from dcr_ray.codec.undo import FrameUndo
 
 
 def canonical_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -92,6 +94,20 @@ class EngineBackend(ABC):
     def apply(self, frame: DecodedFrame) -> None:
         """Write a validated frame in place."""
 
+    def apply_with_undo(self, frame: DecodedFrame, undo: FrameUndo) -> None:
+        """Write a validated frame in place (as :meth:`apply`) and keep in ``undo`` the bits every write
+        replaces; called instead of :meth:`apply` while the engine keeps an undo record (only when
+        :meth:`undo_tensors` is not None). ``undo`` is already in the engine's record, so it must cover
+        every write this makes even when it fails part-way.
+
+        The default reads the replaced bits back from :meth:`undo_tensors` before :meth:`apply` (two
+        passes over the changed positions, right however much :meth:`apply` then writes). A backend
+        whose writes are :func:`~dcr_ray.codec.apply_decoded`'s into those tensors passes ``undo`` on
+        (``apply_decoded(frame, tensors, undo=undo)``): one pass, each inverse entering ``undo`` as its
+        write returns."""
+        undo.read_back(frame, self.undo_tensors())
+        self.apply(frame)
+
     def apply_wire(self, data: bytes, frame: DecodedFrame) -> None:
         """Forward one validated frame as its wire bytes (``frame``: the same frame decoded, for its
         meta); only called when :attr:`wants_wire_frames`."""
@@ -113,6 +129,13 @@ class EngineBackend(ABC):
         (in-place rollback of an abandoned transfer); None when reading them is not cheap or not
         possible (then an abandoned transfer leaves the engine dirty, to be re-bootstrapped densely)."""
         return None
+
+    def rollback(self) -> bool:
+        """Undo, in place, every write of the transfer the engine abandons, from an undo record this
+        backend keeps itself (the engine asks when it kept none through :meth:`undo_tensors`): True when
+        the runtime serves the committed version again; False (the default) when it cannot, and the
+        engine is then bootstrapped densely."""
+        return False
 
     @abstractmethod
     def load_dense(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -2,7 +2,8 @@
 
 Its storage *is* the canonical layout (the model's own ``state_dict`` tensors), so placement is the
 identity and frames are applied straight into parameter storage: XOR masks through integer views,
-overwrites by indexed writes, dense chunks by copy. No second copy of the model exists.
+overwrites by indexed writes, dense chunks by copy. No second copy of the model exists. While the engine
+keeps an undo record, the same pass that writes a position keeps the bits it replaced.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from dcr_ray.codec.bits import bits_view
 from dcr_ray.codec import DecodedFrame, apply_decoded
+from dcr_ray.codec.undo import FrameUndo
 from dcr_ray.engines.base import EngineBackend, canonical_state_dict
 from dcr_ray.errors import ConfigError
 
@@ -32,6 +34,9 @@ class TransformersBackend(EngineBackend):
 
     def apply(self, frame: DecodedFrame) -> None:
         apply_decoded(frame, self._tensors)
+
+    def apply_with_undo(self, frame: DecodedFrame, undo: FrameUndo) -> None:
+        apply_decoded(frame, self._tensors, undo=undo)  # the replaced bits read in the pass that writes
 
     def undo_tensors(self) -> Mapping[str, torch.Tensor]:
         return self._tensors  # the live parameters

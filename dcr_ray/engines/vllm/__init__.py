@@ -1,4 +1,10 @@
-"""vLLM as a refit receiver: a ``vllm.LLM`` plus a worker extension mixed into its workers.
+"""vLLM as a refit receiver: engines dcr_ray starts and engines it adopts, refit the same way.
+
+Every vLLM engine dcr_ray refits runs the ``dcr`` backend of vLLM's weight-transfer API
+(``weight_transfer_config={"backend": "dcr"}``): a :class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver`
+in each worker takes the frames, reloads or writes them, and keeps the undo record. An engine dcr_ray
+starts (:class:`VllmBackend`, through :class:`VllmEngine`) is a ``vllm.LLM`` in the engine actor's process,
+driven through those calls exactly as an adopted one is.
 
 vLLM is optional: importing this package does not import vLLM; constructing :class:`VllmBackend`
 does, and raises :class:`~dcr_ray.errors.BackendUnavailableError` with the install command when it is
@@ -8,11 +14,11 @@ missing (``pip install 'dcr_ray[vllm]'`` on GPU machines, ``pip install 'dcr_ray
 Two placement modes, both equal to a dense refit of the same canonical tensors bit for bit:
 
 ``mirror`` (always on CPU)
-    A canonical host mirror (name -> tensor, loaded from the checkpoint's safetensors) receives every
-    frame exactly (:func:`~dcr_ray.codec.apply_decoded`); :meth:`VllmBackend.flush` pushes the
-    touched tensors, in whole fused groups, through the worker's ``reload_weights``
-    (:mod:`~dcr_ray.engines.vllm.groups`). vLLM's CPU backend repacks Linear weights after loading,
-    so this is the only exact path there.
+    A canonical host mirror in each worker (name -> tensor, loaded from the checkpoint's safetensors)
+    receives every frame exactly (:func:`~dcr_ray.codec.apply_decoded`); :meth:`VllmBackend.flush`
+    (``finish_weight_update``) pushes the touched tensors, in whole fused groups, through vLLM's
+    in-place reload (:mod:`~dcr_ray.engines.vllm.groups`). vLLM's CPU backend repacks Linear weights
+    after loading, so this is the only exact path there.
 ``capture`` (the default when vLLM runs on CUDA)
     The model's own ``load_weights`` is run once per tensor at start-up under a ``TorchDispatchMode``
     that records where each loader copy lands; frames are then written as sparse XOR / OVERWRITE
@@ -21,8 +27,8 @@ Two placement modes, both equal to a dense refit of the same canonical tensors b
     full host copy of the model exists.
 
 Serving while payloads stage (async refits)
-    :meth:`VllmBackend.apply` only touches the host mirror (``mirror``) or stages the decoded items
-    (``capture``), so the engine keeps serving version *v* while the payloads of *v+1* arrive;
+    Frames only touch the workers' host mirrors (``mirror``) or are kept decoded (``capture``), so
+    the engine keeps serving version *v* while the payloads of *v+1* arrive;
     :meth:`VllmBackend.flush` switches the runtime to *v+1* in one step under the backend's lock,
     which :meth:`VllmBackend.generate` also takes, so no request sees a half-applied model, and the
     prefix cache (KV computed with old weights) is reset. For an ``AsyncLLM`` deployment do the same
@@ -41,9 +47,8 @@ for serving.
 
 Modules:
 
-- :mod:`~dcr_ray.engines.vllm.backend`    :class:`VllmBackend`, the engine backend
+- :mod:`~dcr_ray.engines.vllm.backend`    :class:`VllmBackend`, a ``vllm.LLM`` dcr_ray starts and drives
 - :mod:`~dcr_ray.engines.vllm.factory`    :class:`VllmEngine`, the factory engine actors call
-- :mod:`~dcr_ray.engines.vllm.worker`     :class:`~dcr_ray.engines.vllm.worker.DcrWorkerExtension`
 - :mod:`~dcr_ray.engines.vllm.groups`     fused groups and the post-load steps a reload skips
 - :mod:`~dcr_ray.engines.vllm.capture`    loader capture and sparse replay into live storage
 - :mod:`~dcr_ray.engines.vllm.storage`    live storage as bits: views, scatter, digests
@@ -55,7 +60,7 @@ Modules:
 - :mod:`~dcr_ray.integrations.vllm.trainer`    the ``dcr`` backend's trainer side (vLLM's ``WeightTransferTrainerFactory``)
 - :mod:`~dcr_ray.engines.vllm.adopted`    :class:`AdoptedVllmEngine` / :class:`AdoptedVllmServer`: refit
   engines dcr_ray did not start (Ray actors, or ``vllm serve`` processes by URL)
-- :mod:`~dcr_ray.engines.vllm.sync`       how the weight-transfer calls travel: Ray handles or HTTP
+- :mod:`~dcr_ray.engines.vllm.sync`       how the weight-transfer calls travel: in process, Ray handles or HTTP
 - :mod:`~dcr_ray.engines.vllm.server`     ``python -m dcr_ray.engines.vllm.server``: ``vllm serve`` on CPU hosts
 
 Engines dcr_ray did not start (``LLM`` / ``AsyncLLM`` actors of veRL, OpenRLHF or your own code) are
@@ -70,6 +75,5 @@ from dcr_ray.engines.vllm.adopted import AdoptedVllmEngine, AdoptedVllmServer
 from dcr_ray.engines.vllm.backend import VllmBackend
 from dcr_ray.engines.vllm.compat import VLLM_CPU_RUNTIME_ENV
 from dcr_ray.engines.vllm.factory import VllmEngine
-from dcr_ray.engines.vllm.worker import WORKER_EXTENSION
 
-__all__ = ["AdoptedVllmEngine", "AdoptedVllmServer", "VLLM_CPU_RUNTIME_ENV", "VllmBackend", "VllmEngine", "WORKER_EXTENSION"]
+__all__ = ["AdoptedVllmEngine", "AdoptedVllmServer", "VLLM_CPU_RUNTIME_ENV", "VllmBackend", "VllmEngine"]

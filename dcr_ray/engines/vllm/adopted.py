@@ -62,9 +62,12 @@ class WeightSyncBackend(EngineBackend):
     """
 
     wants_wire_frames = True
+    #: what the engine is called in messages (followed by where it is)
+    engine_kind = "adopted vLLM engine"
 
     def __init__(self, calls: WeightSyncCalls | Sequence[Any], checkpoint: str, *, version: int = 0,
-                 key: bytes | None = None, capture: bool | None = None, timeout_s: float = 300.0):
+                 key: bytes | None = None, capture: bool | None = None, timeout_s: float = 300.0,
+                 init_extra: Mapping[str, Any] | None = None):
         if not hasattr(calls, "update_weights") or isinstance(calls, (list, tuple)):
             calls = make_calls(list(calls), timeout_s)  # Ray actor handles (the older signature) or URLs
         self.calls: WeightSyncCalls = calls
@@ -77,7 +80,12 @@ class WeightSyncBackend(EngineBackend):
         self._session_open = False  # some worker reported vLLM's update session open (set by _statuses)
         self._statuses(None)  # where each worker's call count stands before this proxy's first call
         self._checked("init", self.calls.init_weight_transfer_engine, {
-            "checkpoint": checkpoint, "version": version, "key": key.hex() if key else None, "capture": capture})
+            "checkpoint": checkpoint, "version": version, "key": key.hex() if key else None, "capture": capture,
+            **(init_extra or {})})
+
+    @property
+    def _engine(self) -> str:
+        return f"{self.engine_kind} at {self.calls.where}"
 
     # -- the status protocol ---------------------------------------------------------------------------
     def _statuses(self, op: str | None) -> list[str]:
@@ -93,12 +101,12 @@ class WeightSyncBackend(EngineBackend):
         refused = []
         for i, ranks in enumerate(replies):
             if not isinstance(ranks, list) or not ranks:
-                raise BackendError(f"adopted vLLM engine at {self.calls.where}: replica {i} answered "
+                raise BackendError(f"{self._engine}: replica {i} answered "
                                    f"dcr_transfer_status with {str(ranks)[:200]}")
             for j, st in enumerate(ranks):
                 if not isinstance(st, dict) or st.get("nonce") != nonce:
                     raise OutOfStepError(
-                        f"adopted vLLM engine at {self.calls.where}: replica {i} rank {j} answered with another "
+                        f"{self._engine}: replica {i} rank {j} answered with another "
                         f"call's reply ({str(st)[:200]}): its workers' replies are out of step (a worker raised "
                         f"inside a tensor-parallel collective_rpc); restart the engine")
                 where = (i, int(st.get("rank") if st.get("rank") is not None else j))
@@ -137,9 +145,9 @@ class WeightSyncBackend(EngineBackend):
                 self.calls.finish_weight_update()
                 self._statuses("finish")
             except BackendError as e:
-                log.warning("adopted vLLM engine at %s: closing the refused update failed: %s", self.calls.where, e)
+                log.warning("%s: closing the refused update failed: %s", self._engine, e)
         why = "; ".join(refused) or str(raised)
-        raise BackendError(f"adopted vLLM engine at {self.calls.where}: {op} refused: {why}") from raised
+        raise BackendError(f"{self._engine}: {op} refused: {why}") from raised
 
     # -- contract ----------------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -188,8 +196,8 @@ class WeightSyncBackend(EngineBackend):
 
     def _reset_prefix_cache(self) -> None:
         if not self.calls.reset_prefix_cache():
-            raise BackendError("the adopted vLLM engine refused to reset its prefix cache (requests still "
-                               "running): pause its generation around refits")
+            raise BackendError(f"{self._engine} refused to reset its prefix cache (requests still running): "
+                               f"pause its generation around refits")
 
     def abandon(self) -> None:
         """Close an update whose refit was abandoned without reloading anything (the engine keeps serving
@@ -219,7 +227,7 @@ class WeightSyncBackend(EngineBackend):
         except OutOfStepError:
             raise
         except BackendError as e:
-            log.info("adopted vLLM engine at %s does not hold version %d: %s", self.calls.where, version, e)
+            log.info("%s does not hold version %d: %s", self._engine, version, e)
             return False
         self._checked("finish", self.calls.finish_weight_update)
         self.calls.update_weight_version(str(version))

@@ -1,34 +1,54 @@
-""":class:`VllmBackend`: a vLLM engine refit in canonical coordinates (see :mod:`dcr_ray.engines.vllm`)."""
+""":class:`VllmBackend`: a vLLM engine dcr_ray starts, refit through the ``dcr`` weight-transfer backend.
+
+The engine is a ``vllm.LLM(weight_transfer_config={"backend": BACKEND_NAME})`` in the engine actor's process,
+driven exactly as an adopted engine is (:class:`~dcr_ray.engines.vllm.adopted.WeightSyncBackend`, over
+:class:`~dcr_ray.engines.vllm.sync.LocalWeightSync`): every validated frame goes to the workers as its
+wire bytes in ``update_weights``, ``flush`` is ``finish_weight_update``, and every call is followed by a
+read of every worker's status. The refit itself happens in each worker, in its
+:class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver` (host mirror, fused-group reload, loader capture,
+the start-up reload self-check). What only an engine dcr_ray started has on top:
+
+- ``keep_undo``: the workers keep a finished update's undo record until :meth:`VllmBackend.activate`
+  commits it, so :meth:`VllmBackend.rollback` returns an abandoned transfer in place (the engine actor
+  asks it when a transfer is abandoned), even after its flush;
+- read-back: :meth:`VllmBackend.tensors` reads the canonical tensors the workers serve (peer healing,
+  digests, checks) through ``collective_rpc`` (:func:`~dcr_ray.engines.vllm.transfer.worker_query`);
+- :meth:`VllmBackend.load_dense` loads named tensors densely, as dense frames of the bootstrap base;
+- :meth:`VllmBackend.generate`, under the lock :meth:`VllmBackend.flush` takes (no request sees a
+  half-switched model).
+"""
 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
 from typing import Any, Iterable, Mapping, Sequence
 
-import numpy as np
-import torch
-
-from dcr_ray.codec import DecodedFrame, DecodedItem, Encoding, apply_decoded, read_frame
-from dcr_ray.codec.bits import bits_view, dtype_of, itemsize, wire_name
-from dcr_ray.engines.base import EngineBackend
-from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
+from dcr_ray.codec import BOOTSTRAP_BASE, DecodedFrame, FrameMeta, encode_frames, full_delta, read_frame
+from dcr_ray.codec.bits import wire_name
+from dcr_ray.engines.vllm.adopted import WeightSyncBackend
+from dcr_ray.engines.vllm.checkpoint import checkpoint_files
 from dcr_ray.engines.vllm.compat import shutdown_llm, start_llm, will_use_cuda
-from dcr_ray.engines.vllm.groups import whole_groups
 from dcr_ray.engines.vllm.plan import merge_summaries, strict_check
+from dcr_ray.engines.vllm.plugin import BACKEND_NAME
 from dcr_ray.engines.vllm.serving import greedy
-from dcr_ray.engines.vllm.worker import WORKER_EXTENSION
-from dcr_ray.errors import BackendError, ConfigError, IndexOutOfRangeError, TargetMismatchError
+from dcr_ray.engines.vllm.sync import LocalWeightSync
+from dcr_ray.errors import BackendError, ConfigError, TargetMismatchError
+
+log = logging.getLogger(__name__)
 
 MODES = ("auto", "mirror", "capture")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+#: Bytes of one dense frame :meth:`VllmBackend.load_dense` sends (a worker holds one decoded at a time).
+_DENSE_FRAME_BYTES = 16 << 20
 
 
 def _llm_kwargs(model: str, *, seed: int, cuda: bool, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM``: this package's worker extension, no tokenizer when the
+    """Keyword arguments for ``vllm.LLM``: the ``dcr`` weight-transfer backend, no tokenizer when the
     checkpoint has none, eager single-process execution on CPU; ``extra`` overrides them."""
-    kw: dict[str, Any] = dict(model=model, seed=seed, worker_extension_cls=WORKER_EXTENSION)
+    kw: dict[str, Any] = dict(model=model, seed=seed, weight_transfer_config={"backend": BACKEND_NAME})
     if not any(os.path.exists(os.path.join(model, f)) for f in _TOKENIZER_FILES):
         kw["skip_tokenizer_init"] = True
     if not cuda:
@@ -37,12 +57,14 @@ def _llm_kwargs(model: str, *, seed: int, cuda: bool, extra: Mapping[str, Any] |
     return kw
 
 
-class VllmBackend(EngineBackend):
+class VllmBackend(WeightSyncBackend):
     """A vLLM engine built from a Hugging Face checkpoint directory, refit in canonical coordinates.
 
     Construct it inside the engine actor's process (``backend_factory=functools.partial(VllmBackend,
     "/path/to/checkpoint", ...)``); the checkpoint holds the engine's starting weights (``version``).
     """
+
+    engine_kind = "vLLM engine"
 
     def __init__(
         self,
@@ -81,149 +103,89 @@ class VllmBackend(EngineBackend):
                               "its weights, so its storage is not bit-addressable); use mode='mirror'")
         self.model_dir = model
         self.mode = mode
-        self.version = version
-        self._pending_version: int | None = None
         self._lock = threading.RLock()
         self._files = checkpoint_files(model)
-        self._specs = checkpoint_specs(model)
+        self._update: tuple[int, int] | None = None  # the update written since the last activate
+        self._kept = False  # an update finished since the last activate: the workers keep its undo record
+        self.last_flush: dict[str, int] = {}
         self.llm, self._inproc = start_llm(_llm_kwargs(model, seed=seed, cuda=cuda, extra=llm_kwargs),
                                            cuda=cuda, kv_cache_gib=kv_cache_gib)
-
-        names = list(self._specs)
-        info = self.llm.collective_rpc("dcr_fused_groups", args=(names,))[0]
-        self._groups: list[list[str]] = info["groups"]
-        self.ignored: list[str] = info["ignored"]
-        self.unresolved: list[str] = info["unresolved"]
-        self._group_of = {n: i for i, g in enumerate(self._groups) for n in g}
-
-        if mode == "capture":
-            summary = merge_summaries(self.llm.collective_rpc("dcr_capture_prepare", args=(self._files,)))
-            if strict_capture:
-                strict_check(summary)
-            self.capture_summary = summary
-            mirror = {n for n, (kind, _) in summary.items() if kind != "affine"}
-            # whole fused groups go through the loader together
-            self._mirror_names = set(whole_groups(mirror, self._groups, self._group_of, self._specs))
-        else:
-            self.capture_summary = {}
-            self._mirror_names = set(names)
-        self._mirror: dict[str, torch.Tensor] = {
-            n: t.contiguous() for n, t in iter_checkpoint(self._files, self._mirror_names)}
-        self._touched: set[str] = set()
-        self._staged: list[DecodedItem] = []
-        self.last_flush: dict[str, int] = {}
         try:
-            self._check_reload_is_a_fresh_load()
+            # the workers' receivers start from the checkpoint and run the start-up reload self-check
+            super().__init__(LocalWeightSync(self.llm, f"{model} (in this process)"), model, version=version,
+                             capture=mode == "capture", init_extra={"keep_undo": True, "own_checkpoint": True})
+            layouts = self._query("layout")
+            self.capture_summary = merge_summaries(lay["capture"] for lay in layouts)  # affine on every rank
+            if strict_capture:
+                strict_check(self.capture_summary)
         except BaseException:
             self.close()
             raise
+        self.groups: list[list[str]] = layouts[0]["groups"]
+        self.ignored: list[str] = layouts[0]["ignored"]
+        self.unresolved: list[str] = layouts[0]["unresolved"]
 
-    def _check_reload_is_a_fresh_load(self) -> None:
-        """Fail closed: reload the checkpoint's own bits through the refit path; nothing may change.
+    def _query(self, what: str, names: list[str] | None = None) -> list:
+        """Every worker's answer to :func:`~dcr_ray.engines.vllm.transfer.worker_query`, rank by rank."""
+        from dcr_ray.engines.vllm.transfer import worker_query
 
-        Every mirror-path refit ends in ``reload_weights`` plus dcr_ray's post-load fix-ups. That is
-        exact only if it reproduces a fresh load, which vLLM does not promise (its fused-MoE reload
-        skips the CPU prepack, which would leave unpacked bits in packed storage while the host mirror
-        looks right). So at start-up, while storage holds what a fresh load gave, push every mirror
-        tensor through that path and compare each parameter's and buffer's bits, on every rank.
-        """
-        names = self._expand(self._mirror_names)
-        if not names:
-            return
-        before = self.llm.collective_rpc("dcr_storage_digests")
-        self.llm.collective_rpc("dcr_reload", args=([(n, self._mirror[n].detach()) for n in names],))
-        after = self.llm.collective_rpc("dcr_storage_digests")
-        changed = sorted({n for b, a in zip(before, after) for n in b.keys() | a.keys() if b.get(n) != a.get(n)})
-        if changed:
-            raise BackendError(
-                f"vLLM's weight reload is not a fresh load for this model ({self.model_dir}): reloading the "
-                f"checkpoint's own bits changed {len(changed)} parameter(s), e.g. {changed[:4]}. dcr_ray "
-                f"cannot refit it exactly on this vLLM version, so the engine refuses to start (report the "
-                f"architecture and vLLM version; mode='capture' on CUDA avoids the reload path)")
+        replies = self.llm.collective_rpc(worker_query, args=(what, names))
+        bad = [f"rank {i}: {r['error']}" for i, r in enumerate(replies) if not r["ok"]]
+        if bad:
+            raise BackendError(f"{self._engine}: {what} failed: {'; '.join(bad)}")
+        return [r["result"] for r in replies]
+
+    def _session(self, update_info: dict) -> None:
+        """One ``update_weights`` call that carries no frames, in a session of its own."""
+        self._checked("start", self.calls.start_weight_update)
+        self._checked("update", self.calls.update_weights, update_info)
+        self._checked("finish", self.calls.finish_weight_update)
 
     # -- contract ----------------------------------------------------------------------------------
-    def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        return dict(self._specs)
-
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        """Canonical tensors. ``mirror`` mode: the host mirror itself (what the runtime holds after
-        :meth:`flush`). ``capture`` mode: mirror-path tensors plus copies read back from live storage
-        (costly; for checks)."""
-        if self.mode == "mirror":
-            return self._mirror
+    def tensors(self) -> Mapping[str, Any]:
+        """The canonical tensors the engine serves, read back from rank 0's receiver: its host mirror
+        (the start-up self-check proved it is what the worker serves; in this process, the mirror's
+        own tensors), and on the capture path copies read from live storage (costly; for checks)."""
         with self._lock:
-            captured = [n for n in self._specs if n not in self._mirror_names]
-            out = dict(self._mirror)
-            if captured:
-                out.update(self.llm.collective_rpc("dcr_capture_readback", args=(captured,))[0])
-            return {n: out[n] for n in self._specs}
-
-    def undo_tensors(self) -> Mapping[str, torch.Tensor] | None:
-        """The host mirror (``mirror`` mode): frames write it and :meth:`flush` reloads what they touched,
-        so undoing in the mirror and flushing again restores the served weights. None in ``capture`` mode."""
-        return self._mirror if self.mode == "mirror" else None
+            return self._query("tensors")[0]
 
     def apply(self, frame: DecodedFrame) -> None:
-        """Apply a validated frame: into the host mirror, or staged for live storage (``capture``).
+        raise BackendError("VllmBackend takes wire frames (apply_wire, apply_bytes), not decoded ones: its "
+                           "workers validate every frame again before writing")
 
-        Checks again that every item fits a known tensor before anything is written.
-        """
+    def apply_wire(self, data: bytes, frame: DecodedFrame) -> None:
+        """Forward one validated frame to the workers (the first frame of an update opens it)."""
         with self._lock:
-            self._check(frame)
-            mirror_items = [it for it in frame.items if it.name in self._mirror_names]
-            if mirror_items:
-                apply_decoded(DecodedFrame(meta=frame.meta, items=mirror_items), self._mirror)
-                self._touched.update(it.name for it in mirror_items)
-            self._staged.extend(it for it in frame.items if it.name not in self._mirror_names)
-            self._pending_version = frame.meta.target
+            self._update = (frame.meta.base, frame.meta.target)
+            self.send_frames([data], frame.meta.base, frame.meta.target)
 
     def apply_bytes(self, data: bytes, *, key: bytes | None = None, expect_base: int | None | str = "current",
                     max_raw_bytes: int | None = None) -> DecodedFrame:
         """Validate a wire frame against this engine (tensors, and base == :attr:`version` unless
-        ``expect_base`` says otherwise) and apply it. Nothing is written when validation fails."""
+        ``expect_base`` says otherwise) and forward it. Nothing is written when validation fails."""
         base = self.version if expect_base == "current" else expect_base
         kw = {} if max_raw_bytes is None else {"max_raw_bytes": max_raw_bytes}
         frame = read_frame(data, shapes=self._specs, key=key, expect_base=base, **kw)
-        self.apply(frame)
+        self.apply_wire(data, frame)
         return frame
 
     def flush(self) -> None:
-        """Make every write since the last flush visible to vLLM: staged sparse writes into live
-        storage, touched mirror tensors (whole fused groups) through ``reload_weights``; then reset the
-        prefix cache (KV computed with the old weights)."""
+        """Make every frame since the last flush visible to vLLM (the workers reload the touched fused
+        groups and write captured changes into live storage), tag outputs with the update's target and
+        reset the prefix cache. ``last_flush``: the workers' statistics (zeros when nothing was open)."""
         with self._lock:
-            stats = {"captured_items": len(self._staged), "reloaded_tensors": 0, "reprocessed_modules": 0,
-                     "written": 0}
-            if self._staged:
-                items = list(self._staged)
-                stats["written"] = int(self.llm.collective_rpc("dcr_capture_apply", args=(items,))[0])
-                self._staged.clear()
-            if self._touched:
-                names = self._expand(self._touched)
-                # detached views: the loader may set attributes (e.g. shard_id) on what it is given
-                items = [(n, self._mirror[n].detach()) for n in names]
-                try:
-                    res = self.llm.collective_rpc("dcr_reload", args=(items,))[0]
-                except Exception as e:
-                    raise BackendError(
-                        f"vLLM reload_weights failed for {len(items)} tensors ({type(e).__name__}: {e}); "
-                        f"the engine may hold a partial update: flush again (the touched set is kept) or "
-                        f"re-bootstrap it") from e
-                stats["reloaded_tensors"] = len(names)
-                stats["reprocessed_modules"] = len(res["reprocessed"])
-                self._touched.clear()
-            if stats["captured_items"] or stats["reloaded_tensors"]:
-                if not self.llm.reset_prefix_cache():
-                    raise BackendError("vLLM refused to reset its prefix cache (requests still running); "
-                                       "pause generation around flush()")
-            if self._pending_version is not None:
-                self.version = self._pending_version
-                self._pending_version = None
+            stats = {"reloaded_tensors": 0, "reprocessed_modules": 0, "captured_elements": 0}
+            if self._open is not None:
+                super().flush()
+                stats = self._query("last_finish")[0]
+                self._kept = self._update is not None and self._update[0] != BOOTSTRAP_BASE
             self.last_flush = stats
 
-    def load_dense(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the named tensors completely and make them visible now (bootstrap)."""
+    def load_dense(self, tensors: Iterable[tuple[str, Any]]) -> None:
+        """Replace the named tensors completely and make them visible now (bootstrap, peer healing): dense
+        frames of the bootstrap base, checked against the checkpoint's tensors before any is sent."""
         with self._lock:
+            deltas = []
             for name, t in tensors:
                 if name not in self._specs:
                     raise TargetMismatchError(f"load_dense: the engine has no tensor named {name!r}")
@@ -231,19 +193,59 @@ class VllmBackend(EngineBackend):
                 if wire_name(t.dtype) != dt or tuple(t.shape) != tuple(shape):
                     raise TargetMismatchError(f"load_dense: {name} is {t.dtype}{list(t.shape)}, the engine "
                                               f"holds {dt}{list(shape)}")
-                src = bits_view(t.detach().cpu().contiguous())
-                if name in self._mirror_names:
-                    bits_view(self._mirror[name])[:] = src
-                    self._touched.add(name)
-                else:
-                    self._staged.append(DecodedItem(name, Encoding.DENSE, 0, len(src), None, src.copy()))
+                deltas.append(full_delta(name, t.detach().cpu().contiguous()))
+            if not deltas:
+                return
+            meta = FrameMeta(transfer="load_dense", attempt=0, producer="VllmBackend", payload=0,
+                             base=BOOTSTRAP_BASE, target=self.version)
+            self._update, self._kept = None, False  # a bootstrap has no undo: the workers drop the kept one
+            for data in encode_frames(deltas, meta, bucket_bytes=_DENSE_FRAME_BYTES):
+                self.send_frames([data], BOOTSTRAP_BASE, self.version)
             self.flush()
 
     def activate(self, version: int) -> None:
-        """Record that the runtime now serves ``version`` (an engine actor calls this after the commit
-        record; :meth:`flush` already takes the version from the frames it applied)."""
+        """The engine now holds committed ``version`` (after its commit record): the workers drop the
+        finished update's undo record and take ``version`` as the next update's base."""
         with self._lock:
+            if self._open is None and (self._kept or version != self.version):
+                self._session({"base": version, "target": version, "commit": True})
+                self.calls.update_weight_version(str(version))
+                self._update, self._kept = None, False
             self.version = version
+
+    def rollback(self) -> bool:
+        """Undo the update written since the last :meth:`activate` in place, flushed or not (the workers'
+        undo records; see :meth:`~dcr_ray.engines.vllm.receiver.MirrorReceiver.rollback`): True when the
+        engine serves the update's base again; False when it cannot (no update, a bootstrap, captured
+        writes in live storage, a worker's refusal), and the engine must be bootstrapped densely."""
+        with self._lock:
+            update, self._update, self._kept = self._update, None, False
+            if update is None or update[0] == BOOTSTRAP_BASE:
+                return False
+            try:
+                if self._open is None:
+                    self._checked("start", self.calls.start_weight_update)
+                self._open = None
+                self._checked("update", self.calls.update_weights,
+                              {"base": update[0], "target": update[1], "rollback": True})
+                self._checked("finish", self.calls.finish_weight_update)
+            except BackendError as e:
+                log.warning("%s: in-place rollback of %s->%s refused: %s", self._engine, *update, e)
+                return False
+            self.version = update[0]
+            self.calls.update_weight_version(str(update[0]))
+            self._reset_prefix_cache()
+            self.last_flush = self._query("last_finish")[0]
+            return True
+
+    def abandon(self) -> None:
+        """Close the open update unapplied (the workers' mirrors get back what they serve)."""
+        with self._lock:
+            super().abandon()
+
+    def matches_digests(self, version: int, digests: Mapping[tuple, str]) -> bool | None:
+        """None: an engine dcr_ray starts is bootstrapped densely when it joins."""
+        return None
 
     def close(self) -> None:
         """Shut the engine down and release its memory.
@@ -271,23 +273,3 @@ class VllmBackend(EngineBackend):
             outs = greedy(self.llm, prompt_token_ids, max_tokens)
             version = self.version
         return [{**o, "version": version} for o in outs]
-
-    # -- helpers -----------------------------------------------------------------------------------
-    def _expand(self, names: Iterable[str]) -> list[str]:
-        """``names`` grown to whole fused groups, in checkpoint order (ignored names are dropped)."""
-        return whole_groups(names, self._groups, self._group_of, self._specs)
-
-    def _check(self, frame: DecodedFrame) -> None:
-        for it in frame.items:
-            spec = self._specs.get(it.name)
-            if spec is None:
-                raise TargetMismatchError(f"frame item names {it.name!r}, which this vLLM engine does not have")
-            dt, shape = spec
-            numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            if it.values.dtype.itemsize != itemsize(dtype_of(dt)):
-                raise TargetMismatchError(f"{it.name}: {it.values.dtype.itemsize}-byte values for a {dt} tensor")
-            if not (0 <= it.lo <= it.hi <= numel):
-                raise IndexOutOfRangeError(f"{it.name}: range [{it.lo}, {it.hi}) outside {numel} elements")
-            if it.positions is not None and len(it.positions) and (
-                    int(it.positions.min()) < it.lo or int(it.positions.max()) >= it.hi):
-                raise IndexOutOfRangeError(f"{it.name}: positions outside the item's range [{it.lo}, {it.hi})")

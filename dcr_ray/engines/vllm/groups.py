@@ -3,7 +3,7 @@ vLLM's ``reload_weights`` leaves out.
 
 vLLM's CPU backend repacks Linear weights for its GEMM kernels after loading, so its parameters are not
 bit-addressable. The backend keeps the canonical tensors in host memory, applies frames there, and
-pushes the touched tensors through the worker's ``reload_weights`` — the model's own loader and
+pushes the touched tensors through vLLM's in-place ``reload_weights`` — the model's own loader and
 post-processing. ``reload_weights`` processes a vLLM *module* once all its weights arrived, so a push
 must carry every checkpoint tensor that module loads: all of q/k/v (weights and biases) of a fused
 ``qkv_proj``, gate and up of a ``gate_up_proj``. A push of only part of a module would make vLLM
@@ -145,7 +145,7 @@ def reprocess_moe_experts(model: torch.nn.Module, loaded_modules: set[str]) -> l
     the prepack into the grouped-GEMM layout) on the first load only; on a reload it copies the
     freshly loaded, unprocessed bits into the processed storage. Running that step now, on each
     reloaded fused-experts layer, gives exactly what a fresh load gives. The start-up self-check of
-    :class:`~dcr_ray.engines.vllm.VllmBackend` proves it per model, so a vLLM that stops skipping it
+    :class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver` proves it per model, so a vLLM that stops skipping it
     (and would then be processed twice) is refused before it serves.
     """
     done = []
@@ -197,15 +197,12 @@ def reprocess_aliases(model: torch.nn.Module, loaded_modules: set[str]) -> list[
     return done
 
 
-def reload_groups(model: torch.nn.Module, vllm_config: Any, items: list[tuple[str, torch.Tensor]],
-                  reload: Any = None) -> dict[str, Any]:
+def reload_groups(model: torch.nn.Module, vllm_config: Any, items: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     """Push whole fused groups of checkpoint tensors through vLLM's in-place reload, then run the
     post-load steps a fresh load runs and the reload skips (fused experts, aliasing modules).
 
     ``items`` must hold every checkpoint tensor of each module they touch (see :func:`fused_groups`).
-    ``reload(weights_iterator=...)`` is the worker's own ``reload_weights`` where one is at hand (it
-    also resets the runner's caches); by default vLLM's in-place reload of ``model``. Returns
-    ``{"tensors": n, "reprocessed": [module paths]}``.
+    Returns ``{"tensors": n, "reprocessed": [module paths]}``.
     """
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
@@ -213,11 +210,8 @@ def reload_groups(model: torch.nn.Module, vllm_config: Any, items: list[tuple[st
     modules = reloaded_modules(model, (name for name, _ in items))
     with set_current_vllm_config(vllm_config):
         with quiet_partial_reload():
-            if reload is not None:
-                reload(weights_iterator=list(items))
-            else:
-                reload_weights(vllm_config, model, weights_iterator=list(items), weights_path=None,
-                               is_checkpoint_format=True)
+            reload_weights(vllm_config, model, weights_iterator=list(items), weights_path=None,
+                           is_checkpoint_format=True)
         experts = reprocess_moe_experts(model, modules)
         again = reprocess_aliases(model, modules)
     return {"tensors": len(items), "reprocessed": again + experts}

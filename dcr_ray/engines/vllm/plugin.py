@@ -18,6 +18,9 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+#: The name both halves are registered under: ``weight_transfer_config={"backend": BACKEND_NAME}``.
+BACKEND_NAME = "dcr"
+
 
 def register() -> None:
     """Register :class:`~dcr_ray.engines.vllm.transfer.DcrWeightTransferEngine` and its trainer twin as
@@ -26,7 +29,8 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:
-        WeightTransferEngineFactory.register_engine("dcr", "dcr_ray.engines.vllm.transfer", "DcrWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, "dcr_ray.engines.vllm.transfer",
+                                                    "DcrWeightTransferEngine")
     except ValueError:  # already registered in this process
         pass
     register_trainer()
@@ -45,7 +49,7 @@ def register_trainer() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     try:
-        WeightTransferTrainerFactory.register_engine("dcr", "dcr_ray.integrations.vllm.trainer",
+        WeightTransferTrainerFactory.register_engine(BACKEND_NAME, "dcr_ray.integrations.vllm.trainer",
                                                      "DcrTrainerWeightTransferEngine")
     except ValueError:  # already registered in this process
         pass

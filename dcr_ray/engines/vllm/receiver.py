@@ -28,6 +28,16 @@ With ``capture`` (bit-addressable storage: CUDA) the model's loader is probed on
 start-up (:class:`~dcr_ray.engines.vllm.capture.LoaderCapture`); tensors whose loader path is a plain
 view copy get no mirror at all: their changes are kept, decoded, until ``finish`` writes them sparsely
 into live storage through the recorded copies. Only the rest (whole fused groups) keep a host mirror.
+
+In-place undo. The bits every frame replaces in the mirror are kept while its update is open, so
+:meth:`MirrorReceiver.reset` can close a failed update. A driver that may abandon an update *after*
+``finish`` (dcr_ray's own engines: a refit whose commit failed) starts the receiver with
+``keep_undo=True``: a finished update's undo record is then kept until :meth:`MirrorReceiver.commit`
+(or the next update), later attempts of the same update reopen it and stack their own records, and
+:meth:`MirrorReceiver.rollback` takes the mirror back to ``base`` and reloads what those attempts
+reloaded, so the worker serves ``base`` again. Writes made through captured copies into live storage
+keep no undo record: an update that finished some cannot be rolled back (only a dense bootstrap
+restores the worker).
 """
 
 from __future__ import annotations
@@ -50,21 +60,31 @@ MAX_FRAME_RAW_BYTES = DEFAULT_MAX_RAW_BYTES
 
 
 class MirrorReceiver:
-    """The canonical tensors of ``checkpoint`` in host memory, applied to and reloaded into ``model``."""
+    """The canonical tensors of ``checkpoint`` in host memory, applied to and reloaded into ``model``.
+
+    ``own_checkpoint``: the engine was started from ``checkpoint`` by the caller (dcr_ray's
+    :class:`~dcr_ray.engines.vllm.backend.VllmBackend`), so checkpoint names no module of the model
+    resolves are reloaded together with every tensor (a whole-model group: slow but exact) instead of
+    refused as a sign of the wrong checkpoint. ``keep_undo``: see the module docstring.
+    """
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, checkpoint: str, *, key: bytes | None = None,
-                 version: int | None = 0, capture: bool = False):
+                 version: int | None = 0, capture: bool = False,
+                 keep_undo: bool = False, own_checkpoint: bool = False):
         self.model = model
         self.vllm_config = vllm_config
         self.key = key
         self.version = version
+        self.keep_undo = keep_undo
         files = checkpoint_files(checkpoint)
         self.specs = checkpoint_specs(checkpoint)
         info = fused_groups(model, list(self.specs))
-        if info["unresolved"]:
+        if info["unresolved"] and not own_checkpoint:
             raise BackendError(f"{len(info['unresolved'])} checkpoint tensors map to no module of the served "
                                f"model (e.g. {info['unresolved'][:3]}): is {checkpoint!r} the engine's checkpoint?")
         self.groups: list[list[str]] = info["groups"]
+        self.ignored: list[str] = info["ignored"]
+        self.unresolved: list[str] = info["unresolved"]
         self.group_of = {n: i for i, g in enumerate(self.groups) for n in g}
         self.capture: LoaderCapture | None = None
         mirrored = set(self.specs)
@@ -83,8 +103,17 @@ class MirrorReceiver:
         self._undo = UndoLog()  # the mirror bits the open update's frames replaced (reset puts them back)
         self.base: int | None = None
         self.target: int | None = None
+        # keep_undo: the finished (not yet committed) update, its attempts' undo records, what they reloaded
+        self.kept_update: tuple[int, int] | None = None
+        self._kept: list[UndoLog] = []
+        self._kept_names: set[str] = set()
+        self._kept_captured = False  # some attempt wrote captured copies into live storage: no undo
         #: the start-up self-check passed: the mirror holds exactly what the worker serves
         self.mirror_is_served = False
+
+    def capture_summary(self) -> dict[str, tuple[str, str]]:
+        """``name -> (kind, reason)`` of every probed tensor (empty without capture)."""
+        return self.capture.summary() if self.capture is not None else {}
 
     def check_reload_is_a_fresh_load(self) -> None:
         """Reload the checkpoint's own bits through :meth:`finish`'s path; refuse if any served bit moves."""
@@ -100,24 +129,29 @@ class MirrorReceiver:
                 f"vLLM's weight reload is not a fresh load for this model: reloading the checkpoint's own bits "
                 f"changed {len(changed)} parameter(s), e.g. {changed[:4]}; dcr_ray cannot refit it exactly on "
                 f"this vLLM version, so the dcr weight-transfer backend refuses to start (or the engine "
-                f"was not started from the checkpoint given to init_weight_transfer_engine)")
+                f"was not started from the checkpoint given to init_weight_transfer_engine; mode='capture' on "
+                f"CUDA avoids the reload path)")
         self.mirror_is_served = True
 
     def apply(self, frames: list[bytes], base: int, target: int) -> int:
-        """Frames of the update ``base -> target``: the first call opens it, later calls must name the
-        same. Every frame is validated (and the mirror's version checked) before the update opens or
-        anything is written; then they are written into the mirror, each after the bits it replaces are
-        kept (:meth:`reset` puts them back). Returns elements written."""
-        if self.target is None:
+        """Frames of the update ``base -> target``: the first call opens it (or reopens it, when it is the
+        finished update whose undo record is kept), later calls must name the same. Every frame is
+        validated (and the mirror's version checked) before the update opens or anything is written;
+        then they are written into the mirror, each after the bits it replaces are kept (:meth:`reset`
+        puts them back). Returns elements written."""
+        reopen = self.target is None and self.kept_update == (base, target)
+        if self.target is None and not reopen:
             if base != BOOTSTRAP_BASE and base != self.version:
                 held = ("no version (an abandoned update wrote into it)" if self.version is None
                         else f"version {self.version}")
                 raise EngineStateError(f"this vLLM worker's mirror holds {held}; an update from {base} cannot "
                                        f"apply (bootstrap it densely first)")
-        elif (base, target) != (self.base, self.target):
+        elif self.target is not None and (base, target) != (self.base, self.target):
             raise EngineStateError(f"frames for {base}->{target} inside the update {self.base}->{self.target}")
         decoded = [decode_frame(open_frame(f, key=self.key), shapes=self.specs, expect_base=base,
                                 max_raw_bytes=MAX_FRAME_RAW_BYTES) for f in frames]
+        if self.target is None and not reopen:
+            self._drop_kept()  # another update opens: the kept one was committed or given up
         self.base, self.target = base, target
         n = 0
         for frame in decoded:
@@ -129,14 +163,15 @@ class MirrorReceiver:
         return n
 
     def reset(self) -> None:
-        """Close the update in flight after a failure: the mirror gets back the bits the update's frames
-        replaced (it holds ``base`` again, what the worker still serves: nothing was reloaded), captured
+        """Close the update in flight after a failure: the mirror gets back the bits the open attempt's
+        frames replaced (it holds what the worker still serves: nothing was reloaded since), captured
         changes are dropped unwritten, and the version does not move. Idempotent."""
         if self.touched:
             try:
                 self._undo.rollback(_MirrorWriter(self.mirror))
             except Exception:  # the mirror matches no version now: only a dense bootstrap restores it
                 self.version = None
+                self._drop_kept()
         self._undo.clear()
         self.touched.clear()
         self.captured = []
@@ -147,6 +182,7 @@ class MirrorReceiver:
         if self.target is None:
             raise EngineStateError("finish_weight_update without a matching start")
         stats = {"reloaded_tensors": 0, "reprocessed_modules": 0, "captured_elements": 0}
+        wrote_captured = bool(self.captured)
         try:
             if self.captured:
                 stats["captured_elements"] = self.capture.apply(self.captured)
@@ -159,7 +195,14 @@ class MirrorReceiver:
         except BaseException:  # part of the update may be served already: what is served matches no version
             self.reset()
             self.version = None  # only a dense bootstrap restores it
+            self._drop_kept()
             raise
+        if self.keep_undo and self.base != BOOTSTRAP_BASE:
+            self.kept_update = (self.base, self.target)
+            self._kept.append(self._undo)
+            self._kept_names |= self.touched
+            self._kept_captured |= wrote_captured
+            self._undo = UndoLog()
         self.touched.clear()
         self._undo.clear()
         self.version, self.base, self.target = self.target, None, None
@@ -168,6 +211,53 @@ class MirrorReceiver:
     def abandon(self) -> None:
         """Leave an update that will not finish (its refit was abandoned): as :meth:`reset`."""
         self.reset()
+
+    def rollback(self, base: int, target: int) -> dict[str, int]:
+        """Undo the update ``base -> target`` in place, open or finished and kept (``keep_undo``): every
+        attempt's writes are undone in the mirror, newest first, and what finished attempts reloaded is
+        reloaded again, so the worker serves ``base``. :class:`EngineStateError` when no such update is
+        held, or when finished attempts wrote captured copies into live storage (no undo record: the
+        worker then holds no version)."""
+        held = (self.base, self.target) if self.target is not None else self.kept_update
+        if held != (base, target) or base == BOOTSTRAP_BASE:
+            raise EngineStateError(f"rollback of {base}->{target}: this worker holds no undo record of it "
+                                   f"(it holds {'nothing open' if held is None else '%s->%s' % held})")
+        if self._kept_captured:
+            self.reset()
+            self._drop_kept()
+            self.version = None
+            raise EngineStateError(f"rollback of {base}->{target}: it wrote captured tensors into live storage, "
+                                   f"which keeps no undo record; the worker must be bootstrapped densely")
+        stats = {"reloaded_tensors": 0, "reprocessed_modules": 0}
+        try:
+            self.reset()  # the open attempt, if any: the mirror is back at what the worker serves
+            writer = _MirrorWriter(self.mirror)
+            for log in reversed(self._kept):
+                log.rollback(writer)
+            if self._kept_names:
+                res = reload_groups(self.model, self.vllm_config, self._items(self._kept_names))
+                stats.update(reloaded_tensors=res["tensors"], reprocessed_modules=len(res["reprocessed"]))
+        except BaseException:
+            self.version = None  # part of it may be undone: only a dense bootstrap restores the worker
+            self._drop_kept()
+            raise
+        self._drop_kept()
+        self.version = base
+        return stats
+
+    def commit(self, version: int) -> None:
+        """The driver's word that ``version`` is committed and served here (after its commit record):
+        the kept undo record is dropped and ``version`` is the next update's base."""
+        if self.target is not None:
+            raise EngineStateError(f"commit of version {version} inside the open update {self.base}->{self.target}")
+        self._drop_kept()
+        self.version = version
+
+    def _drop_kept(self) -> None:
+        self.kept_update = None
+        self._kept = []
+        self._kept_names = set()
+        self._kept_captured = False
 
     def adopt_served(self, previous: "MirrorReceiver") -> None:
         """Re-initialisation: take over from ``previous`` (the receiver the worker served through) without
@@ -252,6 +342,7 @@ class MirrorReceiver:
             names = sorted(set(differ))
             raise EngineStateError(f"this vLLM worker does not serve the committed version {version}: "
                                    f"{len(names)} of {len(self.specs)} tensors differ (e.g. {names[:3]})")
+        self._drop_kept()
         self.version = version
 
     def _items(self, names) -> list[tuple[str, torch.Tensor]]:

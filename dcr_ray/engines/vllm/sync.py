@@ -6,6 +6,8 @@ each call travels, so that is all this module holds (:class:`WeightSyncCalls`):
 
 :class:`RayWeightSync`
     Ray actor handles (all data-parallel replicas of one engine); frames go as ``bytes``.
+:class:`LocalWeightSync`
+    A ``vllm.LLM`` in this process (the engines dcr_ray starts, :class:`~dcr_ray.engines.vllm.VllmBackend`).
 :class:`HttpWeightSync`
     Server base URLs. The weight-transfer calls go through vLLM's own
     :class:`~vllm.distributed.weight_transfer.clients.HTTPVLLMWeightSyncClient`; frames go as base64
@@ -63,7 +65,33 @@ class WeightSyncCalls(Protocol):
         """The weight version each replica tags its outputs with."""
 
 
-class RayWeightSync:
+class _EngineMethodCalls:
+    """The weight-transfer calls of an object that has vLLM's engine methods (``LLM``, ``AsyncLLM`` or an
+    actor exposing them): each is one ``_call(method, *args)``, which the subclass carries."""
+
+    def _call(self, method: str, *args) -> Any:
+        raise NotImplementedError
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._call("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if weight_version is None:  # the engine's default (an actor wrapper may not take the keyword)
+            self._call("finish_weight_update")
+        else:
+            self._call("finish_weight_update", weight_version)
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self._call("update_weight_version", weight_version)
+
+
+class RayWeightSync(_EngineMethodCalls):
     """The calls on Ray actor handles of ``LLM`` / ``AsyncLLM`` (or any actor exposing the same methods)."""
 
     def __init__(self, handles: Sequence[Any], timeout_s: float = 300.0):
@@ -79,24 +107,6 @@ class RayWeightSync:
             return self._ray.get([getattr(h, method).remote(*args) for h in self.handles], timeout=self.timeout_s)
         except self._ray.exceptions.RayTaskError as e:
             raise BackendError(f"adopted vLLM engine: {method} failed: {e.as_instanceof_cause()!r}") from e
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._call("init_weight_transfer_engine", {"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self._call("start_weight_update")
-
-    def update_weights(self, update_info: dict) -> None:
-        self._call("update_weights", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        if weight_version is None:
-            self._call("finish_weight_update")
-        else:
-            self._call("finish_weight_update", weight_version)
-
-    def update_weight_version(self, weight_version: str) -> None:
-        self._call("update_weight_version", weight_version)
 
     def transfer_status(self, nonce: str) -> list:
         missing = [h for h in self.handles if not hasattr(h, "collective_rpc")]
@@ -116,6 +126,30 @@ class RayWeightSync:
 
     def get_weight_version(self) -> list[str]:
         return self._call("get_weight_version")
+
+
+class LocalWeightSync(_EngineMethodCalls):
+    """The calls on a ``vllm.LLM`` of this process (one replica); a failure is a :class:`BackendError`
+    carrying the engine's own message."""
+
+    def __init__(self, llm: Any, where: str):
+        self.llm = llm
+        self.where = where
+
+    def _call(self, method: str, *args) -> Any:
+        try:
+            return getattr(self.llm, method)(*args)
+        except Exception as e:
+            raise BackendError(f"vLLM engine at {self.where}: {method} failed: {e!r}") from e
+
+    def transfer_status(self, nonce: str) -> list:
+        return [self._call("collective_rpc", "dcr_transfer_status", None, (nonce,))]
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._call("reset_prefix_cache"))
+
+    def get_weight_version(self) -> list[str]:
+        return [self._call("get_weight_version")]
 
 
 def check_urls(urls: Sequence[str]) -> list[str]:
@@ -224,4 +258,5 @@ def make_calls(targets: Sequence[Any], timeout_s: float = 300.0) -> WeightSyncCa
     return HttpWeightSync(urls, timeout_s) if urls else RayWeightSync(targets, timeout_s)
 
 
-__all__ = ["DEV_MODE_HINT", "HttpWeightSync", "RayWeightSync", "WeightSyncCalls", "check_urls", "make_calls"]
+__all__ = ["DEV_MODE_HINT", "HttpWeightSync", "LocalWeightSync", "RayWeightSync", "WeightSyncCalls", "check_urls",
+           "make_calls"]

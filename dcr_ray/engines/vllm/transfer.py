@@ -15,6 +15,10 @@ own calls, on an ``LLM`` / ``AsyncLLM`` or through ``RayVLLMWeightSyncClient`` /
     #                                                               "abandon": True}}), then finish
     # does this worker serve committed version v? (writes nothing; fails on any mismatch)
     update_weights({"update_info": {"base": v, "target": v, "verify": [[name, start, stop, digest], ...]}})
+    # with keep_undo (dcr_ray's own engines): undo the update v -> v + 1 in place, even after its finish
+    update_weights({"update_info": {"base": v, "target": v + 1, "rollback": True}})
+    # ... or: version v is committed, drop the undo record kept for it
+    update_weights({"update_info": {"base": v, "target": v, "commit": True}})
 
 ``checkpoint`` is the directory the engine was started from (its canonical tensors seed the host
 mirror); ``key`` the hex of the shared frame key, if refits sign frames with one. Over HTTP, send
@@ -47,11 +51,16 @@ the previous receiver in place. How a "no" reaches the caller depends on the eng
   A refused ``update_weights`` leaves vLLM's session open there: close it with
   ``finish_weight_update()`` without a version (it reloads nothing; the refused update was reset).
 
+What a worker's receiver holds (its fused groups, the canonical tensors it serves, the last finish's
+statistics) is read, writing nothing, with ``collective_rpc(worker_query, args=(what, names))``
+(:func:`worker_query`).
+
 dcr_ray's adopted-engine proxy (:mod:`~dcr_ray.engines.vllm.adopted`) makes exactly these calls and
 checks the status after each, at any world size: on a "no" it closes vLLM's session with
 ``finish_weight_update()`` (no version, so the label does not move) and fails the refit; the version
 label is set (``update_weight_version``) only after every worker's ``finish`` said yes. So the relay
-tree, commit record and retries work for engines dcr_ray did not start.
+tree, commit record and retries work for engines dcr_ray did not start; the engines dcr_ray starts
+(:class:`~dcr_ray.engines.vllm.backend.VllmBackend`) are driven the same way.
 """
 
 from __future__ import annotations
@@ -70,8 +79,6 @@ from vllm.distributed.weight_transfer.base import (
 from dcr_ray.engines.vllm.receiver import MirrorReceiver
 from dcr_ray.errors import ConfigError, EngineStateError
 
-BACKEND_NAME = "dcr"
-
 
 @dataclass
 class DcrInitInfo(WeightTransferInitInfo):
@@ -88,6 +95,12 @@ class DcrInitInfo(WeightTransferInitInfo):
     host mirror for them). ``None``: when the model lives on CUDA. Refused on CPU: CPU vLLM derives
     packed copies from loaded weights (e.g. a tied ``lm_head`` from ``embed_tokens``) that a sparse
     write into the source tensor would leave stale."""
+    keep_undo: bool = False
+    """Keep a finished update's undo record until it is committed, so ``rollback`` can still undo it (see
+    :class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver`); dcr_ray's own engines set it."""
+    own_checkpoint: bool = False
+    """The caller started the engine from ``checkpoint`` itself: names no module resolves reload with the
+    whole model instead of being refused as a sign of the wrong checkpoint."""
 
 
 @dataclass
@@ -107,6 +120,12 @@ class DcrUpdateInfo(WeightTransferUpdateInfo):
     (:mod:`dcr_ray.sharding.digest`). Nothing is written; the call fails with
     :class:`~dcr_ray.errors.EngineStateError` unless every box of what this worker serves has
     that digest (see :meth:`MirrorReceiver.verify`). ``base`` = ``target`` = the committed version."""
+    rollback: bool = False
+    """Instead of frames: undo the update ``base -> target`` in place, open or finished and kept
+    (``keep_undo``); the worker serves ``base`` again (:meth:`MirrorReceiver.rollback`)."""
+    commit: bool = False
+    """Instead of frames: version ``base`` (= ``target``) is committed and served here; the kept undo
+    record is dropped (:meth:`MirrorReceiver.commit`)."""
 
     def __post_init__(self) -> None:
         """Refuse malformed info before anything is written (a ``ValueError``, as vLLM's contract says)."""
@@ -230,7 +249,8 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             raise ConfigError("capture=True needs vLLM on CUDA: CPU vLLM repacks loaded weights into derived "
                               "copies that sparse writes would leave stale; use capture=False (the mirror path)")
         receiver = MirrorReceiver(self.model, self.vllm_config, init_info.checkpoint, key=key,
-                                  version=init_info.version, capture=capture)
+                                  version=init_info.version, capture=capture, keep_undo=init_info.keep_undo,
+                                  own_checkpoint=init_info.own_checkpoint)
         previous = self.receiver or self._shut_down
         if previous is not None:  # a trainer reconnects: what the worker serves must be that checkpoint,
             receiver.adopt_served(previous)  # shown without writing (a reload would overwrite what it serves)
@@ -243,6 +263,19 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             raise ConfigError(f"update_weights: {update_info.error}")
         if update_info.abandon:
             r.abandon()
+            return
+        if update_info.rollback or update_info.commit:
+            if update_info.frames or update_info.frames_b64 or update_info.verify is not None or (
+                    update_info.rollback and update_info.commit):
+                raise ConfigError("update_weights: 'rollback' and 'commit' are calls of their own (no frames, "
+                                  "no verify)")
+            if update_info.rollback:
+                self.last_finish = r.rollback(update_info.base, update_info.target)
+            elif update_info.base != update_info.target:
+                raise ConfigError(f"update_weights: a commit names one version (base == target), got "
+                                  f"{update_info.base}->{update_info.target}")
+            else:
+                r.commit(update_info.base)
             return
         if update_info.verify is not None:
             if update_info.frames or update_info.frames_b64:
@@ -272,3 +305,29 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             raise NotInitializedError("the dcr weight-transfer engine is not initialized: call "
                                       "init_weight_transfer_engine({'checkpoint': ...}) first")
         return self.receiver
+
+
+def worker_query(worker: Any, what: str, names: list[str] | None = None) -> dict[str, Any]:
+    """(Run in a vLLM worker: ``llm.collective_rpc(worker_query, args=(what, names))``.) What this worker's
+    ``dcr`` receiver holds, writing nothing: ``layout`` (fused groups, ignored and unresolved names, the
+    capture summary, the mirrored names), ``tensors`` (the canonical tensors ``names``, all when None, as
+    the worker serves them: :meth:`MirrorReceiver.canonical`; in this process, the mirror's own tensors),
+    ``last_finish`` (statistics of the last finish or rollback). Never raises (a raise would put a
+    tensor-parallel engine's replies out of step): returns ``{"ok", "error", "result"}``."""
+    try:
+        engine = getattr(worker, "weight_transfer_engine", None)
+        r = engine._receiver() if isinstance(engine, DcrWeightTransferEngine) else None
+        if r is None:
+            raise NotInitializedError("this vLLM worker has no dcr weight-transfer engine")
+        if what == "layout":
+            result: Any = {"groups": r.groups, "ignored": r.ignored, "unresolved": r.unresolved,
+                           "capture": r.capture_summary(), "mirrored": sorted(r.mirror)}
+        elif what == "tensors":
+            result = {n: r.canonical(n) for n in (r.specs if names is None else names)}
+        elif what == "last_finish":
+            result = dict(engine.last_finish)
+        else:
+            raise ConfigError(f"worker_query: unknown query {what!r}")
+        return {"ok": True, "error": None, "result": result}
+    except Exception as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}", "result": None}

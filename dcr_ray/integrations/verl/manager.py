@@ -225,10 +225,9 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
 
     # -- one sync ------------------------------------------------------------------------------------
     def _launch(self) -> dcr_ray.RefitReport | None:
-        from dcr_ray.config import CodecConfig, RefitConfig, TransportConfig
+        from dcr_ray.config import RefitConfig, TransportConfig
 
-        config = RefitConfig(transport=TransportConfig(kind=self.settings.transport),
-                             codec=CodecConfig(coding=self.settings.coding))
+        config = RefitConfig(transport=TransportConfig(kind=self.settings.transport), codec=self.settings.codec())
         self.refit = dcr_ray.launch(owners=self.owners, clusters=self._clusters(self._checkpoint()), config=config,
                                     timeout_s=self.settings.timeout_s)
         self._stale = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from dcr_ray.config import CODINGS
 from dcr_ray.errors import ConfigError
 
 #: What ``transport`` may name (see :class:`dcr_ray.TransportConfig`).
@@ -31,9 +32,13 @@ class VerlDcrSettings:
     (a local cast on each rank; veRL's FSDP shard export is already BF16)."""
     transport: str = "relay"
     """``relay`` (relay tree over the Ray object store) or ``object_store`` (a directory / S3)."""
-    coding: str = "plain"
-    """Position/value coding of first attempts (:class:`dcr_ray.CodecConfig` ``coding``): ``plain`` (cheapest
+    coding: str = "auto"
+    """Position/value coding of first attempts (:class:`dcr_ray.CodecConfig` ``coding``): ``auto`` (the
+    library's default: each refit picks from the measured link and codec throughput), ``plain`` (cheapest
     to apply) or ``context`` (fewer wire bytes, more receiver CPU: for link-bound refits)."""
+    link_mbps: float | dict[str, float] | None = None
+    """The rollout clusters' link throughput in Mbit/s for ``coding: auto`` (one figure, or one per cluster
+    name of ``clusters``); default: measured over recent syncs (:class:`dcr_ray.CodecConfig` ``link_mbps``)."""
     timeout_s: float = 600.0
     """Bound on one refit (and on launch with its first dense bootstrap) in seconds."""
     release_kv_cache: bool = True
@@ -42,6 +47,12 @@ class VerlDcrSettings:
     sleep, which on GPU discards the served weights too: each released replica is checked by digest
     before the sync, and one whose bits are gone fails the sync (nothing is sent). Set False (or
     ``rollout.free_cache_engine: false``) where that happens: GPU replicas with ``free_cache_engine``."""
+
+    def codec(self):
+        """The :class:`dcr_ray.CodecConfig` these settings give."""
+        from dcr_ray.config import CodecConfig
+
+        return CodecConfig(coding=self.coding, link_mbps=self.link_mbps)
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any] | None) -> "VerlDcrSettings":
@@ -52,6 +63,8 @@ class VerlDcrSettings:
         if unknown:
             raise ConfigError(f"checkpoint_engine.engine_kwargs.dcr has unknown keys {unknown}; "
                               f"known: {sorted(known)}")
+        if isinstance(raw.get("link_mbps"), Mapping):  # an OmegaConf node: a plain dict for CodecConfig
+            raw["link_mbps"] = {str(k): v for k, v in dict(raw["link_mbps"]).items()}
         if "clusters" in raw:
             raw["clusters"] = {str(k): [int(r) for r in v] for k, v in dict(raw["clusters"]).items()}
         return cls(**raw)
@@ -59,8 +72,12 @@ class VerlDcrSettings:
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"engine_kwargs.dcr.transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.coding not in ("plain", "context"):
-            raise ConfigError(f"engine_kwargs.dcr.coding must be 'plain' or 'context', got {self.coding!r}")
+        if self.coding not in CODINGS:
+            raise ConfigError(f"engine_kwargs.dcr.coding must be one of {CODINGS}, got {self.coding!r}")
+        try:
+            self.codec()
+        except ConfigError as e:
+            raise ConfigError(f"engine_kwargs.dcr: {e}") from None
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError(f"engine_kwargs.dcr.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if not isinstance(self.release_kv_cache, bool):

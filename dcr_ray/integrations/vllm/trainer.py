@@ -55,13 +55,11 @@ from dcr_ray.actors.owner import DeltaOwner
 from dcr_ray.config import CodecConfig, OwnerConfig, RefitConfig
 from dcr_ray.engines.vllm.adopted import WeightSyncBackend
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, iter_checkpoint
-from dcr_ray.engines.vllm.plugin import frames_as_base64, register_trainer
+from dcr_ray.engines.vllm.plugin import BACKEND_NAME, frames_as_base64, register_trainer
 from dcr_ray.engines.vllm.sync import HttpWeightSync, RayWeightSync
 from dcr_ray.errors import BackendError, ConfigError
 
 log = logging.getLogger(__name__)
-
-BACKEND_NAME = "dcr"
 
 
 @dataclass
