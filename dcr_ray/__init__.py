@@ -5,8 +5,8 @@ Entry points:
 - :func:`launch` / :class:`Refit` - start a topology and run ``refit.remote()``
 - :class:`RefitConfig` (grouped: :class:`CodecConfig`, :class:`TransportConfig`, :class:`CommitConfig`,
   :class:`EngineConfig`, :class:`OwnerConfig`), :class:`ClusterSpec` - configuration
-- :class:`OwnerMixin`, :func:`owned_names`, :func:`checkpoint_state_dict` - make an existing trainer
-  actor an owner
+- :class:`Owner` (held by a trainer actor), :class:`OwnerMixin`, :func:`owned_names`,
+  :func:`checkpoint_state_dict` - make an existing trainer actor an owner
 - :class:`HFEngine` - the embedded engine (a ``transformers`` model in each engine actor); vLLM engines,
   started or adopted, in :mod:`dcr_ray.engines.vllm`
 - :mod:`dcr_ray.codec` - the codec (diff, frames, apply, baselines)
@@ -16,7 +16,8 @@ Toy models, a toy trainer, link emulation and fault injection for tests and exam
 :mod:`dcr_ray.testing`, which the library itself never imports.
 """
 
-from dcr_ray.actors.owner import DeltaOwner, OwnerMixin, StandaloneOwner, owned_names
+from dcr_ray.actors.owner import DeltaOwner, owned_names
+from dcr_ray.actors.held_owner import Owner, OwnerMixin, StandaloneOwner
 from dcr_ray.api import Refit, launch
 from dcr_ray.engines import HFEngine
 from dcr_ray.config import (
@@ -35,6 +36,6 @@ from dcr_ray.report import RefitReport
 __version__ = "0.1.0"
 __all__ = [
     "ClusterSpec", "CodecConfig", "CommitConfig", "DcrError", "DeltaOwner", "EngineConfig", "HFEngine",
-    "OwnerConfig", "OwnerMixin", "Refit", "RefitConfig", "RefitError", "RefitReport", "StandaloneOwner",
+    "Owner", "OwnerConfig", "OwnerMixin", "Refit", "RefitConfig", "RefitError", "RefitReport", "StandaloneOwner",
     "TransportConfig", "checkpoint_state_dict", "launch", "owned_names",
 ]

@@ -33,12 +33,13 @@ import ray
 import torch
 
 from dcr_ray.actors.coordinator import CoordinatorActor
-from dcr_ray.actors.owner import StandaloneOwner
+from dcr_ray.actors.held_owner import StandaloneOwner, check_owner
 from dcr_ray.config import ClusterSpec, RefitConfig, validate
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray import progress
 from dcr_ray.errors import ConfigError, RefitError, RefitTimeoutError
-from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, OWNER_PREFIX, actor_options
+from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, OWNER_PREFIX
+from dcr_ray.options import actor_options as ray_options  # launch's actor_options parameter shadows the name
 from dcr_ray.relay.transport import Transport
 from dcr_ray.report import RefitReport
 
@@ -188,14 +189,15 @@ def launch(
     resume: bool = False,
     timeout_s: float | None = None,
     namespace: str | None = None,
+    actor_options: dict | None = None,
 ) -> Refit:
     """Start a topology: coordinator, engines per cluster, the transport; attach owners; bootstrap.
 
-    Owners come either as ``owners`` (actor handles whose class mixes in :class:`dcr_ray.OwnerMixin`;
-    a dict names them, a list names them ``owner0``, ``owner1``, ...) or as ``owner_tensors`` (one
-    ``{name: tensor}`` dict per standalone owner actor to create). ``engine`` builds one backend in
-    each engine actor dcr_ray starts (:class:`~dcr_ray.engines.HFEngine`, :class:`~dcr_ray.engines.VllmEngine`);
-    engines of other systems join through ``ClusterSpec(adopt=[...])``. ``transport`` replaces the one
+    Owners come either as ``owners`` (handles of trainer actors that hold a :class:`dcr_ray.Owner` or whose
+    class mixes in :class:`dcr_ray.OwnerMixin`; a dict names them, a list names them ``owner0``, ...) or as
+    ``owner_tensors`` (one ``{name: tensor}`` dict per standalone owner actor to create). ``engine`` builds
+    one backend in each engine actor dcr_ray starts (:class:`~dcr_ray.engines.HFEngine`,
+    :class:`~dcr_ray.engines.VllmEngine`); engines of other systems join through ``ClusterSpec(adopt=[...])``. ``transport`` replaces the one
     ``config.transport`` names (e.g. a wrapped one that emulates slow links in benchmarks).
 
     Everything is checked before any actor is spawned: a bad set-up raises :class:`ConfigError` and
@@ -210,6 +212,10 @@ def launch(
     ``namespace`` (default ``config.namespace``, ``"dcr_ray"``) is the Ray namespace of every actor of
     the topology: launch a second topology in the same Ray cluster under another one, and reach each
     with ``Refit.get(namespace=...)``.
+
+    ``actor_options`` (default ``config.actor_options``) adds Ray actor options per kind of actor, e.g.
+    ``{"engine": {"runtime_env": {"env_vars": {...}}}, "coordinator": {"resources": {"head": 0.01}}}``;
+    options dcr_ray sets itself are refused with the setting to use instead.
 
     ``timeout_s`` bounds the whole launch (placement, start-up, attach, dense bootstrap); default
     ``config.commit.start_timeout_s``. Past it, or on any failure, launch removes everything it
@@ -237,9 +243,19 @@ def launch(
             raise ConfigError(f"launch(namespace={namespace!r}) and RefitConfig.namespace={config.namespace!r} "
                               f"differ: give one of them")
         config = dataclasses.replace(config, namespace=namespace)
+    if actor_options is not None:
+        if not isinstance(config, RefitConfig):
+            raise ConfigError(f"config must be a dcr_ray.RefitConfig, got {type(config).__name__}")
+        if config.actor_options and config.actor_options != actor_options:
+            raise ConfigError("launch(actor_options=...) and RefitConfig.actor_options differ: give one of them")
+        config = dataclasses.replace(config, actor_options=actor_options)  # checked by RefitConfig
     config = validate(config, clusters, planned, engine)
+    if owners is not None:
+        for oid, h in owners.items():
+            check_owner(oid, h, config.commit.timeout_s)
     ns = config.namespace
-    _check_placeable(coordinator_resources)
+    user_res = config.actor_options.get("coordinator", {}).get("resources", {})
+    _check_placeable({**(coordinator_resources or {}), **user_res})
     if _coordinator_exists(ns):
         raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in namespace {ns!r} of this "
                           f"Ray cluster; use dcr_ray.Refit.get(namespace={ns!r}) to reach it, or its shutdown() "
@@ -255,13 +271,14 @@ def launch(
         # detached and named, like engines and relays: they outlive this driver's handles and a coordinator
         # restart (a restarted coordinator reaches them through the handles it was constructed with)
         Owner = ray.remote(StandaloneOwner)
-        owners = {f"owner{i}": Owner.options(**actor_options("owner", f"{OWNER_PREFIX}owner{i}",
-                                                             detached=True, namespace=ns)).remote(t)
+        owners = {f"owner{i}": Owner.options(**ray_options("owner", f"{OWNER_PREFIX}owner{i}", detached=True,
+                                                             namespace=ns, user=config.actor_options)).remote(t)
                   for i, t in enumerate(owner_tensors)}
     Coordinator = ray.remote(CoordinatorActor)
     # detached and restarted by Ray when its process dies: it resumes from the commit record
-    actor = Coordinator.options(**actor_options("coordinator", COORDINATOR_NAME, resources=coordinator_resources,
-                                                detached=True, max_restarts=-1, namespace=ns)).remote(
+    actor = Coordinator.options(**ray_options("coordinator", COORDINATOR_NAME, resources=coordinator_resources,
+                                                detached=True, max_restarts=-1, namespace=ns,
+                                                user=config.actor_options)).remote(
         config, clusters, engine, dict(owners), transport)
     n_eng = sum(c.started + len(c.adopt) for c in clusters)
     log.info("starting %d engines in %d clusters, %d owners, transport=%s; dense bootstrap...", n_eng,
@@ -273,9 +290,9 @@ def launch(
             progress.wait(actor.start.remote(resume), actor, desc="dcr_ray launch", timeout=limit)
         except ray.exceptions.GetTimeoutError:
             raise RefitTimeoutError(
-                f"launch did not finish within {limit:.0f} s (placement, start-up and dense bootstrap); "
-                f"everything it created was removed. Check that the cluster can place the coordinator, "
-                f"engines and relays (`ray status`), or raise launch(timeout_s=...) / "
+                f"launch did not finish within {limit:.0f} s (placement, start-up and dense bootstrap; "
+                f"{_where(actor)}); everything it created was removed. Check that the cluster can place the "
+                f"coordinator, engines and relays (`ray status`), or raise launch(timeout_s=...) / "
                 f"CommitConfig.start_timeout_s for a large model") from None
     except BaseException:
         if resume:  # the topology keeps running as it was; only this coordinator goes
@@ -293,6 +310,27 @@ def launch(
     return refit
 
 
+def _where(actor) -> str:
+    """Where a coordinator's start stands, for the error of a launch past its timeout: its phase, for how
+    long, and the payloads each engine applied in it (``progress()``, which answers without the lock)."""
+    try:
+        p = ray.get(actor.progress.remote(), timeout=_WHERE_TIMEOUT_S)
+    except Exception as e:  # a coordinator that cannot answer is itself the news
+        return f"the coordinator did not say where it was: {type(e).__name__}"
+    phase = p["phase"]
+    if phase.get("phase") == "idle":  # start() has not reached its first step (the actor was still starting)
+        return "the coordinator had not begun to start the topology"
+    since = time.time() - phase["since"] if phase.get("since") else None
+    where = f"the coordinator was in phase {phase.get('phase')!r}"
+    if since is not None:
+        where += f" for {since:.0f} s"
+    if p.get("engines"):
+        where += ", engines' applied payloads " + ", ".join(f"{e}: {n}" for e, n in sorted(p["engines"].items()))
+    return where
+
+
+#: How long a timed-out launch waits for its coordinator to say where it was.
+_WHERE_TIMEOUT_S = 10.0
 #: How often Ray re-sends a ``refit`` call to a coordinator restarted after its process died.
 REFIT_CALL_RETRIES = 10
 #: How long ``Refit.run`` waits before asking a restarting coordinator again.

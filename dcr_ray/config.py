@@ -18,7 +18,7 @@ from typing import Literal, Mapping, get_args
 
 from dcr_ray.codec.format import MAX_BUCKET_BYTES
 from dcr_ray.errors import ConfigError
-from dcr_ray.options import NAMESPACE
+from dcr_ray.options import NAMESPACE, check_user_options
 
 __all__ = ["ApplyMode", "ClusterSpec", "CodecConfig", "Coding", "CommitConfig", "EngineConfig", "Encodings",
            "OwnerConfig", "PlacementStrategy", "PromoteMode", "RefitConfig", "TransportConfig", "TransportKind", "validate"]
@@ -294,10 +294,19 @@ class OwnerConfig:
     shards' size again in GPU memory); each step is diffed there and only the changes cross to the
     host. ``"host"``: host memory only; each step copies the whole shard to the host and diffs it there
     (no extra GPU memory). CPU shards always use the host."""
+    baseline_dir: str | None = None
+    """Where an owner keeps the committed bits it holds on the host. ``None``: in the owner's memory,
+    nothing written to disk. A directory (on the owner's node): memory-mapped files under it, so the
+    kernel may evict clean pages when the host cannot hold a second copy of the shards; every page a
+    promote changes is then written back to that disk after each commit (at 1% of the elements changed
+    or more, every page of a BF16 shard), and the next promote faults on each page again."""
 
     def __post_init__(self):
         _choice("OwnerConfig", "promote", self.promote, get_args(PromoteMode))
         _choice("OwnerConfig", "gpu_baseline", self.gpu_baseline, get_args(GpuBaseline))
+        if self.baseline_dir is not None and not (isinstance(self.baseline_dir, str) and self.baseline_dir.strip()):
+            raise ConfigError(f"OwnerConfig.baseline_dir must be a directory path on the owners' nodes (or None to "
+                              f"keep baselines in memory), got {self.baseline_dir!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -319,8 +328,15 @@ class RefitConfig:
     """The Ray namespace of every actor of this topology (coordinator, engines, relays, the owners
     ``launch(owner_tensors=...)`` makes): two topologies (a policy and a reward model, two experiments)
     share one Ray cluster under two namespaces; ``Refit.get(namespace=...)`` reaches each."""
+    actor_options: dict[str, dict] = field(default_factory=dict)
+    """Ray actor options added per kind of actor, e.g. ``{"engine": {"runtime_env": {...}}, "relay":
+    {"resources": {"relay-node": 0.01}}}``; kinds are ``coordinator``, ``owner`` (the owners
+    ``launch(owner_tensors=...)`` makes), ``relay`` and ``engine``. Options dcr_ray sets itself (names,
+    lifetime, concurrency, restarts; an engine's CPUs, GPUs and placement, which its ``ClusterSpec`` sets)
+    are refused with the setting to use instead."""
 
     def __post_init__(self):
+        self.actor_options = check_user_options(self.actor_options)
         if not isinstance(self.namespace, str) or not _CLUSTER_NAME.fullmatch(self.namespace):
             raise ConfigError(f"RefitConfig.namespace must be a non-empty name of letters, digits, '.', '_' "
                               f"or '-' (a Ray namespace), got {self.namespace!r}")
@@ -335,9 +351,10 @@ def validate(config: RefitConfig, clusters: list[ClusterSpec], owners: Mapping[s
              engine: object = None) -> RefitConfig:
     """Check a set-up as a whole before anything is spawned; returns ``config`` with defaults filled.
 
-    Cluster names must be unique and at least one cluster given; at least one owner, each an actor
-    whose class mixes in :class:`dcr_ray.OwnerMixin`. Missing ``commit.dir`` / ``transport.storage_url`` become
-    fresh temporary directories (on the driver's machine: set both for a multi-machine cluster).
+    Cluster names must be unique and at least one cluster given; at least one owner (``launch`` asks each
+    whether it is one: :func:`~dcr_ray.actors.held_owner.check_owner`). Missing ``commit.dir`` /
+    ``transport.storage_url`` become fresh temporary directories (on the driver's machine: set both for a
+    multi-machine cluster).
     """
     if not isinstance(config, RefitConfig):
         raise ConfigError(f"config must be a dcr_ray.RefitConfig, got {type(config).__name__}")
@@ -351,16 +368,18 @@ def validate(config: RefitConfig, clusters: list[ClusterSpec], owners: Mapping[s
     if isinstance(links, dict) and set(links) != set(names):
         raise ConfigError(f"CodecConfig.link_mbps names clusters {sorted(links)}, the clusters are {sorted(names)}: "
                           f"give a figure for each cluster (or one number for all)")
+    for c in clusters:
+        for kind in ("relay", "engine"):
+            clash = sorted(set(config.actor_options.get(kind, {}).get("resources", {})) & set(c.resources))
+            if clash:
+                raise ConfigError(f"actor_options[{kind!r}]['resources'] sets {clash}, which ClusterSpec({c.name}) "
+                                  f".resources already pins: set each resource in one place")
     if not owners:
         raise ConfigError("at least one owner is needed: owners=[trainer actors] or owner_tensors=[...]")
     starts = [c.name for c in clusters if c.started]
     if starts and not callable(engine):
         raise ConfigError(f"clusters {starts} start engines: give launch(engine=...) an engine factory, e.g. "
                           f"dcr_ray.HFEngine('/path/to/checkpoint'), or adopt engines instead")
-    for oid, h in owners.items():
-        if not hasattr(h, "dcr_attach"):
-            raise ConfigError(f"owner {oid!r} ({type(h).__name__}) is not an owner actor: its class must mix "
-                              f"in dcr_ray.OwnerMixin and implement dcr_tensors()")
     if config.commit.dir is None:
         config = dataclasses.replace(config, commit=dataclasses.replace(
             config.commit, dir=tempfile.mkdtemp(prefix="dcr_commit_")))

@@ -103,7 +103,7 @@ def test_an_engine_holding_writes_of_an_unsettled_transfer_refuses_to_open_anoth
 
 def test_the_chaos_harness_aims_hostile_frames_only_at_engines_alive_now_found_by_name(topo):
     refit, trainer, _ = topo
-    from dcr_ray.bench.chaos import _live_engine
+    from benchmarks.chaos import _live_engine
 
     victim = refit.engines()["a/e0"]
     ray.kill(victim)

@@ -61,10 +61,23 @@ def test_engine_backends_do_not_know_how_frames_arrive():
     assert not _violations(_files("engines"), ["dcr_ray.actors", "dcr_ray.relay"])
 
 
-def test_the_library_never_imports_its_test_tools():
-    lib = [f for f in ROOT.rglob("*.py")
-           if not {"testing", "bench"} & set(f.relative_to(ROOT).parts) and f.name != "cli.py"]
-    assert not _violations(lib, ["dcr_ray.testing", "dcr_ray.bench"])
+def test_the_library_never_imports_its_test_tools_or_the_benchmarks():
+    lib = [f for f in ROOT.rglob("*.py") if "testing" not in f.relative_to(ROOT).parts and f != ROOT / "cli.py"]
+    assert not _violations(lib, ["dcr_ray.testing", "benchmarks"])
+    assert not _violations(_files("testing"), ["benchmarks"])
+
+
+def test_only_the_cli_looks_up_the_benchmarks_and_only_inside_a_function():
+    """``dcr_ray/cli.py`` finds the checkout's ``benchmarks`` at run time (``find_benchmarks``); nothing
+    else under dcr_ray names the package, and the CLI imports none of it at module level."""
+    cli = ast.parse((ROOT / "cli.py").read_text())
+    top = {a.name for n in cli.body if isinstance(n, ast.Import) for a in n.names}
+    top |= {n.module for n in cli.body if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any(m == "benchmarks" or m.startswith("benchmarks.") for m in top)
+    naming = [f.relative_to(ROOT.parent) for f in ROOT.rglob("*.py")
+              if f != ROOT / "cli.py" and ('"benchmarks' in f.read_text() or "'benchmarks" in f.read_text())]
+    assert not naming, f"only dcr_ray/cli.py may look up the benchmarks package: {naming}"
+    assert not (ROOT / "bench").exists(), "the benchmarks live in the checkout's top-level benchmarks/"
 
 
 @pytest.mark.parametrize("module", ["dcr_ray", "dcr_ray.engines.vllm", "dcr_ray.codec"])
@@ -261,3 +274,18 @@ def test_the_codec_is_a_one_way_stack_whose_encode_and_decode_sides_never_import
             elif dep.startswith("dcr_ray.codec.") and CODEC_LAYERS[dep.rpartition(".")[2]] not in _MAY_IMPORT[layer]:
                 bad.append(f"codec.{name} ({layer}) imports {dep} ({CODEC_LAYERS[dep.rpartition('.')[2]]})")
     assert not bad
+
+
+def test_the_architecture_page_names_every_library_module():
+    """docs/architecture.md names each module under dcr_ray (in backticks: ``name``, ``name.py`` or, for a
+    package, ``name/``), so a new module is placed in a layer when it is added."""
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    unnamed = []
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        name = parts[-2] if parts[-1] == "__init__" else parts[-1]
+        if not any(f"`{name}{end}`" in page or f"/{name}{end}`" in page for end in ("", ".py", "/")):
+            unnamed.append("/".join(parts))
+    assert not unnamed, f"docs/architecture.md does not name: {unnamed}"

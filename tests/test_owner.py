@@ -135,3 +135,43 @@ def test_a_standalone_owners_set_tensors_replaces_the_whole_dict_so_a_stray_name
     got = owner.dcr_tensors()
     assert sorted(got) == ["a", "b"]
     assert all(torch.equal(got[n].view(torch.int16), t.view(torch.int16)) for n, t in _tensors(2).items())
+
+
+def test_an_owner_keeps_its_baseline_in_memory_unless_owner_config_names_a_directory(tmp_path):
+    assert DeltaOwner("o", dcr_ray.RefitConfig()).store.in_memory  # nothing written back to a disk per commit
+    cfg = dcr_ray.RefitConfig(owners=dcr_ray.OwnerConfig(baseline_dir=str(tmp_path / "nvme")),
+                              codec=dcr_ray.CodecConfig(chunk_elems=1024, bucket_bytes=1 << 13))
+    owners = [DeltaOwner(o, cfg) for o in ("o0", "o1")]  # owners of one node share the setting
+    dirs = [o.store.directory for o in owners]
+    assert len(set(dirs)) == 2 and all(d.startswith(str(tmp_path / "nvme")) for d in dirs)
+    ts = _tensors(0)
+    owners[0].attach(ts)
+    assert not owners[0].store.in_memory and sorted(p.name for p in (tmp_path / "nvme").iterdir())
+    engine = {n: t.clone() for n, t in ts.items()}
+    for v in (1, 2):  # refits from a memory-mapped baseline are exact too
+        ts = _bump(ts, v)
+        sink = ListSink()
+        owners[0].stream(ts, transfer=f"t{v}", attempt=0, base=v - 1, target=v, sink=sink)
+        for f in sink.frames:
+            apply_frame(f, engine, expect_base=v - 1)
+        owners[0].promote(v)
+        owners[0].settle()  # the promote runs in the background; the store is read directly below
+        for n in ts:
+            assert torch.equal(engine[n].view(torch.int16), ts[n].view(torch.int16))
+            assert torch.equal(owners[0].store.tensor(n).view(torch.int16), ts[n].view(torch.int16))
+    for o in owners:
+        o.store.close()
+    assert list((tmp_path / "nvme").iterdir()) == []  # each owner removes its own directory
+
+
+@pytest.mark.parametrize("bad", ["", "  ", 5, b"/tmp"])
+def test_a_baseline_dir_that_is_not_a_path_is_refused_with_the_fix(bad):
+    with pytest.raises(dcr_ray.errors.ConfigError, match="OwnerConfig.baseline_dir must be a directory path"):
+        dcr_ray.OwnerConfig(baseline_dir=bad)
+
+
+def test_a_baseline_dir_the_owner_cannot_write_fails_its_attach_with_the_fix(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    cfg = dcr_ray.RefitConfig(owners=dcr_ray.OwnerConfig(baseline_dir=str(tmp_path / "file" / "sub")))
+    with pytest.raises(BaselineError, match="give OwnerConfig.baseline_dir a writable directory"):
+        DeltaOwner("o", cfg)

@@ -74,7 +74,7 @@ def test_a_refit_drawn_with_a_progress_bar_reports_bytes_and_returns_the_same_re
         report = refit.run()
         assert report.version == 1 and "dcr_ray refit" in capsys.readouterr().err
         p = ray.get(refit.actor.progress.remote())
-        assert p == {"phase": p["phase"], "bytes": 0, "total": None} and p["phase"]["phase"] == "idle"
+        assert p == {"phase": p["phase"], "bytes": 0, "total": None, "engines": {}} and p["phase"]["phase"] == "idle"
     finally:
         refit.shutdown()
 

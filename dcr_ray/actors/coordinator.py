@@ -29,16 +29,23 @@ owner that died fails the refit cleanly (engines roll back in place) until ``rep
 
 The coordinator itself is restartable: engines, relays and owners do not share its fate, and a new
 incarnation (Ray restarting the actor, or ``launch(..., resume=True)``) resumes from the durable record
-(:meth:`CoordinatorActor._resume`): it fences older incarnations, finds the live actors by name,
-settles the open transition (roll forward when the record holds its target, else roll back) and
-carries on at the committed version.
+(:meth:`~dcr_ray.actors.recovery.Recovery.resume`): it fences older incarnations, finds the live actors
+by name, settles the open transition (roll forward when the record holds its target, else roll back)
+and carries on at the committed version.
+
+The actor is composed of parts, each handed in its constructor exactly what it uses: the shared state
+(:class:`~dcr_ray.actors.coordinator_state.CoordinatorState`: config, topology, record, lock, committed
+version, required set, history, phase), the dense bootstrap (:mod:`~dcr_ray.actors.bootstrap`), healing
+(:mod:`~dcr_ray.actors.healing`), membership (:mod:`~dcr_ray.actors.membership`: eviction, readmission,
+rejoin, invalidate), recovery (:mod:`~dcr_ray.actors.recovery`) and inspection
+(:mod:`~dcr_ray.actors.inspection`). The actor's own methods are the refit state machine and the
+Ray-facing calls, which delegate.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 import uuid
 
@@ -46,14 +53,16 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from dcr_ray import metrics
+from dcr_ray.actors.bootstrap import Bootstrap
 from dcr_ray.actors.calls import ActorsDied, gather, get_all
 from dcr_ray.actors.coding_choice import choose_coding
 from dcr_ray.actors.commit import CommitLog, CommitRecord
+from dcr_ray.actors.coordinator_state import CoordinatorState
 from dcr_ray.actors.coverage import check_coverage
 from dcr_ray.actors.cpu_clock import CpuClock
-from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.actors.healing import Healing
 from dcr_ray.actors.inspection import Inspection
+from dcr_ray.actors.membership import Membership
 from dcr_ray.actors.recovery import Recovery
 from dcr_ray.actors.topology import Topology
 from dcr_ray.codec.bits import dtype_of, itemsize
@@ -66,27 +75,19 @@ from dcr_ray.report import RefitReport
 log = logging.getLogger("dcr_ray")
 
 
-class CoordinatorActor(Recovery, Inspection):
+class CoordinatorActor:
     def __init__(self, config: RefitConfig, clusters: list[ClusterSpec], backend_factory,
                  owners: dict[str, object], transport: Transport | None = None):
-        self.config = config
-        self.topology = Topology(clusters, owners, transport or make_transport(config))
-        self.backend_factory = backend_factory
-        self.required: set[str] = set()
-        self.commits = CommitLog(config.commit.dir)
-        self.version = 0
-        self._lock = threading.Lock()
+        s = self._s = CoordinatorState(config=config, commits=CommitLog(config.commit.dir),
+                                       topology=Topology(clusters, owners, transport or make_transport(config)),
+                                       backend_factory=backend_factory)
         self._started = False
-        self.history: list[dict] = []
-        self.epoch = 0
-        self._owner_specs: dict[str, dict] = {}
-        self.evicted: set[str] = set()  # engines that stopped answering (hung); readmitted when they answer
-        self._probes: dict[str, ray.ObjectRef] = {}  # evicted engine -> its pending readmission probe
-        self.phase = {"phase": "idle", "transfer": None, "attempt": None, "target": None, "since": time.time()}
-        self._model_bytes = 0  # canonical bytes of one engine's tensors (known after attach)
-        self._progress_total: int | None = None  # bytes the phase in flight delivers, when known
         self._resume_error: Exception | None = None
-        self.healer = Healing(self)  # engines outside the required set, healed in the background
+        self._boot = Bootstrap(s)
+        self._healer = Healing(s, self._boot)  # engines outside the required set, healed in the background
+        self._members = Membership(s, self._boot, self._healer)
+        self._recovery = Recovery(s, self._healer)
+        self._inspection = Inspection(s, self._healer)
         if ray.get_runtime_context().was_current_actor_reconstructed:
             try:
                 self.start(resume=True)  # Ray restarted this actor: carry on from the record
@@ -96,22 +97,28 @@ class CoordinatorActor(Recovery, Inspection):
 
     def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
         try:
-            return (f"CoordinatorActor(v{self.version}, epoch {self.epoch}, {self.phase['phase']}, "
-                    f"{len(self.required)}/{len(self.topology.engines)} engines required)")
+            s = self._s
+            return (f"CoordinatorActor(v{s.version}, epoch {s.epoch}, {s.phase['phase']}, "
+                    f"{len(s.required)}/{len(s.engines)} engines required)")
         except AttributeError:  # not constructed yet
             return "CoordinatorActor(starting)"
 
+    # The settings, the engines and the required set, for code run inside this actor (``__ray_call__``).
+    @property
+    def config(self) -> RefitConfig:
+        return self._s.config
+
+    @config.setter
+    def config(self, config: RefitConfig) -> None:  # every part reads the shared state's at its next use
+        self._s.config = config
+
     @property
     def engines(self) -> dict[str, object]:
-        return self.topology.engines
+        return self._s.engines
 
     @property
-    def owners(self) -> dict[str, object]:
-        return self.topology.owners
-
-    @property
-    def transport(self) -> Transport:
-        return self.topology.transport
+    def required(self) -> set[str]:
+        return self._s.required
 
     # -- start-up ---------------------------------------------------------------------------------
     def start(self, resume: bool = False) -> dict:
@@ -120,76 +127,47 @@ class CoordinatorActor(Recovery, Inspection):
         try:
             return self._start(resume)
         finally:
-            self._phase("idle")
+            self._s.set_phase("idle")
 
     def _start(self, resume: bool) -> dict:
-        with self._lock:
+        s = self._s
+        with s.lock:
             if self._started:
                 return self.status()
             if resume:
-                self._resume()
+                self._recovery.resume()
                 self._started = True
                 return self.status()
-            cfg = self.config
-            rec = self.commits.read()
+            cfg = s.config
+            rec = s.commits.read()
             if rec is not None and rec.version != 0:  # checked before anything is spawned
                 raise ConfigError(
                     f"the commit record in {cfg.commit.dir} already holds version {rec.version}; owners start "
                     f"at version 0: use a fresh CommitConfig.dir, or launch(..., resume=True) to carry on "
                     f"with the running topology"
                 )
-            self._phase("start engines")
-            self.topology.start(self.backend_factory, cfg)
+            s.set_phase("start engines")
+            s.topology.start(s.backend_factory, cfg)
             t = cfg.commit.start_timeout_s
-            self._phase("attach")
-            specs = get_all({o: h.dcr_attach.remote(o, cfg) for o, h in self.owners.items()}, t, "attach")
-            engine_specs = self.topology.engine_specs(t)
+            s.set_phase("attach")
+            specs = get_all({o: h.dcr_attach.remote(o, cfg) for o, h in s.owners.items()}, t, "attach")
+            s.set_phase("engines up")  # the engines' actors start and load the model
+            engine_specs = s.topology.engine_specs(t)
             check_coverage(specs, engine_specs)
-            self._model_bytes = sum(math.prod(shape) * itemsize(dtype_of(dt)) for dt, shape in engine_specs.values())
-            self._owner_specs = specs
-            self._save_owners()  # a restarted coordinator checks replacements against these specs
+            s.model_bytes = sum(math.prod(shape) * itemsize(dtype_of(dt)) for dt, shape in engine_specs.values())
+            self._recovery.attached(specs)  # a restarted coordinator checks replacements against these specs
             if rec is None:
-                self.commits.compare_and_set(None, CommitRecord(version=0, transfer="attach", baseline="",
-                                                                members=sorted(self.engines)))
-            self.version = 0
-            self._bootstrap(list(self.engines))
+                s.commits.compare_and_set(None, CommitRecord(version=0, transfer="attach", baseline="",
+                                                             members=sorted(s.engines)))
+            s.version = 0
+            self._boot.dense(list(s.engines))
             self._started = True
             return self.status()
 
     def _bootstrap(self, engine_ids: list[str]) -> int:
-        """Dense refit of ``engine_ids`` to the committed version (joining engines); adopted engines that
-        show by digest that they already serve it join as they are (:meth:`_join_by_digest`). Returns the
-        payload bytes the owners sent."""
-        engine_ids = self._join_by_digest(engine_ids)
-        if not engine_ids:
-            return 0
-        t = self.config.commit.start_timeout_s
-        transfer = f"boot{self.version}-{uuid.uuid4().hex[:8]}"
-        self._phase("bootstrap", transfer, 0, self.version)
-        self._progress_total = self._model_bytes * len(engine_ids) if self._model_bytes else None
-        try:
-            get_all({e: self.engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, self.version)
-                       for e in engine_ids}, t, "bootstrap prepare")
-            sink = self.transport.sink(engine_ids, sorted(self.required))
-            sums = get_all({o: h.dcr_bootstrap.remote(transfer, sink) for o, h in self.owners.items()}, t,
-                             "bootstrap stream")
-            keys = [k for s in sums.values() for k in s["payloads"]]
-            get_all({e: self.engines[e].flush.remote(transfer, 0, keys, t) for e in engine_ids}, t,
-                      "bootstrap flush")
-            get_all({e: self.engines[e].activate.remote(self.version, transfer, self._last_transfer())
-                     for e in engine_ids}, t,
-                      "bootstrap activate")
-        except BaseException:
-            # engines a failed bootstrap wrote into hold no version until a later bootstrap succeeds
-            for e in engine_ids:
-                self.engines[e].abort.remote(transfer, True)
-            self.transport.release(transfer)
-            raise
-        self.transport.release(transfer)
-        self._progress_total = None
-        self.required |= set(engine_ids)
-        log.info("dcr_ray: bootstrapped %d engines densely at version %d", len(engine_ids), self.version)
-        return sum(s["wire_bytes"] for s in sums.values())
+        """Dense bootstrap of ``engine_ids`` to the committed version (the benchmarks' dense reference runs
+        it inside this actor); see :meth:`~dcr_ray.actors.bootstrap.Bootstrap.dense`."""
+        return self._boot.dense(engine_ids)
 
     # -- one refit ----------------------------------------------------------------------------------
     def refit(self, request: str | None = None) -> RefitReport:
@@ -197,65 +175,60 @@ class CoordinatorActor(Recovery, Inspection):
 
         ``request`` names the call (``Refit.remote()`` sends a fresh id): Ray retries the call on a
         coordinator restarted after the record was written, and the retry is answered from the record
-        (:meth:`_answered`) instead of refitting a second time.
+        (:meth:`~dcr_ray.actors.recovery.Recovery.answered`) instead of refitting a second time.
         """
         t_call = time.perf_counter()  # report.seconds["total"] counts the wait for a refit or heal in flight
         try:
-            return self._answered(request) or self._refit(request or "", t_call)
+            return self._recovery.answered(request) or self._refit(request or "", t_call)
         finally:
-            self._phase("idle")
-
-    def _phase(self, phase: str, transfer: str | None = None, attempt: int | None = None,
-               target: int | None = None) -> None:
-        """Record where the refit in flight is (``status()`` reports it while the refit runs)."""
-        self.phase = {"phase": phase, "transfer": transfer, "attempt": attempt, "target": target,
-                      "since": time.time()}
+            self._s.set_phase("idle")
 
     def _refit(self, request: str, t_call: float) -> RefitReport:
-        with self._lock:
+        s = self._s
+        with s.lock:
             if not self._started:
                 if self._resume_error is not None:
                     raise RefitError(f"the restarted coordinator could not resume from the commit record: "
                                      f"{self._resume_error!r}; relaunch with launch(..., resume=True)")
                 raise RefitError("the coordinator was not started; use dcr_ray.launch(...)")
             t_start = t_call
-            base, target = self.version, self.version + 1
+            base, target = s.version, s.version + 1
             transfer = f"v{target}-{uuid.uuid4().hex[:8]}"
             last: Exception | None = None
             dropped: list[str] = []
             rejoined: list[str] = []
-            self._readmit(rejoined)  # hung engines that answer again take part in this refit
-            for attempt in range(self.config.commit.max_attempts):
-                if not self.required:
+            self._members.readmit(rejoined)  # hung engines that answer again take part in this refit
+            for attempt in range(s.config.commit.max_attempts):
+                if not s.required:
                     last = RefitError("no required engine is alive")
                     break
                 try:
                     report = self._attempt(transfer, attempt, base, target, t_start, request)
-                    return self._after_commit(report, dropped, rejoined)
+                    return self._members.after_commit(report, dropped, rejoined)
                 except ActorsDied as d:
-                    if self.version == target:
-                        return self._committed_anyway(transfer, attempt, d)
-                    gone = [x for x in d.ids if x in self.engines]
+                    if s.version == target:
+                        return self._recovery.committed_anyway(transfer, attempt, d)
+                    gone = [x for x in d.ids if x in s.engines]
                     if len(gone) < len(d.ids):  # an owner died: its data is gone, cannot continue
                         last = RefitError(f"owner actor(s) died: {[x for x in d.ids if x not in gone]}")
                         break
-                    self.required -= set(gone)
+                    s.required -= set(gone)
                     dropped += gone
                     last = RefitError(f"engines died: {gone}")
                     log.warning("dcr_ray: %s died; retrying without them", gone)
                 except Exception as e:  # every exception is a failed attempt until the record is durable
-                    if self.version == target:
-                        return self._committed_anyway(transfer, attempt, e)
+                    if s.version == target:
+                        return self._recovery.committed_anyway(transfer, attempt, e)
                     last = e if isinstance(e, DcrError) else RefitError(f"{type(e).__name__}: {e}")
                     log.warning("dcr_ray: attempt %d of %s failed: %r", attempt, transfer, e)
                     if isinstance(e, (BaselineError, ConfigError, CommitConflictError)):
                         break  # an owner's committed state, the setup or the record's owner: retrying cannot help
                 metrics.record("refit_retries")
                 self._abort(transfer)
-                self._repair()
+                self._recovery.repair()
             dirty = self._abort(transfer, final=True)
             self._discard_pending()
-            restored = self._restore(dirty)
+            restored = self._members.restore(dirty)
             raise RefitError(
                 f"refit to version {target} failed after {attempt + 1} attempt(s); the "
                 f"committed version stays {base}{restored}. Last error: {type(last).__name__}: {last}"
@@ -267,15 +240,16 @@ class CoordinatorActor(Recovery, Inspection):
         Waits for every engine: engines serve calls concurrently, so an abort still in flight could
         otherwise close the next attempt that a later ``prepare`` just opened.
         """
-        calls = {e: self.engines[e].abort.remote(transfer, final) for e in self.required}
+        s = self._s
+        calls = {e: s.engines[e].abort.remote(transfer, final) for e in s.required}
         try:
-            self.transport.release(transfer)
+            s.transport.release(transfer)
         except Exception as e:  # payload copies outlive the attempt; the engines must still be closed
             log.warning("dcr_ray: releasing the payloads of %s failed: %r", transfer, e)
         dirty = []
         for e, ref in calls.items():
             try:
-                if ray.get(ref, timeout=self.config.commit.timeout_s)["dirty"]:
+                if ray.get(ref, timeout=s.config.commit.timeout_s)["dirty"]:
                     dirty.append(e)
             except (RayActorError, GetTimeoutError):
                 pass  # a dead or hung engine is dropped by the next refit's prepare
@@ -287,112 +261,123 @@ class CoordinatorActor(Recovery, Inspection):
 
     def _attempt(self, transfer: str, attempt: int, base: int, target: int, t_start: float,
                  request: str = "") -> RefitReport:
-        t = self.config.commit.timeout_s
-        req = sorted(self.required)
-        base_id = self._last_transfer()  # frames are bound to the committed content, not only its number
-        choice = choose_coding(self.config.codec, self.history, {self.topology.engine_cluster[e] for e in req})
-        t0, clock = time.perf_counter(), CpuClock.start(self.topology, req)
-        self._phase("prepare", transfer, attempt, target)
-        self._engines_answer({e: self.engines[e].prepare.remote(transfer, attempt, base, target, base_id)
-                              for e in req}, "prepare")
+        s = self._s
+        t = s.config.commit.timeout_s
+        req = sorted(s.required)
+        base_id = s.last_transfer()  # frames are bound to the committed content, not only its number
+        choice = choose_coding(s.config.codec, s.history, {s.topology.engine_cluster[e] for e in req})
+        t0, clock = time.perf_counter(), CpuClock.start(s.topology, req)
+        s.set_phase("prepare", transfer, attempt, target)
+        self._members.answers({e: s.engines[e].prepare.remote(transfer, attempt, base, target, base_id)
+                               for e in req}, "prepare")
         t1 = time.perf_counter()
         # engines outside the required set (healing, evicted) get nothing; their clusters' windows keep it
-        sink = self.transport.sink(req, req, every_cluster=True)
-        self._phase("stream", transfer, attempt, target)
+        sink = s.transport.sink(req, req, every_cluster=True)
+        s.set_phase("stream", transfer, attempt, target)
         sums = get_all({o: h.dcr_stream.remote(transfer, attempt, base, target, sink, base_id=base_id,
-                                                coding=choice.coding) for o, h in self.owners.items()}, t, "stream")
-        keys = [k for s in sums.values() for k in s["payloads"]]
-        self._phase("flush", transfer, attempt, target)
-        acks = self._engines_answer({e: self.engines[e].flush.remote(transfer, attempt, keys, t) for e in req},
-                                    "flush")
+                                                coding=choice.coding) for o, h in s.owners.items()}, t, "stream")
+        keys = [k for x in sums.values() for k in x["payloads"]]
+        s.set_phase("flush", transfer, attempt, target)
+        acks = self._members.answers({e: s.engines[e].flush.remote(transfer, attempt, keys, t) for e in req},
+                                     "flush")
         req = sorted(acks)  # without engines evicted as hung
         t2 = time.perf_counter()
-        self._phase("commit", transfer, attempt, target)
-        self.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer, epoch=self.epoch,
-                                                        baseline=base_id, members=req, request=request))
+        s.set_phase("commit", transfer, attempt, target)
+        s.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer, epoch=s.epoch,
+                                                     baseline=base_id, members=req, request=request))
         t_rec = time.perf_counter()
         # Committed: v+1 is durable. From here on roll forward (never retry, never abort): a failure
         # now takes the failing actor out of service and is reported, the version stays v+1.
-        self.version = target
+        s.version = target
         warnings = []
-        self._phase("promote", transfer, attempt, target)
-        _, dead, errors = gather({o: h.dcr_promote.remote(target) for o, h in self.owners.items()},
-                                       t, "promote")
+        s.set_phase("promote", transfer, attempt, target)
+        _, dead, errors = gather({o: h.dcr_promote.remote(target) for o, h in s.owners.items()}, t, "promote")
         if dead or errors:
             bad = sorted({*dead, *errors})
             why = "; ".join(f"{o}: {e}" for o, e in errors.items()) or "actor died"
             warnings.append(f"owner(s) {bad} did not promote their baseline to v{target} ({why}); their "
                             f"next stream is refused until the topology is relaunched")
         t_pro = time.perf_counter()
-        self._phase("activate", transfer, attempt, target)
+        s.set_phase("activate", transfer, attempt, target)
         versions, dead, errors = gather(
-            {e: self.engines[e].activate.remote(target, transfer) for e in req}, t, "activate")
-        if dead or errors:
-            self.required -= {*dead, *errors}
-            warnings += self._heal_later(dead, "died")
-            if errors:
-                warnings.append(f"engine(s) {sorted(errors)} did not activate v{target} and left the required set; "
-                                f"they heal in the background (Refit.status()['healing'])")
-                self.healer.schedule(sorted(errors), f"did not activate v{target}", respawn=False)
+            {e: s.engines[e].activate.remote(target, transfer) for e in req}, t, "activate")
+        if dead:
+            s.required -= set(dead)
+            warnings += self._members.heal_later(dead, "died")
+        if errors:
+            warnings += self._members.not_activated(errors, target)
         for w in warnings:
             log.warning("dcr_ray: %s", w)
         t_act = time.perf_counter()
         try:
-            link = self.transport.link_bytes(transfer, acks)
+            link = s.transport.link_bytes(transfer, acks)
         except (RayActorError, GetTimeoutError) as e:  # statistics only: the refit is committed
             link = {}
             warnings.append(f"link byte counts unavailable: {type(e).__name__}")
-        self.healer.keep(CommittedStep(transfer=transfer, attempt=attempt, base=base, target=target,
-                                       base_id=base_id, keys=[tuple(k) for k in keys]))
+        self._healer.keep(CommittedStep(transfer=transfer, attempt=attempt, base=base, target=target,
+                                        base_id=base_id, keys=[tuple(k) for k in keys]))
         report = RefitReport.from_stages(
             version=target, transfer=transfer, attempts=attempt + 1, sums=sums, acks=acks, link_bytes=link,
             engine_versions=versions, warnings=warnings, coding=choice,
             marks={"start": t_start, "prepare": t0, "stream": t1, "flushed": t2, "record": t_rec,
                    "promoted": t_pro, "activated": t_act, "end": time.perf_counter()}, cpu_seconds=clock.stop())
-        self.history.append({**report.to_dict(), "request": request})
+        s.history.append({**report.to_dict(), "request": request})
         metrics.record("refit_seconds", report.seconds["total"])
         metrics.record("refit_wire", report.wire_bytes)
         metrics.record("refit_changed", report.changed)
         metrics.record("version", target)
-        metrics.record("required_engines", len(self.required))
+        metrics.record("required_engines", len(s.required))
         for cluster, nbytes in link.items():
             metrics.record("link_bytes", nbytes, tags={"cluster": cluster})
         return report
 
-    def _last_transfer(self) -> str:
-        rec = self.commits.read()
-        return rec.transfer if rec else ""
+    def _discard_pending(self) -> None:
+        """Owners drop their pending changed sets (their baselines stay the committed bits)."""
+        refs = [h.dcr_discard.remote() for h in self._s.owners.values()]
+        try:
+            ray.get(refs, timeout=self._s.config.commit.timeout_s)
+        except (RayActorError, GetTimeoutError):
+            pass  # a dead owner has nothing pending; a hung one fails the next refit's stream
 
-    # -- membership & inspection ------------------------------------------------------------------
+    # -- membership, recovery and inspection (each delegated to its part) -----------------------------
     def rejoin(self, engine_id: str) -> dict:
         """Bring an engine (new, dead, or fallen out of the required set) back at the committed version,
-        now: from a peer of its cluster, else densely from the owners (see :mod:`~dcr_ray.actors.healing`)."""
-        if engine_id not in self.engines:
-            raise ConfigError(f"unknown engine {engine_id!r}; known: {sorted(self.engines)}")
-        t = self.config.commit.timeout_s
-        with self._lock:
-            self.required.discard(engine_id)
-            self.evicted.discard(engine_id)
-            try:
-                st = ray.get(self.engines[engine_id].state.remote(), timeout=t)
-                dead = False
-            except (RayActorError, GetTimeoutError):
-                dead = True  # its actor died (or hangs): a new one takes its place
-            if not dead and st["transfer"] is not None:  # close what it holds open before it takes a copy
-                ray.get(self.engines[engine_id].abort.remote(st["transfer"], True), timeout=t)
-        self.healer.heal_now(engine_id, "rejoin", respawn=dead)
+        now: by the deltas it missed, from a peer, else densely from the owners
+        (:meth:`~dcr_ray.actors.membership.Membership.rejoin`)."""
+        self._members.rejoin(engine_id)
         return self.status()
+
+    def invalidate(self, engine_id: str, why: str) -> dict:
+        """``Refit.invalidate``: ``engine_id``'s weights changed outside dcr_ray; it holds no version and
+        heals now (:meth:`~dcr_ray.actors.membership.Membership.invalidate`)."""
+        self._members.invalidate(engine_id, why)
+        return self.status()
+
+    def replace_owner(self, owner_id: str, handle) -> dict:
+        """Put ``handle`` in place of owner ``owner_id`` (one that died) at the committed version, if it
+        covers the same boxes and holds the committed bits
+        (:meth:`~dcr_ray.actors.recovery.Recovery.replace_owner`); else ``ConfigError``, nothing changed."""
+        self._recovery.replace_owner(owner_id, handle)
+        return self.status()
+
+    def status(self, detail: bool = False) -> dict:
+        """Lock-free: :meth:`~dcr_ray.actors.inspection.Inspection.status`."""
+        return self._inspection.status(detail)
+
+    def progress(self) -> dict:
+        """Lock-free: :meth:`~dcr_ray.actors.inspection.Inspection.progress`."""
+        return self._inspection.progress()
 
     def teardown(self) -> None:
         """Kill the engines and relays and remove the placement groups (``Refit.shutdown``)."""
-        self.topology.teardown()
+        self._s.topology.teardown()
 
     def handles(self) -> dict:
         """Actor handles: ``{"engines": {id: h}, "owners": {id: h}, "relays": {id: h}}``."""
-        return self.topology.handles()
+        return self._s.topology.handles()
 
     def relay_stats(self) -> list[dict]:
-        return self.transport.stats()
+        return self._s.transport.stats()
 
     def reports(self) -> list[dict]:
-        return list(self.history)
+        return list(self._s.history)

@@ -43,7 +43,7 @@ class CpuClock:
     @classmethod
     def start(cls, topology, engines) -> "CpuClock":
         """Start reading every owner and relay of ``topology`` and the engines ``engines`` (ids)."""
-        relays = topology.transport.actors() if hasattr(topology.transport, "actors") else {}
+        relays = topology.transport.actors()
         return cls({"owners": dict(topology.owners), "relays": dict(relays),
                     "engines": {e: topology.engines[e] for e in engines if e in topology.engines}})
 

@@ -1,7 +1,8 @@
 """Engine actors: validate and apply payloads in place, journal them, acknowledge at flush.
 
 State machine of one engine (all transitions under one lock, so an apply in progress finishes
-before the next ``prepare`` returns: a stale attempt's writes cannot land after a retry starts)::
+before the next ``prepare`` returns: a stale attempt's writes cannot land after a retry starts; its
+phases, the data each carries and every transition: :mod:`~dcr_ray.actors.engine_state`)::
 
     idle(v) --prepare(T, a, base=v, target=v+1)--> receiving(T, a)
     receiving --deliver(frame of T/a)--> validate all -> apply -> journal (T, a, producer, payload)
@@ -33,6 +34,7 @@ from dcr_ray.actors.engine_catchup import CatchUp
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.actors.engine_digests import DigestMembership
 from dcr_ray.actors.engine_heal import PeerCopy
+from dcr_ray.actors.engine_state import EngineState, Phase
 from dcr_ray.codec.undo import UndoLog
 from dcr_ray.codec import kernels
 from dcr_ray.codec import DIGEST_SIZE, PayloadKey, decode_frame, open_frame
@@ -40,7 +42,6 @@ from dcr_ray.config import RefitConfig
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray.errors import (
     ConfigError,
-    DcrError,
     EngineStateError,
     FrameError,
     RefitError,
@@ -68,13 +69,8 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
                               f"must return a dcr_ray.engines.base.EngineBackend (subclass it and implement its "
                               f"abstract methods)")
         self.specs = self.backend.tensor_specs()
-        self.version: int | None = None  # None until bootstrapped
-        #: identity of the content this engine holds: the transfer that produced ``version`` (the
-        #: commit record's ``transfer``); frames must name it as their ``base_id``
-        self.version_id: str | None = None
-        self._cur: _Attempt | None = None
+        self._st = EngineState()  # its phase and what it holds (every transition: engine_state)
         self._applied: dict[PayloadKey, bytes] = {}
-        self._error: DcrError | None = None
         self._cv = threading.Condition()
         self._apply_s = 0.0
         self._bytes = 0
@@ -82,40 +78,44 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         self._stats = {"applied": 0, "duplicate": 0, "stale": 0, "rejected": 0, "rollbacks": 0}
         self.reader = reader
         self._staged: list[tuple[PayloadKey, bytes]] = []
-        #: transfer whose frames were written into the backend in place (its attempts may repair them)
-        self._touched: str | None = None
-        #: why this engine's weights match no version (an abandoned transfer wrote into them)
-        self._dirty: str | None = None
         #: inverse of the in-place writes of the transfer in flight (in-place rollback)
         self._undo = UndoLog()
-        #: the attempt whose flush completed (every payload applied): activating it is exact
-        self._flushed: tuple[str, int] | None = None
         self._tags = {"cluster": cluster, "engine": engine_id}  # of every metric this engine records
         kernels.warm_up()  # load the apply kernels while the dense bootstrap runs
 
     def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
         try:
-            state = "dirty" if self._dirty else ("in " + self._cur.transfer if self._cur else "ready")
-            return f"EngineActor({self.engine_id}, cluster={self.cluster}, v{self.version}, {state})"
+            return f"EngineActor({self.engine_id}, cluster={self.cluster}, v{self.version}, {self._st!r})"
         except AttributeError:  # not constructed yet
             return "EngineActor(starting)"
+
+    @property
+    def version(self) -> int | None:
+        """The committed version this engine holds (None: none, or its bits match no version)."""
+        return self._st.version
+
+    @property
+    def version_id(self) -> str | None:
+        """The content id of :attr:`version` (the transfer that produced it)."""
+        return self._st.version_id
 
     # -- protocol -----------------------------------------------------------------------------------
     def prepare(self, transfer: str, attempt: int, base: int, target: int, base_id: str | None = None) -> dict:
         """Open attempt ``(transfer, attempt)``; checks that this engine holds ``base`` and, when
         ``base_id`` is given, that it holds that content (the transfer that produced ``base``): its
         frames are then refused unless built on exactly that content."""
+        st = self._st
         with self._cv:
-            if self._touched is not None and self._touched != transfer:
+            if st.written is not None and st.written != transfer:
                 # it holds writes of another transfer that was never rolled back or committed: no delta
                 # may build on them; a dense bootstrap replaces them, so it may start, from no version
                 if base != BOOTSTRAP_BASE:
                     raise EngineStateError(
-                        f"engine {self.engine_id} holds in-place writes of transfer {self._touched} that was "
-                        f"neither committed nor rolled back; abort({self._touched!r}, final=True) first")
-                self._mark_dirty(f"transfer {self._touched} wrote into it and was never settled")
-            if base != BOOTSTRAP_BASE and self._dirty is not None:
-                raise EngineStateError(f"engine {self.engine_id} holds no version ({self._dirty}); "
+                        f"engine {self.engine_id} holds in-place writes of transfer {st.written} that was "
+                        f"neither committed nor rolled back; abort({st.written!r}, final=True) first")
+                self._mark_dirty(f"transfer {st.written} wrote into it and was never settled")
+            if base != BOOTSTRAP_BASE and st.why is not None:
+                raise EngineStateError(f"engine {self.engine_id} holds no version ({st.why}); "
                                        f"it must be bootstrapped (dense) first: Refit.rejoin({self.engine_id!r})")
             if base != BOOTSTRAP_BASE and self.version != base:
                 raise EngineStateError(
@@ -127,13 +127,11 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
                     f"engine {self.engine_id} holds version {base} of content {self.version_id!r}, the "
                     f"transfer is built on {base_id!r}: another lineage with the same version number; it "
                     f"must be bootstrapped (dense) before it can take deltas")
-            if self._cur is None or (self._cur.transfer, self._cur.attempt) != (transfer, attempt):
-                if self._cur is None or self._cur.transfer != transfer:
+            if not st.is_in(transfer, attempt):
+                if not st.is_in(transfer):
                     self._applied.clear()
-                self._cur = _Attempt(transfer, attempt, base, target,
-                                     None if base == BOOTSTRAP_BASE else base_id)
+                st.open(_Attempt(transfer, attempt, base, target, None if base == BOOTSTRAP_BASE else base_id))
                 self._staged = []
-                self._error = None
                 self._apply_s = 0.0
                 self._bytes = 0
                 self._raw = 0
@@ -151,7 +149,7 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
             data = self.reader.read(payload)
         except Exception as e:  # an unreadable payload fails this attempt's flush, as a bad frame does
             with self._cv:
-                self._error = RefitError(f"engine {self.engine_id}: reading a payload failed: {e!r}")
+                self._st.fail(RefitError(f"engine {self.engine_id}: reading a payload failed: {e!r}"))
                 self._stats["rejected"] += 1
                 self._cv.notify_all()
             return "rejected"
@@ -164,16 +162,17 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         return status
 
     def _deliver_locked(self, data: bytes) -> str:
-        if self._cur is None:
-            self._error = self._error or EngineStateError(
-                f"engine {self.engine_id} got a payload before prepare(): not part of an open transfer")
+        st = self._st
+        if st.attempt is None:
+            st.fail_first(EngineStateError(
+                f"engine {self.engine_id} got a payload before prepare(): not part of an open transfer"))
             return "rejected"
         try:
             header = open_frame(data, key=self.config.codec.key)  # digest checked before the header is parsed
         except FrameError as e:
-            self._error = e
+            st.fail(e)
             return "rejected"
-        cur = self._cur
+        cur = st.attempt
         meta = header.meta
         if (meta.transfer, meta.attempt) != (cur.transfer, cur.attempt):
             return "stale"
@@ -181,17 +180,17 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         dg = bytes(data[-DIGEST_SIZE:])
         if key in self._applied:
             if self._applied[key] != dg:
-                self._error = FrameError(f"payload {key} arrived twice with different bytes")
+                st.fail(FrameError(f"payload {key} arrived twice with different bytes"))
                 return "rejected"
             return "duplicate"
         staging = self.config.engines.apply == "staged" and cur.base != BOOTSTRAP_BASE
         budget = self.config.engines.staging_budget_bytes
         held = sum(len(d) for _, d in self._staged)
         if staging and held + len(data) > budget:
-            self._error = StagingBudgetError(
+            st.fail(StagingBudgetError(
                 f"engine {self.engine_id}: staging payload {key} ({len(data)} bytes) would hold {held + len(data)} "
                 f"bytes, over EngineConfig.staging_budget_bytes={budget}: raise the budget or use "
-                f"EngineConfig(apply='in_place')")
+                f"EngineConfig(apply='in_place')"))
             return "rejected"
         t0 = time.perf_counter()
         try:
@@ -199,13 +198,13 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
             if staging:
                 self._staged.append((key, bytes(data)))  # validated; applied at flush
             else:
-                self._touched = cur.transfer
+                st.wrote()
                 self._apply(data, frame)
         except FrameError as e:
-            self._error = e
+            st.fail(e)
             return "rejected"
         except Exception as e:  # a backend failure must fail the attempt now, not time out its flush
-            self._error = RefitError(f"engine {self.engine_id}: applying payload {key} failed: {e!r}")
+            st.fail(RefitError(f"engine {self.engine_id}: applying payload {key} failed: {e!r}"))
             return "rejected"
         self._apply_s += time.perf_counter() - t0
         self._bytes += len(data)
@@ -217,12 +216,13 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         """Wait until every expected payload is applied, flush the backend, acknowledge."""
         want = {PayloadKey(*k) for k in expected}
         deadline = time.monotonic() + timeout_s
+        st = self._st
         with self._cv:
             while True:
-                if self._cur is None or (self._cur.transfer, self._cur.attempt) != (transfer, attempt):
+                if not st.is_in(transfer, attempt):
                     raise EngineStateError(f"engine {self.engine_id}: flush for an attempt it is not in")
-                if self._error is not None:
-                    raise self._error
+                if st.error is not None:
+                    raise st.error
                 missing = want - self._applied.keys()
                 if not missing:
                     break
@@ -234,12 +234,12 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
                 self._cv.wait(min(left, 1.0))
             t0 = time.perf_counter()
             if self._staged:
-                self._touched = transfer
+                st.wrote()
             for _key, data in sorted(self._staged, key=lambda kd: kd[0]):
-                self._apply(data, self._decode(open_frame(data, key=self.config.codec.key), self._cur))
+                self._apply(data, self._decode(open_frame(data, key=self.config.codec.key), st.attempt))
             self._staged = []
             self.backend.flush()
-            self._flushed = (transfer, attempt)
+            st.flushed_now()
             self._apply_s += time.perf_counter() - t0
             metrics.record("engine_apply_seconds", self._apply_s, tags=self._tags)
             return {"engine": self.engine_id, "cluster": self.cluster, "applied": len(want),
@@ -251,11 +251,12 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         if self.backend.wants_wire_frames:
             self.backend.apply_wire(bytes(data), frame)
             return
-        cur = self._cur
-        if self.config.engines.rollback == "in_place" and cur is not None and cur.base != BOOTSTRAP_BASE:
-            ts = self.backend.undo_tensors()
-            if ts is not None:
-                self._undo.record(cur.transfer, frame, ts)
+        cur = self._st.attempt
+        if (self.config.engines.rollback == "in_place" and cur is not None and cur.base != BOOTSTRAP_BASE
+                and self.backend.undo_tensors() is not None):
+            # the inverse is in the record before the first write, and covers each write as it lands
+            self.backend.apply_with_undo(frame, self._undo.open(cur.transfer, frame))
+            return
         self.backend.apply(frame)
 
     def _decode(self, header, cur: _Attempt):
@@ -274,14 +275,14 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         deadline = time.monotonic() + (timeout_s or self.config.commit.timeout_s)
         with self._cv:
             # in place: paused while a transfer is open, and between its attempts (half-written bits)
-            while (self._cur is not None or self._touched is not None) and self.config.engines.apply != "staged":
+            while self._st.paused and self.config.engines.apply != "staged":
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RefitTimeoutError(f"engine {self.engine_id}: paused for a refit longer than allowed")
                 self._cv.wait(min(left, 1.0))
-            if self._dirty is not None:
+            if self._st.why is not None:
                 raise EngineStateError(f"engine {self.engine_id} will not generate: it holds no version "
-                                       f"({self._dirty}); Refit.rejoin({self.engine_id!r}) restores it")
+                                       f"({self._st.why}); Refit.rejoin({self.engine_id!r}) restores it")
             return {"engine": self.engine_id, "version": self.version,
                     "outputs": self.backend.generate(prompt_token_ids, max_tokens)}
 
@@ -291,11 +292,8 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         ``version_id`` names its content (the commit record's ``transfer``); it defaults to ``transfer``,
         which is right for a delta transfer (a dense bootstrap passes the record's id)."""
         with self._cv:
-            if transfer is None or (self._cur is not None and self._cur.transfer == transfer):
-                self.version = version
-                self.version_id = version_id if version_id is not None else transfer
-                self._cur = None
-                self._touched = self._dirty = None
+            if transfer is None or self._st.is_in(transfer):
+                self._st.activate(version, version_id if version_id is not None else transfer)
                 self._applied.clear()
                 self._undo.clear()
                 self.backend.activate(version)  # backends that tag their outputs with a version
@@ -313,37 +311,44 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         (``dirty``), refuses deltas and generation, and must be bootstrapped densely (the coordinator
         does it).
         """
+        st = self._st
         with self._cv:
-            if self._cur is not None and self._cur.transfer == transfer:
-                self._cur = None
+            if st.is_in(transfer):
+                st.close(transfer)
                 self._staged = []
-            if final and self._touched == transfer and self._undo.transfer == transfer:
-                try:
-                    self._undo.rollback(self.backend)
-                    self._touched = None
-                    self._stats["rollbacks"] += 1
-                    self._cv.notify_all()
-                    return {"engine": self.engine_id, "dirty": False, "rolled_back": True}
-                except Exception as e:  # fall through to dirty: the coordinator re-bootstraps densely
-                    self._undo.clear()
-                    log.warning("engine %s: in-place rollback failed (%r)", self.engine_id, e)
-            if final and self._touched == transfer:
+            if final and st.written == transfer and self._rolled_back(transfer):
+                st.rolled_back()
+                self._stats["rollbacks"] += 1
+                self._cv.notify_all()
+                return {"engine": self.engine_id, "dirty": False, "rolled_back": True}
+            if final and st.written == transfer:
                 self._mark_dirty(f"transfer {transfer} was abandoned after writing into this engine's weights "
                                  f"in place")
             self._cv.notify_all()
-            return {"engine": self.engine_id, "dirty": self._dirty is not None}
+            return {"engine": self.engine_id, "dirty": st.why is not None}
+
+    def _rolled_back(self, transfer: str) -> bool:
+        """Undo the abandoned ``transfer``'s writes in place: from this engine's undo record, else from one
+        the backend keeps itself (vLLM's workers do); False when neither can (the engine goes dirty)."""
+        try:
+            if self._undo.transfer == transfer:
+                self._undo.rollback(self.backend)
+                return True
+            return self.config.engines.rollback == "in_place" and self.backend.rollback() is True
+        except Exception as e:  # dirty then: the coordinator re-bootstraps densely
+            self._undo.clear()
+            log.warning("engine %s: in-place rollback failed (%r)", self.engine_id, e)
+            return False
 
     def _mark_dirty(self, why: str) -> None:
         """This engine's weights match no version (``why``): it refuses deltas and generation until a
         dense bootstrap. Its undo record and any open update of the backend's own are dropped."""
-        self._touched = None
         self._undo.clear()
         try:  # a backend with an open update of its own closes it unapplied
             self.backend.abandon()
         except Exception as e:  # dirty either way: only a dense bootstrap trusts these weights again
             log.warning("engine %s: closing the backend's open update failed (%r)", self.engine_id, e)
-        self._dirty = why
-        self.version = self.version_id = None
+        self._st.dirty(why)
 
     # -- inspection ---------------------------------------------------------------------------------
     def info(self) -> dict:
@@ -359,20 +364,20 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         it if the record committed it, else roll it back); an engine evicted as hung that flushed the
         transfer the record committed is activated instead of bootstrapped."""
         with self._cv:
-            cur = self._cur
-            phase = ("dirty" if self._dirty is not None or self.version is None else
-                     "ready" if cur is None and self._touched is None else
-                     "staging" if self.config.engines.apply == "staged" and self._touched is None else "receiving")
-            return {"engine": self.engine_id, "cluster": self.cluster, "version": self.version,
-                    "version_id": self.version_id, "phase": phase,
-                    "transfer": cur.transfer if cur else self._touched,
-                    "target": cur.target if cur else None, "dirty": self._dirty is not None,
-                    "flushed": cur is not None and self._flushed == (cur.transfer, cur.attempt)}
+            st = self._st
+            cur = st.attempt
+            phase = ("dirty" if st.why is not None or st.version is None else
+                     "ready" if st.phase is Phase.READY else
+                     "staging" if self.config.engines.apply == "staged" and st.written is None else "receiving")
+            return {"engine": self.engine_id, "cluster": self.cluster, "version": st.version,
+                    "version_id": st.version_id, "phase": phase, "transfer": st.transfer,
+                    "target": cur.target if cur else None, "dirty": st.why is not None,
+                    "flushed": cur is not None and st.flushed == (cur.transfer, cur.attempt)}
 
     def progress(self) -> dict:
         """Lock-free counters of the open attempt (for progress bars; may be a moment stale): its
         transfer, the payloads applied and their decompressed bytes."""
-        cur = self._cur
+        cur = self._st.attempt
         return {"transfer": cur.transfer if cur else None, "payloads": len(self._applied), "raw_bytes": self._raw}
 
     def get_version(self) -> int | None:

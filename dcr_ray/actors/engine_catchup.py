@@ -24,7 +24,8 @@ changed positions, but the payloads are already inside the cluster, so composing
 apply passes over positions that changed in several versions, not link bytes.
 
 The engine stays outside the required set throughout; the coordinator adds it once it holds the
-version the record names. A mixin of :class:`~dcr_ray.actors.engine.EngineActor` (its lock and state).
+version the record names. A mixin of :class:`~dcr_ray.actors.engine.EngineActor` (its lock, its
+reader and apply path, and its :class:`~dcr_ray.actors.engine_state.EngineState` transitions).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class CatchUp:
 
     def _check_chain(self, steps: list) -> None:
         with self._cv:
-            if self._cur is not None or self._touched is not None or self._dirty is not None:
+            if self._st.paused or self._st.why is not None:
                 raise EngineStateError(f"engine {self.engine_id} is {self.state()['phase']}: it catches up only "
                                        f"while it holds a committed version settled")
             have = (self.version, self.version_id)
@@ -101,7 +102,8 @@ class CatchUp:
 
     def _apply_step(self, cur: Attempt, frames: list) -> None:
         """One validated step in place, like an attempt of a refit; the engine then holds ``cur.target``."""
-        self._cur, self._touched = cur, cur.transfer
+        self._st.open(cur)
+        self._st.wrote()
         try:
             for data, frame in frames:
                 self._apply(data, frame)
@@ -110,8 +112,7 @@ class CatchUp:
             self.abort(cur.transfer, final=True)  # rolls back in place to cur.base, or leaves no version
             raise RefitError(f"engine {self.engine_id}: catching up with {cur.transfer} ({cur.base}->{cur.target}) "
                              f"failed part way ({e!r}); it holds "
-                             f"{'v%s' % self.version if self._dirty is None else 'no version'}") from e
-        self.version, self.version_id = cur.target, cur.transfer
-        self._cur = self._touched = None
+                             f"{'v%s' % self.version if self._st.why is None else 'no version'}") from e
+        self._st.activate(cur.target, cur.transfer)
         self._undo.clear()
         self._applied.clear()

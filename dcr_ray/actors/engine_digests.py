@@ -4,7 +4,8 @@ A replacement owner is checked against :meth:`DigestMembership.box_digests` of a
 adopted engine that already serves the committed version joins through
 :meth:`DigestMembership.join_by_digest` instead of a dense bootstrap; one whose weights changed outside
 dcr_ray is told so (:meth:`DigestMembership.invalidate`) and holds no version until it heals. A mixin of
-:class:`~dcr_ray.actors.engine.EngineActor` (it uses the engine's lock and state).
+:class:`~dcr_ray.actors.engine.EngineActor` (it uses the engine's lock, its backend and its
+:class:`~dcr_ray.actors.engine_state.EngineState`, changed only through its transitions).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class DigestMembership:
         from dcr_ray.sharding.digest import box_digests
 
         with self._cv:
-            if self._cur is not None or self._touched is not None or self._dirty is not None or self.version is None:
+            if not self._st.settled:
                 raise EngineStateError(f"engine {self.engine_id} holds no settled version to digest")
             return {"version": self.version, "digests": box_digests(self.backend.tensors(), boxes)}
 
@@ -31,7 +32,8 @@ class DigestMembership:
         heals (by digest, when its bits turn out to be the committed ones after all, else densely); an
         update it held open is closed unapplied. Returns :meth:`state`."""
         with self._cv:
-            self._cur = None
+            if self._st.attempt is not None:
+                self._st.close(self._st.attempt.transfer)
             self._staged = []
             self._mark_dirty(f"invalidated: {why}")
             self._stats["invalidated"] = self._stats.get("invalidated", 0) + 1
@@ -43,13 +45,11 @@ class DigestMembership:
         box ``digests``, that it already serves it (:meth:`EngineBackend.matches_digests`). False (the
         coordinator then bootstraps densely) when it does not, cannot tell, or a transfer is open."""
         with self._cv:
-            if self._cur is not None or self._touched is not None:
+            if self._st.paused:
                 return False
             if self.backend.matches_digests(version, digests) is not True:  # None: this backend cannot tell
                 return False
-            self.version = version
-            self.version_id = version_id
-            self._dirty = None
+            self._st.activate(version, version_id)
             self._applied.clear()
             self._undo.clear()
             self.backend.activate(version)

@@ -19,7 +19,8 @@ hand over its canonical tensors. Protocol (driven by the coordinator's healing p
                               does it hold v (else it holds no version and says why)
 
 The engine is outside the required set throughout; the coordinator adds it once it holds the version
-the record names. A mixin of :class:`~dcr_ray.actors.engine.EngineActor` (its lock and state).
+the record names. A mixin of :class:`~dcr_ray.actors.engine.EngineActor` (its lock, its backend and
+its :class:`~dcr_ray.actors.engine_state.EngineState` transitions).
 """
 
 from __future__ import annotations
@@ -54,8 +55,7 @@ class PeerCopy:
         :data:`SNAPSHOT_GROUP_BYTES`, in name order); refused unless it holds ``version`` of
         ``version_id`` settled."""
         with self._cv:
-            if (self._cur is not None or self._touched is not None or self._dirty is not None
-                    or self.version != version or self.version_id != version_id):
+            if not self._st.settled or self.version != version or self.version_id != version_id:
                 raise EngineStateError(
                     f"engine {self.engine_id} cannot hand over version {version} ({version_id}): it holds "
                     f"v{self.version} ({self.version_id}), {self.state()['phase']}")
@@ -87,8 +87,8 @@ class PeerCopy:
             raise EngineStateError(f"engine {self.engine_id}: the peer's tensors do not match this engine's "
                                    f"(names, dtypes or shapes differ, e.g. {bad})")
         with self._cv:
-            if self._cur is not None:
-                raise EngineStateError(f"engine {self.engine_id} is inside transfer {self._cur.transfer}; "
+            if self._st.attempt is not None:
+                raise EngineStateError(f"engine {self.engine_id} is inside transfer {self._st.attempt.transfer}; "
                                        f"it heals between transfers")
             self._mark_dirty(f"healing from a peer to version {version}")
             seen = set()
@@ -96,8 +96,8 @@ class PeerCopy:
                 group = ray.get(ref, timeout=timeout_s)
                 if any(n not in specs or n in seen or (wire_name(t.dtype), tuple(t.shape)) != tuple(specs[n])
                        for n, t in group.items()):
-                    self._dirty = "a peer's copy held tensors its manifest did not name"
-                    raise EngineStateError(f"engine {self.engine_id}: {self._dirty}")
+                    self._st.dirty("a peer's copy held tensors its manifest did not name")
+                    raise EngineStateError(f"engine {self.engine_id}: {self._st.why}")
                 self.backend.load_dense(group.items())
                 seen |= set(group)
                 del group
@@ -105,10 +105,10 @@ class PeerCopy:
             got = tensor_digests(self.backend.tensors())
             differ = sorted(n for n in snap["digests"] if got.get(n) != snap["digests"][n])
             if differ or seen != set(specs):
-                self._dirty = (f"a copy from a peer did not land exactly ({len(differ)} tensors differ from the "
+                self._st.dirty(f"a copy from a peer did not land exactly ({len(differ)} tensors differ from the "
                                f"peer's digests, e.g. {differ[:3]}; {len(set(specs) - seen)} never arrived)")
-                raise EngineStateError(f"engine {self.engine_id}: {self._dirty}")
-            self.version, self.version_id, self._dirty = version, version_id, None
+                raise EngineStateError(f"engine {self.engine_id}: {self._st.why}")
+            self._st.activate(version, version_id)
             self._applied.clear()
             self.backend.activate(version)
             self._stats["healed_from_peer"] = self._stats.get("healed_from_peer", 0) + 1

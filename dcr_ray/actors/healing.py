@@ -26,7 +26,9 @@ A healing engine joins the required set under the coordinator's lock, and only i
 took is still the committed one; if a refit committed meanwhile, it takes the newer version the
 same way (a bounded number of rounds, then it stays out and says why). A part of
 :class:`~dcr_ray.actors.coordinator.CoordinatorActor` with its own state (the healing table and one
-worker thread); it reaches the coordinator's lock, topology, record and dense bootstrap through it.
+worker thread); it is handed the coordinator's shared state
+(:class:`~dcr_ray.actors.coordinator_state.CoordinatorState`: lock, topology, record, required set) and
+the dense bootstrap (:class:`~dcr_ray.actors.bootstrap.Bootstrap`), its last resort.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ import ray
 from ray.exceptions import RayActorError
 
 from dcr_ray import metrics
+from dcr_ray.actors.bootstrap import Bootstrap
+from dcr_ray.actors.coordinator_state import CoordinatorState
 
 log = logging.getLogger("dcr_ray")
 
@@ -80,8 +84,9 @@ def _record(e: str, reason: str | None, respawn: bool) -> dict:
 class Healing:
     """The coordinator's healing table and worker: :meth:`schedule`, :meth:`heal_now`, :meth:`status`."""
 
-    def __init__(self, coordinator):
-        self._c = coordinator
+    def __init__(self, state: CoordinatorState, bootstrap: Bootstrap):
+        self._s = state
+        self._bootstrap = bootstrap
         self._table: dict[str, dict] = {}  # engine id -> its healing record (what status() shows)
         self._guard = threading.Lock()  # guards the table and the worker's start
         self._worker: threading.Thread | None = None
@@ -107,13 +112,13 @@ class Healing:
         """After a commit: the transport keeps ``step``'s payloads in its clusters' catch-up windows (and
         releases the rest of the transfer). Statistics-like: a failure here is logged, never fails the
         committed refit (the engines it would have served heal from a peer instead)."""
-        c = self._c
+        s = self._s
         try:
-            c.transport.keep(step)
+            s.transport.keep(step)
         except Exception as err:
             log.warning("dcr_ray: keeping %s in the catch-up window failed: %r", step.transfer, err)
             try:
-                c.transport.release(step.transfer)
+                s.transport.release(step.transfer)
             except Exception as err2:
                 log.warning("dcr_ray: releasing the payloads of %s failed: %r", step.transfer, err2)
 
@@ -195,17 +200,17 @@ class Healing:
     def _start(self, e: str) -> None:
         """Re-create ``e`` if its actor died (now or while it starts), and wait until its backend loaded
         (the model is built): no lock is held and nothing is copied meanwhile."""
-        c = self._c
+        s = self._s
         for _ in range(MAX_ROUNDS):
             if self._table[e]["respawn"]:
                 self._set(e, phase="re-creating")
-                c.topology.retire(e, c.config)  # its name is released before the lock is taken
-                with self._holding(e, c._lock):
-                    c.topology.respawn(e, c.config)
+                s.topology.retire(e, s.config)  # its name is released before the lock is taken
+                with self._holding(e, s.lock):
+                    s.topology.respawn(e, s.config)
                 self._set(e, respawn=False)
             self._set(e, phase="starting")
             try:
-                ray.get(c.engines[e].get_version.remote(), timeout=c.config.commit.start_timeout_s)
+                ray.get(s.engines[e].get_version.remote(), timeout=s.config.commit.start_timeout_s)
                 return
             except RayActorError:
                 self._set(e, respawn=True)
@@ -244,23 +249,23 @@ class Healing:
         coordinator's lock (between refits); the peer's snapshot and the copy hold it only in the
         ``final`` round (the peer refuses a snapshot unless it holds the committed version read under
         the lock, settled)."""
-        c = self._c
-        t = c.config.commit.start_timeout_s
-        whole = self._holding(e, c._lock) if final else contextlib.nullcontext()
-        step = contextlib.nullcontext() if final else self._holding(e, c._lock)
-        handle = c.engines[e]
+        s = self._s
+        t = s.config.commit.start_timeout_s
+        whole = self._holding(e, s.lock) if final else contextlib.nullcontext()
+        step = contextlib.nullcontext() if final else self._holding(e, s.lock)
+        handle = s.engines[e]
         with whole:
             try:
                 held = self._held(e, t)
             except RayActorError as err:  # the healing engine died: re-created for the next round
-                c.topology.retire(e, c.config)
+                s.topology.retire(e, s.config)
                 with step:
-                    c.topology.respawn(e, c.config)
+                    s.topology.respawn(e, s.config)
                 return err
             except Exception as err:  # e.g. it hangs: another round
                 return err
             with step:
-                version, version_id = c.version, c._last_transfer()
+                version, version_id = s.version, s.last_transfer()
                 if held == (version, version_id):  # it missed nothing (or took it in an earlier round)
                     return self._join(e, version)
                 steps = self._window(e, held, (version, version_id))
@@ -268,16 +273,16 @@ class Healing:
                 if steps and peer is not None and not self._same_cluster(e, peer):
                     peer = None  # deltas inside the cluster beat a dense copy across the link
                 steps = None if peer is not None else steps
-                if not steps and (peer is None or c.topology.is_adopted(e)):  # no delta, no peer can hand
+                if not steps and (peer is None or s.topology.is_adopted(e)):  # no delta, no peer can hand
                     # it over (or it cannot take a copy: an adopted engine's bits are not addressable)
                     self._set(e, phase="bootstrapping", source="owners")
-                    c.required.discard(e)
-                    sent = c._bootstrap([e])  # it joins the required set (an adopted engine by digest if it can)
+                    s.required.discard(e)
+                    sent = self._bootstrap.dense([e])  # joins the required set (an adopted engine by digest if it can)
                     self._took(e, "owners" if sent else "digest", owner_bytes=sent)
                     return {"engine": e, "version": version}
             if peer is not None:
                 try:  # the peer hands over only the committed version read above, settled (else it refuses)
-                    snap = ray.get(c.engines[peer].snapshot.remote(version, version_id), timeout=t)
+                    snap = ray.get(s.engines[peer].snapshot.remote(version, version_id), timeout=t)
                 except Exception as err:  # the peer died, is inside a refit, or moved on: another round
                     return err
             try:
@@ -291,21 +296,21 @@ class Healing:
                     cross = 0 if self._same_cluster(e, peer) else snap["bytes"]
                     self._took(e, peer, copy_bytes=snap["bytes"], cross_bytes=cross)
             except RayActorError as err:  # the healing engine itself died: re-created for the next round
-                c.topology.retire(e, c.config)
+                s.topology.retire(e, s.config)
                 with step:
-                    c.topology.respawn(e, c.config)
+                    s.topology.respawn(e, s.config)
                 return err
             except Exception as err:  # e.g. the peer died before the copy was pulled, a step did not fit
                 return err
             with step:
-                if c.version != version or ray.get(handle.get_version.remote(), timeout=t) != version:
+                if s.version != version or ray.get(handle.get_version.remote(), timeout=t) != version:
                     return None  # a refit committed while it copied: the next round starts from there
                 return self._join(e, version)
 
     def _held(self, e: str, timeout_s: float) -> tuple | None:
         """``(version, content id)`` engine ``e`` holds settled, or None (no version, or dirty). Writes of
         an abandoned transfer it still holds (evicted inside a refit) are rolled back in place first."""
-        handle = self._c.engines[e]
+        handle = self._s.engines[e]
         st = ray.get(handle.state.remote(), timeout=timeout_s)
         if st["transfer"] is not None and not st["dirty"]:
             ray.get(handle.abort.remote(st["transfer"], True), timeout=timeout_s)
@@ -317,11 +322,11 @@ class Healing:
     def _window(self, e: str, held: tuple | None, committed: tuple) -> list | None:
         """The committed steps from what ``e`` holds to ``committed``, from its cluster's catch-up window;
         None when the window does not cover it (or there is none)."""
-        c = self._c
-        if held is None or held[0] > committed[0] or c.config.transport.catchup_window_bytes <= 0:
+        s = self._s
+        if held is None or held[0] > committed[0] or s.config.transport.catchup_window_bytes <= 0:
             return None
         try:
-            steps = c.transport.window(c.topology.engine_cluster[e], *held)
+            steps = s.transport.window(s.topology.engine_cluster[e], *held)
         except Exception as err:  # the window is an optimisation: a peer or the owners still heal it
             log.warning("dcr_ray: reading the catch-up window for engine %s failed: %r", e, err)
             return None
@@ -330,28 +335,28 @@ class Healing:
         return steps
 
     def _same_cluster(self, e: str, peer: str) -> bool:
-        cluster = self._c.topology.engine_cluster
+        cluster = self._s.topology.engine_cluster
         return cluster[e] == cluster[peer]
 
     def _dense_is_smaller(self, e: str, steps: list) -> bool:
         """Whether a peer's dense copy moves fewer bytes than replaying ``steps`` (large learning rates:
         a few versions of deltas outweigh the model); an adopted engine cannot take a copy."""
-        c = self._c
-        model = c._model_bytes  # 0 when unknown (a resumed coordinator): replay
-        return bool(model) and not c.topology.is_adopted(e) and sum(s.nbytes for s in steps) >= model
+        s = self._s
+        model = s.model_bytes  # 0 when unknown (a resumed coordinator): replay
+        return bool(model) and not s.topology.is_adopted(e) and sum(st.nbytes for st in steps) >= model
 
     def _join(self, e: str, version: int) -> dict:
         """``e`` holds the committed ``version``: it joins the required set (under the coordinator's lock)."""
-        self._c.required.add(e)
-        metrics.record("required_engines", len(self._c.required))
+        self._s.required.add(e)
+        metrics.record("required_engines", len(self._s.required))
         return {"engine": e, "version": version}
 
     def _peer(self, e: str) -> str | None:
         """A required engine that can hand over its bits (dcr_ray started it): one of ``e``'s cluster, else
         one of another cluster (the whole cluster was lost: the copy crosses a cluster link once, as the
         owners' would, but off the trainer's clock and without holding up the refits)."""
-        c = self._c
-        cluster = c.topology.engine_cluster[e]
-        ok = [p for p in sorted(c.required) if p != e and not c.topology.is_adopted(p)]
-        ok.sort(key=lambda p: c.topology.engine_cluster[p] != cluster)  # its own cluster first
+        s = self._s
+        cluster = s.topology.engine_cluster[e]
+        ok = [p for p in sorted(s.required) if p != e and not s.topology.is_adopted(p)]
+        ok.sort(key=lambda p: s.topology.engine_cluster[p] != cluster)  # its own cluster first
         return ok[0] if ok else None

@@ -4,22 +4,16 @@ Exactly one owner sends each canonical element. Data-parallel replicas hold bit-
 so the canonical names are split between them by a stable hash (:func:`owned_names`); each owner
 sends only its share.
 
-Two ways in:
+How a trainer becomes an owner (:mod:`~dcr_ray.actors.held_owner`): it holds a :class:`~dcr_ray.actors.held_owner.Owner`
+(composition), mixes in :class:`~dcr_ray.actors.held_owner.OwnerMixin`, or hands its tensors to a
+:class:`~dcr_ray.actors.held_owner.StandaloneOwner` actor. This module is the logic under all three,
+:class:`DeltaOwner`, independent of Ray.
 
-* :class:`OwnerMixin` - add dcr_ray to an *existing* trainer actor (veRL / OpenRLHF workers already
-  are Ray actors) in a few lines::
+Protocol (driven by the coordinator, as ``dcr_<call>`` on the owner actor; every call is idempotent for
+the same arguments)::
 
-      @ray.remote
-      class MyTrainer(dcr_ray.OwnerMixin):
-          def dcr_tensors(self):                 # canonical name -> BF16 tensor, this rank's share
-              return {n: t for n, t in bf16_state(self.model).items() if n in self.mine}
-
-* :class:`StandaloneOwner` - an owner actor that is handed tensors (examples, tests, a trainer that
-  is not a Ray actor).
-
-Protocol (driven by the coordinator; every call is idempotent for the same arguments)::
-
-    dcr_attach(owner_id, config) -> specs        # baseline := current bits, version 0
+    dcr_attach(owner_id, config, baseline_dir=None, in_memory=False, version=0) -> specs
+                                                 # baseline := current bits, at ``version``
     dcr_stream(transfer, attempt, base, target, sink, base_id="", coding=None) -> summary
         attempt 0: diff every tensor, keep the changed set *pending*, send mixed (XOR/OVERWRITE) frames
                    coded as ``coding`` says (the coordinator's choice; see DeltaOwner.stream)
@@ -79,8 +73,17 @@ class DeltaOwner:
                  in_memory: bool = False):
         self.owner_id = owner_id
         self.config = config
-        self.store = BaselineStore(directory=baseline_dir, in_memory=in_memory,
-                                   chunk_elems=config.codec.chunk_elems)
+        # By default the committed bits stay in memory, so no commit writes changed pages back to a disk.
+        # A directory (the call's, else OwnerConfig.baseline_dir) holds this owner's files in a private
+        # directory of its own: owners of one node may share the setting, and close() removes it.
+        parent = baseline_dir if baseline_dir is not None else config.owners.baseline_dir
+        try:
+            self.store = BaselineStore(in_memory=in_memory or parent is None, temp_parent=parent,
+                                       prefix=f"dcr_baseline_{owner_id}_", chunk_elems=config.codec.chunk_elems)
+        except OSError as e:
+            raise BaselineError(f"owner {owner_id}: cannot keep its baseline under {parent!r} ({e}); give "
+                                f"OwnerConfig.baseline_dir a writable directory on the owners' nodes, or None to "
+                                f"keep baselines in memory") from None
         self._pending_transfer: str | None = None
         self._last_summary: dict | None = None
         self._promoting: threading.Thread | None = None
@@ -315,78 +318,3 @@ class DeltaOwner:
     def version(self) -> int:
         self.settle()
         return self.store.version
-
-
-class OwnerMixin:
-    """Mix into a trainer actor class to make it a dcr_ray owner. Implement :meth:`dcr_tensors`.
-
-    The ``dcr_*`` methods are called by the coordinator; a trainer must not take an optimizer step
-    between ``dcr_stream`` and ``dcr_promote``/``dcr_discard`` of the same transfer.
-    """
-
-    _dcr: DeltaOwner | None = None
-
-    def dcr_tensors(self) -> Mapping[str, object]:
-        """This owner's share, CPU, in the dtype the engines hold: canonical name -> tensor, or a
-        DTensor (FSDP2 / tensor-parallel shard, mapped by its placements), or local name ->
-        :class:`dcr_ray.sharding.Shard` (any layout with an explicit spec). See :mod:`dcr_ray.sharding`."""
-        raise NotImplementedError("implement dcr_tensors() to return this owner's canonical tensors")
-
-    def dcr_attach(self, owner_id: str, config: RefitConfig, baseline_dir: str | None = None,
-                   in_memory: bool = False, version: int = 0):
-        if self._dcr is None:
-            self._dcr = DeltaOwner(owner_id, config, baseline_dir=baseline_dir, in_memory=in_memory)
-        return self._dcr.attach(self.dcr_tensors(), version)
-
-    def dcr_state(self) -> dict:
-        """``{"version": committed baseline version, "pending": version of the pending set or None}``."""
-        o = self._dcr_owner()
-        return {"version": o.version, "pending": o.store.pending_version}
-
-    def dcr_digests(self) -> dict:
-        return self._dcr_owner().digests()
-
-    def _dcr_owner(self) -> DeltaOwner:
-        if self._dcr is None:
-            raise BaselineError("this owner was not attached: the coordinator calls dcr_attach() first")
-        return self._dcr
-
-    def dcr_stream(self, transfer: str, attempt: int, base: int, target: int, sink: Sink,
-                   base_id: str = "", coding: str | None = None) -> dict:
-        return self._dcr_owner().stream(self.dcr_tensors(), transfer=transfer, attempt=attempt,
-                                        base=base, target=target, sink=sink, base_id=base_id, coding=coding)
-
-    def dcr_bootstrap(self, transfer: str, sink: Sink) -> dict:
-        return self._dcr_owner().bootstrap(transfer=transfer, sink=sink)
-
-    def dcr_promote(self, version: int) -> int:
-        return self._dcr_owner().promote(version)
-
-    def dcr_discard(self) -> None:
-        self._dcr_owner().discard()
-
-    def dcr_version(self) -> int:
-        return self._dcr_owner().version
-
-
-def _copy(t):
-    """A private copy of a tensor, or of a :class:`~dcr_ray.sharding.Shard`'s local tensor."""
-    if isinstance(t, Shard):
-        return Shard(t.tensor.detach().contiguous().clone(), t.spec)
-    return t.detach().contiguous().clone()
-
-
-class StandaloneOwner(OwnerMixin):
-    """An owner actor that is handed its tensors (``set_tensors``) instead of living in a trainer:
-    canonical name -> tensor, or local name -> :class:`~dcr_ray.sharding.Shard`."""
-
-    def __init__(self, tensors: Mapping[str, object] | None = None):
-        self._tensors = {n: _copy(t) for n, t in (tensors or {}).items()}
-
-    def set_tensors(self, tensors: Mapping[str, object]) -> None:
-        """Replace the current tensors with ``tensors`` (names not in it are gone; the next refit diffs
-        them against the baseline, which refuses names it does not cover)."""
-        self._tensors = {n: _copy(t) for n, t in tensors.items()}
-
-    def dcr_tensors(self) -> Mapping[str, torch.Tensor]:
-        return self._tensors

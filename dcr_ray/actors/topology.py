@@ -23,6 +23,7 @@ import ray
 
 from dcr_ray.actors import placement
 from dcr_ray.actors.engine import EngineActor
+from dcr_ray.actors.held_owner import actor_handle, owner_endpoint
 from dcr_ray.config import ClusterSpec, RefitConfig
 from dcr_ray.options import NAME_RELEASE_S, actor_options, create_named
 from dcr_ray.relay.transport import Transport
@@ -46,7 +47,7 @@ class Topology:
 
     def __init__(self, clusters: list[ClusterSpec], owners: dict[str, Any], transport: Transport):
         self.clusters = {c.name: c for c in clusters}
-        self.owners = dict(owners)
+        self.owners = {o: owner_endpoint(h) for o, h in owners.items()}  # `dcr_<call>.remote` on each
         self.transport = transport
         self.engines: dict[str, Any] = {}
         self.engine_cluster: dict[str, str] = {}
@@ -71,7 +72,7 @@ class Topology:
         cname, factory, bundle = self._plan[eid]
         c = self.clusters[cname]
         opts = actor_options("engine", engine_name(eid), detached=True, namespace=config.namespace,
-                             **placement.engine_options(c, self.pgs.get(cname), bundle))
+                             user=config.actor_options, **placement.engine_options(c, self.pgs.get(cname), bundle))
         return create_named(lambda: ray.remote(EngineActor).options(**opts).remote(
             eid, cname, factory, config, self.transport.reader(cname)), engine_name(eid), namespace=config.namespace)
 
@@ -146,7 +147,8 @@ class Topology:
 
     def handles(self) -> dict[str, dict[str, Any]]:
         """Actor handles: ``{"engines": {id: h}, "owners": {id: h}, "relays": {id: h}}``."""
-        return {"engines": dict(self.engines), "owners": dict(self.owners), "relays": self.transport.actors()}
+        return {"engines": dict(self.engines), "owners": {o: actor_handle(h) for o, h in self.owners.items()},
+                "relays": self.transport.actors()}
 
     def engine_specs(self, timeout_s: float) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Canonical name -> (wire dtype, shape) the engines hold (asked of one engine)."""

@@ -25,18 +25,23 @@ from collections import defaultdict
 import ray
 
 from dcr_ray import metrics
+from dcr_ray.errors import RefitTimeoutError
 from dcr_ray.relay.window import CatchUpWindow, CommittedStep
 
 
 class RelayActor:
     """One relay of a cluster's tree. ``on_cross(nbytes)`` (heads only, optional) observes, and may
-    delay, each boundary crossing: benchmarks pass a link emulator (:mod:`dcr_ray.testing.links`)."""
+    delay, each boundary crossing: benchmarks pass a link emulator (:mod:`dcr_ray.testing.links`). A head's
+    pull of a payload waits at most ``pull_timeout_s`` (the stage timeout): past it the push fails, and with
+    it the owner's send, instead of holding a relay thread for good."""
 
-    def __init__(self, relay_id: str, cluster: str, *, head: bool, on_cross=None, window_bytes: int = 0):
+    def __init__(self, relay_id: str, cluster: str, *, head: bool, on_cross=None, window_bytes: int = 0,
+                 pull_timeout_s: float | None = None):
         self.relay_id = relay_id
         self.cluster = cluster
         self.head = head
         self.on_cross = on_cross
+        self.pull_timeout_s = pull_timeout_s
         self.children: list[tuple[str, object, frozenset]] = []
         self._held: dict[str, dict] = defaultdict(dict)  # transfer -> payload key -> (ref, bytes)
         self._window = CatchUpWindow(window_bytes if head else 0)
@@ -60,7 +65,14 @@ class RelayActor:
             self._seen.add(key)
         if dup:  # a repeated push (retried call): the payload already crossed and was forwarded
             return 0
-        data = ray.get(refs[0])
+        try:
+            data = ray.get(refs[0], timeout=self.pull_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            with self._lock:  # not crossed: a retried push may try again
+                self._seen.discard(key)
+            raise RefitTimeoutError(f"relay {self.relay_id}: payload {key} could not be pulled across the "
+                                    f"boundary of cluster {self.cluster} within {self.pull_timeout_s:.0f} s "
+                                    f"(CommitConfig.timeout_s)") from None
         if self.on_cross is not None:
             self.on_cross(len(data))
         own = ray.put(data)

@@ -121,11 +121,12 @@ class RelayTransport:
                     except ValueError:
                         pass  # gone: create it again
                 opts = actor_options("relay", name, resources=c.resources, detached=True,
-                                     namespace=self.config.namespace)
+                                     namespace=self.config.namespace, user=self.config.actor_options)
                 cross = self.on_cross.get(c.name) if head else None
                 made[node.relay_id] = create_named(  # called at once: the loop variables are current
                     lambda: Relay.options(**opts).remote(node.relay_id, c.name, head=head, on_cross=cross,
-                                                         window_bytes=self.config.transport.catchup_window_bytes),
+                                                         window_bytes=self.config.transport.catchup_window_bytes,
+                                                         pull_timeout_s=self.config.commit.timeout_s),
                     name, wait_s=RELAY_NAME_RELEASE_S, namespace=self.config.namespace)
             for node in tree.walk():
                 kids = [("engine", engines[e], [e]) for e in node.engines]

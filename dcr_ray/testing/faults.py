@@ -45,14 +45,24 @@ class _FlakyBackend(EngineBackend):
     def tensors(self):
         return self.inner.tensors()
 
-    def apply(self, frame: DecodedFrame) -> None:
-        boot = frame.meta.base < 0
-        if not boot and not self.failed and self.applied >= self.fail_after:
+    def _maybe_fail(self, frame: DecodedFrame) -> None:
+        if frame.meta.base >= 0 and not self.failed and self.applied >= self.fail_after:
             self.failed = True
             raise InjectedFault(f"injected fault after {self.applied} applied frames")
-        self.inner.apply(frame)
-        if not boot:
+
+    def _count(self, frame: DecodedFrame) -> None:
+        if frame.meta.base >= 0:  # not the bootstrap's
             self.applied += 1
+
+    def apply(self, frame: DecodedFrame) -> None:
+        self._maybe_fail(frame)
+        self.inner.apply(frame)
+        self._count(frame)
+
+    def apply_with_undo(self, frame: DecodedFrame, undo) -> None:
+        self._maybe_fail(frame)
+        self.inner.apply_with_undo(frame, undo)
+        self._count(frame)
 
     def flush(self) -> None:
         self.inner.flush()

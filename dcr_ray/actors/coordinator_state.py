@@ -1,0 +1,71 @@
+"""What the coordinator's parts share: one object, handed to each part in its constructor.
+
+The coordinator (:mod:`~dcr_ray.actors.coordinator`) is composed of parts that each own their own
+state and reach the shared state only through this object: the dense bootstrap
+(:mod:`~dcr_ray.actors.bootstrap`), membership (:mod:`~dcr_ray.actors.membership`: who is required,
+evicted, readmitted), healing (:mod:`~dcr_ray.actors.healing`), recovery
+(:mod:`~dcr_ray.actors.recovery`) and inspection (:mod:`~dcr_ray.actors.inspection`). No part reads
+another part's fields.
+
+Invariants: ``version`` is the version the durable record names (it changes only under ``lock``, at a
+commit or a resume); ``required`` holds the engines that take part in the next refit, each holding
+``version`` settled between refits (changed under ``lock``); ``phase`` and ``progress_total`` are
+written by the thread that holds ``lock``. Inspection reads all of them without the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcr_ray.actors.commit import CommitLog
+from dcr_ray.actors.topology import Topology
+from dcr_ray.config import RefitConfig
+from dcr_ray.relay.transport import Transport
+
+
+def _idle() -> dict:
+    return {"phase": "idle", "transfer": None, "attempt": None, "target": None, "since": time.time()}
+
+
+@dataclass(eq=False)
+class CoordinatorState:
+    """The committed version and who holds it, the topology, the record, and the lock between refits."""
+
+    config: RefitConfig
+    topology: Topology  #: engines, owners, the transport between them
+    commits: CommitLog  #: the durable record
+    backend_factory: Any  #: builds each started engine's backend (in the engine's process)
+    lock: threading.Lock = field(default_factory=threading.Lock)  #: held by a refit, a start, a heal's join
+    version: int = 0  #: the committed version
+    epoch: int = 0  #: this incarnation's fencing epoch (the record refuses older ones)
+    required: set[str] = field(default_factory=set)  #: engines holding ``version``, in the next refit
+    history: list[dict] = field(default_factory=list)  #: reports of the committed refits, oldest first
+    phase: dict = field(default_factory=_idle)  #: where the refit (or start-up) in flight is
+    progress_total: int | None = None  #: bytes the phase in flight delivers, when known
+    model_bytes: int = 0  #: canonical bytes of one engine's tensors (0 until known: a resumed coordinator)
+
+    @property
+    def engines(self) -> dict[str, Any]:
+        return self.topology.engines
+
+    @property
+    def owners(self) -> dict[str, Any]:
+        return self.topology.owners
+
+    @property
+    def transport(self) -> Transport:
+        return self.topology.transport
+
+    def set_phase(self, phase: str, transfer: str | None = None, attempt: int | None = None,
+                  target: int | None = None) -> None:
+        """Record where the refit in flight is (``status()`` reports it while the refit runs)."""
+        self.phase = {"phase": phase, "transfer": transfer, "attempt": attempt, "target": target,
+                      "since": time.time()}
+
+    def last_transfer(self) -> str:
+        """The content id of the committed version: the transfer the record names (frames build on it)."""
+        rec = self.commits.read()
+        return rec.transfer if rec else ""

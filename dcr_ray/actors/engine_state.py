@@ -1,0 +1,127 @@
+"""An engine's lifecycle as one explicit state: its phase, and the data that phase carries.
+
+Phases (:class:`Phase`) and the transitions between them, each one method of :class:`EngineState`
+(the engine actor calls them under its lock; nothing else writes these fields)::
+
+    EMPTY / READY / DIRTY --open(attempt)--------------> OPEN       (prepare; a delta only from READY)
+    OPEN  --wrote()------------------------------------> OPEN       (its transfer wrote in place: ``written``)
+    OPEN  --close(transfer)----------------------------> WRITTEN    (it wrote in place: the next attempt repairs)
+                                                      \\-> READY / EMPTY / DIRTY   (it wrote nothing)
+    OPEN / WRITTEN --rolled_back()---------------------> READY      (the undo record restored the bits)
+    any   --activate(v, id)----------------------------> READY(v, id)   (a commit, a digest match, a verified
+                                                                     copy, a replayed delta)
+    any   --dirty(why)---------------------------------> DIRTY(why) (its bits match no version)
+
+Data: ``version`` / ``version_id`` (what it holds: READY, and beneath an OPEN or WRITTEN transfer; None
+otherwise), ``why`` (its bits match no version: DIRTY, and beneath a dense bootstrap that repairs
+them), ``attempt`` (OPEN only), ``written`` (the transfer that wrote in place: WRITTEN, and OPEN once
+its frames landed), ``flushed`` (the last attempt whose every payload was applied) and ``error`` (the
+first error of the attempt, which fails its flush).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from dcr_ray.actors.attempt import Attempt
+from dcr_ray.errors import DcrError
+
+
+class Phase(enum.Enum):
+    EMPTY = "empty"  #: never bootstrapped: holds no version
+    READY = "ready"  #: holds ``version`` of content ``version_id``, settled
+    OPEN = "open"  #: inside ``attempt``
+    WRITTEN = "written"  #: between attempts of ``written``: in-place writes neither committed nor rolled back
+    DIRTY = "dirty"  #: its bits match no version (``why``): a dense bootstrap or a verified copy restores it
+
+
+class EngineState:
+    """One engine's phase and the data it carries (see the module doc for the transitions)."""
+
+    def __init__(self):
+        self.phase = Phase.EMPTY
+        self.version: int | None = None
+        #: identity of the content held: the transfer that produced ``version`` (the commit record's
+        #: ``transfer``); delta frames must name it as their ``base_id``
+        self.version_id: str | None = None
+        self.why: str | None = None
+        self.attempt: Attempt | None = None
+        self.written: str | None = None
+        self.flushed: tuple[str, int] | None = None
+        self.error: DcrError | None = None
+
+    def __repr__(self) -> str:
+        inner = {Phase.READY: f"v{self.version}", Phase.OPEN: self.attempt and self.attempt.transfer,
+                 Phase.WRITTEN: self.written, Phase.DIRTY: self.why}.get(self.phase)
+        return f"{self.phase.value}({inner})" if inner else self.phase.value
+
+    # -- questions --------------------------------------------------------------------------------
+    @property
+    def settled(self) -> bool:
+        """Holds a version with no transfer open and nothing written in place (it may hand its bits over)."""
+        return self.phase is Phase.READY
+
+    @property
+    def paused(self) -> bool:
+        """A transfer is open or wrote in place between its attempts (in-place generation waits)."""
+        return self.phase in (Phase.OPEN, Phase.WRITTEN)
+
+    @property
+    def transfer(self) -> str | None:
+        """The transfer it is in, or whose in-place writes it holds."""
+        return self.attempt.transfer if self.attempt is not None else self.written
+
+    def is_in(self, transfer: str, attempt: int | None = None) -> bool:
+        """Whether it is inside ``transfer`` (its attempt ``attempt``, when given)."""
+        a = self.attempt
+        return a is not None and a.transfer == transfer and (attempt is None or a.attempt == attempt)
+
+    # -- transitions ------------------------------------------------------------------------------
+    def open(self, attempt: Attempt) -> None:
+        """Enter ``attempt`` (prepare). A new attempt forgets the previous one's error."""
+        self.attempt, self.error, self.phase = attempt, None, Phase.OPEN
+
+    def wrote(self) -> None:
+        """The open attempt's transfer wrote into the backend in place (its later attempts repair it)."""
+        self.written = self.attempt.transfer
+
+    def fail(self, error: DcrError) -> None:
+        """Record ``error`` as the attempt's error (the flush raises the latest)."""
+        self.error = error
+
+    def fail_first(self, error: DcrError) -> None:
+        """Record ``error`` unless the attempt already failed (that error stays the one to raise)."""
+        self.error = self.error or error
+
+    def flushed_now(self) -> None:
+        self.flushed = (self.attempt.transfer, self.attempt.attempt)
+
+    def close(self, transfer: str) -> None:
+        """Leave the open attempt of ``transfer`` (its next attempt re-prepares); in-place writes stay."""
+        if self.is_in(transfer):
+            self.attempt = None
+            self._settle()
+
+    def rolled_back(self) -> None:
+        """The in-place writes were undone: it holds what it held before the transfer."""
+        self.written = None
+        self._settle()
+
+    def activate(self, version: int, version_id: str | None) -> None:
+        """Hold committed ``version`` of ``version_id`` settled (after the record, or a verified copy)."""
+        self.version, self.version_id = version, version_id
+        self.attempt = self.written = self.why = None
+        self.phase = Phase.READY
+
+    def dirty(self, why: str) -> None:
+        """Its bits match no version (``why``); nothing it wrote in place can be rolled back any more."""
+        self.written = None
+        self.why = why
+        self.version = self.version_id = None
+        self._settle()
+
+    def _settle(self) -> None:
+        """The phase that the data now say (every transition ends here or sets it directly)."""
+        self.phase = (Phase.OPEN if self.attempt is not None else Phase.WRITTEN if self.written is not None
+                      else Phase.DIRTY if self.why is not None else Phase.EMPTY if self.version is None
+                      else Phase.READY)

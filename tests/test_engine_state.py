@@ -1,0 +1,64 @@
+"""An engine's lifecycle (:mod:`dcr_ray.actors.engine_state`): each transition lands in the phase the
+module doc names, with the data that phase carries."""
+
+from dcr_ray.actors.attempt import Attempt
+from dcr_ray.actors.engine_state import EngineState, Phase
+from dcr_ray.errors import FrameError
+
+
+def _ready(version: int = 3, version_id: str = "v3-x") -> EngineState:
+    st = EngineState()
+    st.activate(version, version_id)
+    return st
+
+
+def test_a_new_engine_holds_nothing_and_is_not_paused():
+    st = EngineState()
+    assert (st.phase, st.version, st.why, st.transfer, st.paused, st.settled) == (Phase.EMPTY, None, None, None,
+                                                                                 False, False)
+
+
+def test_an_attempt_that_wrote_in_place_leaves_the_engine_written_between_attempts_until_rolled_back():
+    st = _ready()
+    st.open(Attempt("v4-a", 0, 3, 4, "v3-x"))
+    assert (st.phase, st.paused, st.is_in("v4-a", 0), st.is_in("v4-a", 1)) == (Phase.OPEN, True, True, False)
+    st.wrote()
+    st.close("v4-a")
+    assert (st.phase, st.transfer, st.version, st.paused) == (Phase.WRITTEN, "v4-a", 3, True)
+    st.rolled_back()
+    assert (st.phase, st.transfer, st.version, st.version_id, st.settled) == (Phase.READY, None, 3, "v3-x", True)
+
+
+def test_closing_an_attempt_that_wrote_nothing_settles_on_what_the_engine_held():
+    st = _ready()
+    st.open(Attempt("v4-a", 0, 3, 4))
+    st.close("other")  # another transfer's close leaves this attempt open
+    assert st.phase is Phase.OPEN
+    st.close("v4-a")
+    assert (st.phase, st.version) == (Phase.READY, 3)
+
+
+def test_dirty_bits_hold_no_version_and_a_dense_bootstrap_over_them_keeps_them_dirty_until_it_activates():
+    st = _ready()
+    st.open(Attempt("v4-a", 0, 3, 4))
+    st.wrote()
+    st.close("v4-a")
+    st.dirty("abandoned")
+    assert (st.phase, st.version, st.version_id, st.why, st.written) == (Phase.DIRTY, None, None, "abandoned", None)
+    st.open(Attempt("boot3-b", 0, -1, 3))
+    assert (st.phase, st.why) == (Phase.OPEN, "abandoned")
+    st.activate(3, "v3-x")
+    assert (st.phase, st.version, st.why, st.attempt, st.written) == (Phase.READY, 3, None, None, None)
+
+
+def test_a_new_attempt_forgets_the_last_ones_error_and_fail_first_keeps_the_first():
+    st = _ready()
+    st.open(Attempt("v4-a", 0, 3, 4))
+    first, second = FrameError("first"), FrameError("second")
+    st.fail_first(first)
+    st.fail_first(second)
+    assert st.error is first
+    st.fail(second)
+    assert st.error is second
+    st.open(Attempt("v4-a", 1, 3, 4))
+    assert st.error is None

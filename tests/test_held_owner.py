@@ -1,0 +1,86 @@
+"""A trainer actor becomes an owner by holding a ``dcr_ray.Owner`` (composition), no mixin needed.
+
+The coordinator reaches the held owner through Ray's ``__ray_call__`` with the same protocol a mixin
+actor's ``dcr_*`` methods serve; an actor that holds none (or two) is refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import raytools  # noqa: F401
+from raytools import check_engines, local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
+
+import pytest
+import ray
+
+import dcr_ray
+from dcr_ray.actors.held_owner import HeldOwnerHandle, actor_handle, owner_endpoint
+from dcr_ray.errors import ConfigError
+from dcr_ray.testing.models import ModelSpec
+from dcr_ray.testing.trainer import TinyTrainer
+
+SPEC = ModelSpec(size="tiny")
+
+
+def test_owner_takes_a_function_and_says_so_when_given_tensors():
+    with pytest.raises(ConfigError, match="takes a function"):
+        dcr_ray.Owner({"w": None})
+
+
+def test_a_mixin_actors_handle_is_its_own_endpoint_and_a_held_owners_handle_pickles(local_ray):
+    mixin = ray.remote(num_cpus=0)(TinyTrainer).remote(SPEC)
+
+    @ray.remote(num_cpus=0)
+    class Plain:
+        def ping(self):
+            return 1
+
+    plain = Plain.remote()
+    assert owner_endpoint(mixin) is mixin and actor_handle(mixin) is mixin
+    ep = owner_endpoint(plain)
+    assert isinstance(ep, HeldOwnerHandle) and actor_handle(ep) is plain
+    again = pickle.loads(pickle.dumps(ep))
+    assert ray.get(again.ping.remote()) == 1  # other attributes are the handle's own
+
+
+def test_an_actor_that_holds_no_owner_is_refused_before_anything_starts(local_ray):
+    @ray.remote(num_cpus=0)
+    class NotAnOwner:
+        def __init__(self):
+            self.model = None
+
+    with pytest.raises(ConfigError, match=r"keep one dcr_ray.Owner in an attribute"):
+        dcr_ray.launch(owners=[NotAnOwner.remote()], clusters=[dcr_ray.ClusterSpec(name="a", engines=1)],
+                       engine=dcr_ray.HFEngine(SPEC))
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "dcr_ray"]
+
+
+def test_a_trainer_that_holds_an_owner_refits_exactly_and_is_reported_by_its_own_handle(local_ray):
+    @ray.remote(num_cpus=0)
+    class ComposedTrainer:
+        """A trainer class of its own (no dcr_ray base class) that holds an owner."""
+
+        def __init__(self):
+            self.trainer = TinyTrainer(SPEC, lr=1e-3)  # the model and optimizer, used as a plain object
+            self.dcr = dcr_ray.Owner(self.trainer.dcr_tensors)
+
+        def step(self, seed):
+            return self.trainer.step(seed=seed)
+
+        def rollout_state(self):
+            return self.trainer.rollout_state()
+
+    trainer = ComposedTrainer.remote()
+    refit = dcr_ray.launch(owners={"composed": trainer}, clusters=[dcr_ray.ClusterSpec(name="a", engines=1)],
+                           engine=dcr_ray.HFEngine(SPEC))
+    try:
+        for seed in (0, 1):
+            ray.get(trainer.step.remote(seed))
+            assert refit.run().version == seed + 1
+        check_engines(refit, trainer)
+        assert refit.owners()["composed"] == trainer  # the actor handle, not dcr_ray's endpoint
+        state = ray.get(trainer.__ray_call__.remote(lambda self: self.dcr.state()))
+        assert state == {"version": 2, "pending": None}
+    finally:
+        refit.shutdown()
