@@ -197,8 +197,9 @@ def launch(
     class mixes in :class:`dcr_ray.OwnerMixin`; a dict names them, a list names them ``owner0``, ...) or as
     ``owner_tensors`` (one ``{name: tensor}`` dict per standalone owner actor to create). ``engine`` builds
     one backend in each engine actor dcr_ray starts (:class:`~dcr_ray.engines.HFEngine`,
-    :class:`~dcr_ray.engines.VllmEngine`); engines of other systems join through ``ClusterSpec(adopt=[...])``. ``transport`` replaces the one
-    ``config.transport`` names (e.g. a wrapped one that emulates slow links in benchmarks).
+    :class:`~dcr_ray.engines.VllmEngine`); engines of other systems join through ``ClusterSpec(adopt=[...])``.
+    ``transport`` replaces the one ``config.transport`` names (e.g. a wrapped one that emulates slow links in
+    benchmarks).
 
     Everything is checked before any actor is spawned: a bad set-up raises :class:`ConfigError` and
     leaves nothing behind.

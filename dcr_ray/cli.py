@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     if benchmarks is not None:
         importlib.import_module("benchmarks.chaos").add_parser(groups)
     else:
-        _needs_checkout(groups.add_parser("chaos", help="seeded faults against a multi-node topology (from a checkout)"),
-                        "chaos")
+        chaos = groups.add_parser("chaos", help="seeded faults against a multi-node topology (from a checkout)")
+        _needs_checkout(chaos, "chaos")
     parser.set_defaults(func=lambda args: _usage(parser))
     return parser
 

@@ -21,7 +21,8 @@ from dcr_ray.errors import ConfigError
 from dcr_ray.options import NAMESPACE, check_user_options
 
 __all__ = ["ApplyMode", "ClusterSpec", "CodecConfig", "Coding", "CommitConfig", "EngineConfig", "Encodings",
-           "OwnerConfig", "PlacementStrategy", "PromoteMode", "RefitConfig", "TransportConfig", "TransportKind", "validate"]
+           "OwnerConfig", "PlacementStrategy", "PromoteMode", "RefitConfig", "TransportConfig", "TransportKind",
+           "validate"]
 
 TransportKind = Literal["relay", "object_store"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportKind)

@@ -111,6 +111,7 @@ class RefitReport:
             f"apply {s.get('apply', 0):.2f}s, commit {s.get('commit', 0):.2f}s) | "
             f"{self.changed:,}/{self.numel:,} elements changed ({100 * self.change_rate:.2f}%) | "
             f"{self.payloads} payloads, {self.wire_bytes / 1e6:.2f} MB [{links}] | "
-            f"{self.mode} ({self.coding}), retries {self.retries} | engines {sorted(set(self.engine_versions.values()))}"
+            f"{self.mode} ({self.coding}), retries {self.retries} | "
+            f"engines {sorted(set(self.engine_versions.values()))}"
             + "".join(f"\n  warning: {w}" for w in self.warnings)
         )

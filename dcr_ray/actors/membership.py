@@ -130,7 +130,8 @@ class Membership:
                         and st["target"] == rec.version == s.version):
                     ray.get(s.engines[e].activate.remote(rec.version, rec.transfer), timeout=t)
                     s.required.add(e)
-                    how = "rejoined at version {v} (it had applied the committed transfer: activated, no dense bootstrap)"
+                    how = ("rejoined at version {v} (it had applied the committed transfer: activated, no dense "
+                           "bootstrap)")
                 else:
                     if st["transfer"] is not None:  # close what it holds open (rolled back off the refit's clock, by
                         # the healing thread, before it catches up; until then it is out of the required set)

@@ -174,8 +174,9 @@ class Recovery:
             t = s.config.commit.timeout_s
             specs = ray.get(handle.dcr_attach.remote(owner_id, s.config, version=s.version), timeout=t)
             if specs != self._owner_specs[owner_id]:
+                differ = sorted(set(specs) ^ set(self._owner_specs[owner_id]))[:5] or "same names, other boxes"
                 raise ConfigError(f"the replacement for {owner_id} covers other tensors or boxes than it did: "
-                                  f"{sorted(set(specs) ^ set(self._owner_specs[owner_id]))[:5] or 'same names, other boxes'}")
+                                  f"{differ}")
             mine = ray.get(handle.dcr_digests.remote(), timeout=t)
             theirs, why = None, "no required engine"
             for e in sorted(s.required):

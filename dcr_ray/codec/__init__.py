@@ -40,11 +40,13 @@ from dcr_ray.codec.decode import decode_frame, read_frame
 from dcr_ray.codec.decoded import DecodedFrame, DecodedItem
 from dcr_ray.codec.diff import ChunkDelta, TensorDelta, diff_tensor, full_delta
 from dcr_ray.codec.encode import FrameBuilder, encode_frames
-from dcr_ray.codec.format import BOOTSTRAP_BASE, DIGEST_SIZE, FORMAT_VERSION, Encoding, FrameMeta, LocationMode, PayloadKey
+from dcr_ray.codec.format import (BOOTSTRAP_BASE, DIGEST_SIZE, FORMAT_VERSION, Encoding, FrameMeta, LocationMode,
+                                  PayloadKey)
 from dcr_ray.codec.header import FrameHeader, open_frame, peek_meta
 
 __all__ = [
-    "BOOTSTRAP_BASE", "BaselineStore", "ChunkDelta", "DIGEST_SIZE", "DecodedFrame", "DecodedItem", "Encoding", "FORMAT_VERSION",
+    "BOOTSTRAP_BASE", "BaselineStore", "ChunkDelta", "DIGEST_SIZE", "DecodedFrame", "DecodedItem", "Encoding",
+    "FORMAT_VERSION",
     "FrameBuilder", "FrameHeader", "FrameMeta", "LocationMode", "PayloadKey", "TensorDelta", "apply_decoded",
     "apply_frame", "bits_equal", "bits_view", "decode_frame", "diff_tensor", "encode_frames", "full_delta",
     "open_frame", "peek_meta", "read_frame",

@@ -34,7 +34,8 @@ def check_tiling(name: str, shape: tuple[int, ...], boxes: list[tuple[str, tuple
         if inter.any():
             i, j = (int(x) for x in np.argwhere(inter)[0])
             raise ConfigError(f"tensor {name!r}: owners {boxes[i][0]} and {boxes[j][0]} both own elements of "
-                              f"{tuple(np.maximum(lo[i], lo[j]).tolist())}..{tuple(np.minimum(hi[i], hi[j]).tolist())}: each "
+                              f"{tuple(np.maximum(lo[i], lo[j]).tolist())}.."
+                              f"{tuple(np.minimum(hi[i], hi[j]).tolist())}: each "
                               f"canonical element needs exactly one owner (replicas split replicated tensors)")
     covered = int(np.prod(hi - lo, axis=1).sum())
     if covered != numel:

@@ -175,7 +175,8 @@ def stacked_experts(local_shape: tuple[int, ...], names: Callable[[int], str | S
     return ShardSpec(local_shape, tuple(cells), cuts)
 
 
-def experts_from_dtensor(t: torch.Tensor, names: Callable[[int], str | Sequence[str]]) -> tuple[torch.Tensor, ShardSpec] | None:
+def experts_from_dtensor(t: torch.Tensor,
+                         names: Callable[[int], str | Sequence[str]]) -> tuple[torch.Tensor, ShardSpec] | None:
     """This rank's share of a stacked expert DTensor (``[experts, ...]``, e.g. transformers'
     ``mlp.experts.gate_up_proj`` sharded by FSDP2 or expert parallelism along the experts) as a
     :func:`stacked_experts` spec onto the per-expert checkpoint tensors ``names(e)``."""
@@ -190,4 +191,5 @@ def experts_from_dtensor(t: torch.Tensor, names: Callable[[int], str | Sequence[
     return local, stacked_experts(tuple(local.shape), names, first_expert=box.start[0])
 
 
-__all__ = ["experts_from_dtensor", "from_dtensor", "fused_gate_up", "fused_qkv", "replicated_share", "row_slice", "stacked_experts"]
+__all__ = ["experts_from_dtensor", "from_dtensor", "fused_gate_up", "fused_qkv", "replicated_share", "row_slice",
+           "stacked_experts"]

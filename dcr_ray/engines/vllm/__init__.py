@@ -57,7 +57,8 @@ Modules:
 - :mod:`~dcr_ray.engines.vllm.transfer`   the ``dcr`` backend of vLLM's weight-transfer API (every worker)
 - :mod:`~dcr_ray.engines.vllm.receiver`   one worker's host mirror: frames in, fused groups reloaded
 - :mod:`~dcr_ray.engines.vllm.plugin`     the vLLM plugin that registers the ``dcr`` backend
-- :mod:`~dcr_ray.integrations.vllm.trainer`    the ``dcr`` backend's trainer side (vLLM's ``WeightTransferTrainerFactory``)
+- :mod:`~dcr_ray.integrations.vllm.trainer`    the ``dcr`` backend's trainer side
+  (vLLM's ``WeightTransferTrainerFactory``)
 - :mod:`~dcr_ray.engines.vllm.adopted`    :class:`AdoptedVllmEngine` / :class:`AdoptedVllmServer`: refit
   engines dcr_ray did not start (Ray actors, or ``vllm serve`` processes by URL)
 - :mod:`~dcr_ray.engines.vllm.sync`       how the weight-transfer calls travel: in process, Ray handles or HTTP

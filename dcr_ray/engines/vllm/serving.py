@@ -20,7 +20,8 @@ def greedy(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int)
     for o in llm.generate(prompts, sp, use_tqdm=False):
         c = o.outputs[0]
         ids = list(c.token_ids)
-        result.append({"token_ids": ids, "logprobs": [float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)]})
+        logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)]
+        result.append({"token_ids": ids, "logprobs": logprobs})
     return result
 
 
