@@ -150,9 +150,14 @@ class StandaloneOwner(OwnerMixin):
 
 
 # -- reaching an owner -----------------------------------------------------------------------------------
+def _owners_in(actor: Any) -> list[Owner]:
+    """The :class:`Owner` s an actor instance keeps in its attributes."""
+    return [v for v in vars(actor).values() if isinstance(v, Owner)]
+
+
 def held_owner(actor: Any) -> Owner:
     """The one :class:`Owner` an actor instance keeps in an attribute (run inside the actor)."""
-    found = [v for v in vars(actor).values() if isinstance(v, Owner)]
+    found = _owners_in(actor)
     if len(found) != 1:
         raise ConfigError(f"{type(actor).__name__} holds {len(found)} dcr_ray.Owner attributes: an owner actor "
                           f"keeps exactly one (self.dcr = dcr_ray.Owner(...)) or mixes in dcr_ray.OwnerMixin")
@@ -164,7 +169,7 @@ def _call_held(actor: Any, call: str, *args, **kwargs):
 
 
 def _holds_owner(actor: Any) -> bool:
-    return isinstance(actor, OwnerMixin) or sum(isinstance(v, Owner) for v in vars(actor).values()) == 1
+    return isinstance(actor, OwnerMixin) or len(_owners_in(actor)) == 1
 
 
 class _HeldCall:
