@@ -98,10 +98,26 @@ def world(local_ray, tmp_path_factory):
     user, ref = _engine(ckpt0), _engine(ckpt1)
     ray.get(user.init_weight_transfer_engine.remote({"init_info": {"checkpoint": ckpt0, "version": 0}}))
     try:
-        yield {"user": user, "states": states, "ckpt": [ckpt0, ckpt1], "served": [_served(user), _served(ref)]}
+        yield {"user": user, "ref": ref, "states": states, "ckpt": [ckpt0, ckpt1],
+               "served": [_served(user), _served(ref)]}
     finally:
         ray.kill(user)
         ray.kill(ref)
+
+
+def test_a_refused_first_init_writes_nothing_and_the_engine_serves_what_it_served(world):
+    """The reference engine serves version 1's checkpoint and was never initialised. Its first init names
+    version 0's checkpoint (an adopted engine given the wrong ``checkpoint=``): the start-up check reloads
+    those bits, sees what the engine serves change, puts back what it served and proves it, then refuses.
+    Greedy outputs and every served digest (parameters, buffers, and each linear layer's packed kernel
+    through a probe) are as before; the right checkpoint is accepted after it."""
+    ref, (ckpt0, ckpt1), served = world["ref"], world["ckpt"], world["served"]
+    label = ray.get(ref.get_weight_version.remote())
+    with pytest.raises(ray.exceptions.RayTaskError, match="init refused, nothing served changed"):
+        ray.get(ref.init_weight_transfer_engine.remote({"init_info": {"checkpoint": ckpt0, "version": 0}}))
+    assert _served(ref) == served[1] and ray.get(ref.get_weight_version.remote()) == label
+    ray.get(ref.init_weight_transfer_engine.remote({"init_info": {"checkpoint": ckpt1, "version": 1}}))
+    assert _served(ref) == served[1]
 
 
 def test_a_refused_update_moves_nothing_and_the_next_update_from_the_served_version_is_exact(world):
@@ -147,14 +163,15 @@ def test_after_shutdown_a_trainer_reconnects_from_the_version_the_engine_serves(
     assert _served(user) == served[1]
 
 
-def test_at_tp2_refusals_come_back_as_statuses_so_every_next_call_gets_its_own_answer_and_an_update_is_exact(
+def test_at_tp2_a_refused_update_raises_from_vllms_own_call_before_the_label_moves_and_replies_stay_in_step(
         local_ray, tmp_path):
-    """Two workers. vLLM's collective_rpc reads replies rank by rank and stops at the first that raised,
-    so a worker that raised its "no" would leave rank 1's reply queued for the next call. The engine is
-    started from another checkpoint than the owners' version 0: its digest check is refused, a frame
-    signed with another key is refused, and after each the next calls get their own answers (both
-    ranks echo the request's nonce); then the whole update lands, the version label moves only then,
-    and the engine serves exactly what a fresh TP=2 engine on the target checkpoint serves."""
+    """Two workers, driven by vLLM's own calls as a trainer following vLLM's contract drives them. A
+    corrupted frame, a wrong base and a refused digest check each raise from ``update_weights`` (the
+    workers agree, every rank resets its update and closes vLLM's session, the last rank raises), so the
+    trainer never reaches ``finish_weight_update(weight_version)`` and the label never moves; after each,
+    both ranks answer the next call with its own reply (the request's nonce) and serve exactly what they
+    served. dcr_ray's proxy reads the same refusals. Then the whole update lands, the label moves only
+    then, and the engine serves exactly what a fresh TP=2 engine on the target checkpoint serves."""
     from dcr_ray.codec import read_frame
     from dcr_ray.engines.vllm.adopted import WeightSyncBackend
     from dcr_ray.engines.vllm.sync import RayWeightSync
@@ -177,21 +194,28 @@ def test_at_tp2_refusals_come_back_as_statuses_so_every_next_call_gets_its_own_a
             assert [(r["rank"], r["nonce"], r["session"]) for r in replies] == [(0, nonce, False), (1, nonce, False)]
             assert ray.get(user.get_weight_version.remote()) == label and _served(user) == before
 
-        assert backend.matches_digests(0, _digests(owners)) is False  # a refused digest check, decided here
+        good = _frames(other, target, 0, "t1")
+        corrupt = bytearray(good[0])
+        corrupt[len(corrupt) // 2] ^= 0x10
+        boxes = [[n, list(a), list(b), d] for (n, a, b), d in _digests(owners).items()]
+        for case, info, why in [
+                ("corrupted frame", {"base": 0, "target": 1, "frames": [bytes(corrupt)]}, "digest does not match"),
+                ("wrong base", {"base": 5, "target": 6, "frames": good}, "holds version 0"),
+                ("refused digest check", {"base": 0, "target": 0, "verify": boxes}, "does not serve the committed")]:
+            ray.get(user.start_weight_update.remote())
+            with pytest.raises(ray.exceptions.RayTaskError,
+                               match=f"(?s)update refused by 2 of 2 vLLM workers.*rank 0: .*{why}.*rank 1: .*{why}"):
+                ray.get(user.update_weights.remote({"update_info": info}))
+            own_answers(f"after-{case}")
+        # dcr_ray's proxy makes the same calls: a refused digest check is a "no", a wrongly signed frame a
+        # BackendError naming both ranks' reasons
+        assert backend.matches_digests(0, _digests(owners)) is False
         specs = backend.tensor_specs()
         signed = _frames(other, target, 0, "t1", key=b"another-key")[0]
-        # the next call gets its own answer (not the digest check's): a refused frame, both ranks say why
         with pytest.raises(BackendError, match="update refused: replica 0 rank 0: .*digest does not match"):
             backend.apply_wire(signed, read_frame(signed, shapes=specs, expect_base=0, key=b"another-key"))
         own_answers("after-refused-frame")
-        # the raw vLLM calls at TP=2: a "no" is a status, not a raise, and the session closes cleanly
-        ray.get(user.start_weight_update.remote())
-        ray.get(user.update_weights.remote({"update_info": {"base": 5, "target": 6, "frames": []}}))
-        replies = ray.get(user.collective_rpc.remote("dcr_transfer_status", args=("raw",)))
-        assert all(not r["ok"] and "holds version 0" in r["error"] for r in replies)
-        ray.get(user.finish_weight_update.remote())
-        own_answers("after-raw-refusal")
-        for f in _frames(other, target, 0, "t1"):
+        for f in good:
             backend.apply_wire(f, read_frame(f, shapes=specs, expect_base=0))
         backend.flush()
         assert ray.get(user.get_weight_version.remote()) == "1"

@@ -85,14 +85,16 @@ class Server:
             return f.read()[-n:]
 
     def greedy(self) -> list[dict]:
-        """Greedy continuations through the OpenAI completions route (token ids in, ids and logprobs out)."""
-        r = requests.post(f"{self.url}/v1/completions", timeout=60, json={
-            "model": SERVED, "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0,
-            "ignore_eos": True, "return_tokens_as_token_ids": True})
-        r.raise_for_status()
+        """Greedy continuations through the OpenAI completions route (token ids in, ids and logprobs out),
+        one request per prompt, one after the other: the server then runs the batch shapes an ``LLM`` runs
+        with ``greedy(..., one_by_one=True)``, so logprobs compare bit for bit whatever its scheduler does."""
         out = []
-        for c in sorted(r.json()["choices"], key=lambda c: c["index"]):
-            lp = c["logprobs"]
+        for prompt in PROMPTS:
+            r = requests.post(f"{self.url}/v1/completions", timeout=60, json={
+                "model": SERVED, "prompt": [prompt], "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0,
+                "ignore_eos": True, "return_tokens_as_token_ids": True})
+            r.raise_for_status()
+            lp = r.json()["choices"][0]["logprobs"]
             out.append({"token_ids": [int(t.split(":", 1)[1]) for t in lp["tokens"]],
                         "logprobs": lp["token_logprobs"]})
         return out
@@ -118,7 +120,7 @@ def _fresh_engine_outputs(checkpoint: str) -> list[dict]:
     fresh = ray.remote(num_cpus=0, runtime_env=VLLM_CPU_RUNTIME_ENV)(LLM).remote(
         model=checkpoint, enforce_eager=True, skip_tokenizer_init=True, seed=0, distributed_executor_backend="uni")
     try:
-        return ray.get(fresh.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS))
+        return ray.get(fresh.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS, one_by_one=True))
     finally:
         ray.kill(fresh)
 

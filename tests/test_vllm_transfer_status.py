@@ -1,12 +1,17 @@
 """The ``dcr`` backend's status protocol on one worker's engine, without a vLLM engine (fast).
 
-With one worker a refusal raises (vLLM's contract); with two or more it is recorded and returned, never
-raised, so vLLM's ``collective_rpc`` stays in step; the driver reads it through the worker method the
-plugin adds. The real engines (TP=1 and TP=2) are exercised in ``test_vllm_failures.py``.
+With one worker a refusal raises (vLLM's contract). With two or more the workers agree on the outcome
+(:mod:`dcr_ray.engines.vllm.ranks`): every rank resets its update and closes vLLM's session, and only the
+last rank raises, so vLLM's ``collective_rpc`` stays in step and the caller's call raises. Here two
+engines agree through an in-memory all-gather in two threads; an engine that cannot agree (built
+outside vLLM's worker) records the refusal and returns. The real engines (TP=1 and TP=2) are exercised
+in ``test_vllm_failures.py``.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +39,7 @@ def test_with_one_worker_an_update_before_init_raises_a_runtime_error_saying_not
     assert engine.transfer_status()["ok"] is True
 
 
-def test_with_two_workers_a_refusal_is_recorded_and_returned_never_raised():
+def test_two_workers_that_cannot_agree_record_a_refusal_and_return_it_never_raised():
     engine = _engine(2)
     engine.update_weights({"base": 0, "target": 1})
     assert engine.transfer_status()["ok"] is False and "not initialized" in engine.transfer_status()["error"]
@@ -66,3 +71,112 @@ def test_the_plugin_gives_vllms_workers_a_status_method_that_echoes_the_nonce_an
     assert (st["nonce"], st["rank"], st["session"], st["op"], st["ok"]) == ("n-7", 1, True, "update", False)
     bare = dcr_transfer_status(SimpleNamespace(rank=0), "n-8")
     assert bare["ok"] is False and "no dcr weight-transfer engine" in bare["error"] and bare["nonce"] == "n-8"
+
+
+class _Gather:
+    """An all-gather among ``size`` threads (what vLLM's CPU process groups do across worker processes)."""
+
+    def __init__(self, size: int):
+        self.size, self.items, self.barrier = size, [None] * size, threading.Barrier(size)
+
+    def ranks(self, rank: int):
+        gather = self
+
+        class Ranks:
+            def __init__(self):
+                self.rank, self.size = rank, gather.size
+
+            def gather(self, item):
+                gather.items[rank] = item
+                gather.barrier.wait()
+                out = list(gather.items)
+                gather.barrier.wait()
+                return out
+
+        return Ranks()
+
+
+class _Worker:
+    """Stands in for vLLM's worker: its update session flag (what vLLM's own worker methods check)."""
+
+    def __init__(self, rank: int):
+        self.rank, self._weight_update_active, self.model_runner = rank, True, None
+
+
+def _agreeing_pair():
+    """Two engines of one TP=2 engine, each with its (stand-in) vLLM worker, its session open."""
+    group = _Gather(2)
+    pair = []
+    for rank in range(2):
+        engine = _engine(2)
+        worker = _Worker(rank)
+        engine._worker, engine._ranks = weakref.ref(worker), group.ranks(rank)
+        engine.receiver = SimpleNamespace(target=None, version=0, reset=lambda: None, invalidate=lambda: None)
+        pair.append((engine, worker))
+    return pair
+
+
+def _both(pair, call):
+    """``call(engine)`` on both ranks at once; what each raised (None: returned)."""
+    raised = [None, None]
+
+    def run(i):
+        try:
+            call(pair[i][0])
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            raised[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return raised
+
+
+def test_when_one_rank_refuses_every_rank_resets_and_closes_its_session_and_only_the_last_raises():
+    pair = _agreeing_pair()
+    resets = []
+    for rank, (engine, _) in enumerate(pair):
+        engine.receiver.reset = lambda rank=rank: resets.append(rank)
+
+    def update(engine):
+        if engine._ranks.rank == 0:  # rank 0's frame is refused, rank 1's is fine
+            engine.receive_weights = lambda info: (_ for _ in ()).throw(ConfigError("bad frame on rank 0"))
+        else:
+            engine.receive_weights = lambda info: None
+        engine.update_weights({"base": 0, "target": 1})
+
+    raised = _both(pair, update)
+    assert raised[0] is None  # vLLM's executor reads rank 0's reply first: it must be a plain reply
+    assert isinstance(raised[1], RuntimeError) and "rank 0: ConfigError: bad frame on rank 0" in str(raised[1])
+    assert sorted(resets) == [0, 1]
+    assert [w._weight_update_active for _, w in pair] == [False, False]  # every session closed alike
+    st = [e.transfer_status() for e, _ in pair]
+    assert [s["ok"] for s in st] == [False, False] and "another worker refused" in st[1]["error"]
+
+
+def test_when_every_rank_accepts_nothing_is_raised_and_the_sessions_stay_open():
+    pair = _agreeing_pair()
+    for engine, _ in pair:
+        engine.receive_weights = lambda info: None
+    assert _both(pair, lambda e: e.update_weights({"base": 0, "target": 1})) == [None, None]
+    assert [w._weight_update_active for _, w in pair] == [True, True]
+    assert [e.transfer_status()["ok"] for e, _ in pair] == [True, True]
+
+
+def test_a_refused_init_on_one_rank_installs_no_receiver_on_any_rank():
+    pair = _agreeing_pair()
+    for engine, _ in pair:
+        engine.receiver = None
+
+    def init(engine):
+        if engine._ranks.rank == 1:
+            engine._init = lambda info: (_ for _ in ()).throw(ConfigError("wrong checkpoint on rank 1"))
+        else:
+            engine._init = lambda info: "a receiver"
+        engine.init_transfer_engine(DcrInitInfo(checkpoint="/ckpt"))
+
+    raised = _both(pair, init)
+    assert raised[0] is None and "rank 1: ConfigError: wrong checkpoint" in str(raised[1])
+    assert [e.receiver for e, _ in pair] == [None, None]

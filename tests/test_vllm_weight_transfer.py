@@ -394,13 +394,13 @@ def test_a_trainer_in_another_process_sends_through_vllms_clients_and_the_engine
             assert sent["ray"]["changed"] == sent["http"]["changed"] > 0
         state = ray.get(trainer.rollout_state.remote())
         assert ray.get(llm.get_weight_version.remote()) == "2" and server.weight_version() == "2"
-        got_ray = ray.get(llm.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS))
+        got_ray = ray.get(llm.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS, one_by_one=True))
         got_http = server.greedy()
         digests = ray.get(llm.__ray_call__.remote(served_digests))
         assert served_bits_equal(server.url, 2, state)  # the server's workers hold exactly these bits
         fresh = make.remote(model=write_checkpoint(ckpt, str(tmp_path / "v2"), state), enforce_eager=True,
                             skip_tokenizer_init=True, seed=0, distributed_executor_backend="uni")
-        want = ray.get(fresh.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS))
+        want = ray.get(fresh.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS, one_by_one=True))
         assert digests == ray.get(fresh.__ray_call__.remote(served_digests))  # every served tensor's bits
     finally:
         server.stop()

@@ -16,7 +16,7 @@ with every tensor (a full dense reload: slow but exact).
 A reload must equal a fresh load, so after it the worker runs what a fresh start runs and the reload
 skips: :func:`reprocess_moe_experts` (the fused-experts post-load step) and :func:`reprocess_aliases`
 (modules that only *alias* a reloaded parameter, e.g. a tied ``lm_head``). The backend proves the
-result per model at start-up by comparing :func:`~dcr_ray.engines.vllm.storage.storage_digests`
+result per model at start-up by comparing :func:`~dcr_ray.engines.vllm.served.served_fingerprint`
 before and after a reload of the checkpoint's own bits.
 """
 

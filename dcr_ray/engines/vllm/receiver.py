@@ -52,7 +52,7 @@ from dcr_ray.engines.vllm.capture import LoaderCapture
 from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
 from dcr_ray.engines.vllm.groups import fused_groups, reload_groups, whole_groups
-from dcr_ray.engines.vllm.storage import storage_digests
+from dcr_ray.engines.vllm.served import ServedSnapshot, served_fingerprint
 from dcr_ray.errors import BackendError, ConfigError, EngineStateError
 
 #: Bound on one frame's decompressed size in a worker: two of the largest bucket a sender may use.
@@ -74,6 +74,7 @@ class MirrorReceiver:
         self.model = model
         self.vllm_config = vllm_config
         self.key = key
+        self.checkpoint = checkpoint
         self.version = version
         self.keep_undo = keep_undo
         files = checkpoint_files(checkpoint)
@@ -116,22 +117,48 @@ class MirrorReceiver:
         return self.capture.summary() if self.capture is not None else {}
 
     def check_reload_is_a_fresh_load(self) -> None:
-        """Reload the checkpoint's own bits through :meth:`finish`'s path; refuse if any served bit moves."""
+        """Reload the checkpoint's own bits through :meth:`finish`'s path; refuse if anything served moves.
+
+        What is served is compared by :func:`~dcr_ray.engines.vllm.served.served_fingerprint` (every
+        parameter and buffer, and each linear layer's packed kernel through a probe). A refusal writes
+        nothing: the reload is preceded by a :class:`~dcr_ray.engines.vllm.served.ServedSnapshot`, which
+        is put back and proven equal to the fingerprint taken before the reload, so an engine given the
+        wrong checkpoint goes on serving exactly what it served."""
         if not self.mirror:
             self.mirror_is_served = True
             return  # every tensor is written through captured copies: no reload path to check
-        before = storage_digests(self.model)
-        reload_groups(self.model, self.vllm_config, self._items(self.mirror))
-        after = storage_digests(self.model)
+        before = served_fingerprint(self.model)
+        snapshot = ServedSnapshot(self.model)
+        try:
+            reload_groups(self.model, self.vllm_config, self._items(self.mirror))
+            after = served_fingerprint(self.model)
+        except BaseException as e:
+            self._put_back(snapshot, before, f"the reload raised {type(e).__name__}: {e}")
+            raise
         changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
         if changed:
+            self._put_back(snapshot, before, f"the reload changed {len(changed)} served tensor(s) or layer(s)")
+            started = getattr(getattr(self.vllm_config, "model_config", None), "model", None)
             raise BackendError(
-                f"vLLM's weight reload is not a fresh load for this model: reloading the checkpoint's own bits "
-                f"changed {len(changed)} parameter(s), e.g. {changed[:4]}; dcr_ray cannot refit it exactly on "
-                f"this vLLM version, so the dcr weight-transfer backend refuses to start (or the engine "
-                f"was not started from the checkpoint given to init_weight_transfer_engine; mode='capture' on "
-                f"CUDA avoids the reload path)")
+                f"init refused, nothing served changed: reloading the checkpoint {self.checkpoint!r} is not a "
+                f"fresh load of what this worker serves: it changed {len(changed)} served tensor(s) or layer(s) "
+                f"(e.g. {changed[:4]}); the bits served before were put back and proven unchanged on integer "
+                f"views and on each linear layer's output. Either that checkpoint is not the one the engine "
+                f"serves (it was started from {started!r}: give that directory, or one holding the same bits), "
+                f"or vLLM's weight reload is not a fresh load for this model on this vLLM version and dcr_ray "
+                f"cannot refit it exactly (mode='capture' on CUDA avoids the reload path)")
         self.mirror_is_served = True
+
+    def _put_back(self, snapshot: "ServedSnapshot", before: dict[str, str], why: str) -> None:
+        """Restore what the worker served before a refused check; :class:`BackendError` if the restored
+        worker does not fingerprint as it did (it must then be restarted)."""
+        snapshot.restore()
+        now = served_fingerprint(self.model)
+        differ = sorted(n for n in before.keys() | now.keys() if before.get(n) != now.get(n))
+        if differ:
+            raise BackendError(f"the start-up reload check failed ({why}) and putting back what this worker "
+                               f"served did not restore {len(differ)} tensor(s) or layer(s) (e.g. {differ[:4]}): "
+                               f"it no longer serves its start-up weights; restart the engine")
 
     def apply(self, frames: list[bytes], base: int, target: int) -> int:
         """Frames of the update ``base -> target``: the first call opens it (or reopens it, when it is the
@@ -252,6 +279,12 @@ class MirrorReceiver:
             raise EngineStateError(f"commit of version {version} inside the open update {self.base}->{self.target}")
         self._drop_kept()
         self.version = version
+
+    def invalidate(self) -> None:
+        """This worker's version is unknown from now on (another rank of its engine failed the finish this
+        one completed, so the engine serves no single version): only dense frames open the next update."""
+        self._drop_kept()
+        self.version = None
 
     def _drop_kept(self) -> None:
         self.kept_update = None

@@ -5,12 +5,18 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 
-def greedy(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int) -> list[dict]:
+def greedy(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int, *,
+           one_by_one: bool = False) -> list[dict]:
     """Greedy continuations (temperature 0, EOS ignored, so exactly ``max_tokens`` tokens) of ``llm``.
 
     One ``{"token_ids": [...], "logprobs": [...]}`` per prompt: the log-probability of each chosen
     token. Also usable on an ``LLM`` actor: ``handle.__ray_call__.remote(greedy, prompts, n)``.
+    ``one_by_one``: each prompt is generated on its own. Logprobs are compared bit for bit, and a CPU
+    GEMM's rounding may depend on how many rows it multiplies, so an engine compared with a server
+    (whose scheduler batches requests as they arrive) must run the same batch shapes: one prompt at a time.
     """
+    if one_by_one:
+        return [out for p in prompt_token_ids for out in greedy(llm, [p], max_tokens)]
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -26,13 +32,14 @@ def greedy(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int)
 
 
 def served_digests(llm: Any) -> list[dict[str, str]]:
-    """Per worker, the digest of every parameter and buffer the engine serves with
-    (:func:`~dcr_ray.engines.vllm.storage.storage_digests`), read from the workers themselves. Also usable on
+    """Per worker, the digest of every parameter and buffer the engine serves with and of each linear
+    layer's kernel output on a probe (:func:`~dcr_ray.engines.vllm.served.served_fingerprint`: on CPU the
+    packed linear weights live outside the parameters), read from the workers themselves. Also usable on
     an ``LLM`` actor: ``handle.__ray_call__.remote(served_digests)``."""
     return llm.collective_rpc(_worker_digests)
 
 
 def _worker_digests(worker: Any) -> dict[str, str]:
-    from dcr_ray.engines.vllm.storage import storage_digests
+    from dcr_ray.engines.vllm.served import served_fingerprint
 
-    return storage_digests(worker.get_model())
+    return served_fingerprint(worker.get_model())

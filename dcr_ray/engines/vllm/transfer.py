@@ -41,15 +41,19 @@ the previous receiver in place. How a "no" reaches the caller depends on the eng
   (``update_weights`` before ``init_weight_transfer_engine`` raises :class:`NotInitializedError`, a
   ``RuntimeError``; ``start_weight_update`` / ``finish_weight_update`` before it are accepted, as
   vLLM's built-in backends accept them: nothing to prepare, nothing open);
-- two or more (tensor / pipeline parallel): the call never raises for a "no". vLLM's multiprocessing
-  ``collective_rpc`` reads replies rank by rank and raises at the first failing rank, leaving the later
-  ranks' replies queued, so every later call would read the answer to an earlier one. The worker
-  records the refusal and returns; the driver reads every rank's outcome with
+- two or more (tensor / pipeline parallel): the workers agree on the outcome first (an all-gather of
+  every rank's error over vLLM's CPU groups, :mod:`~dcr_ray.engines.vllm.ranks`). Any rank's "no"
+  resets the update on every rank and closes vLLM's update session on every rank, and only the last
+  rank raises, naming every refusing rank's reason: vLLM's multiprocessing ``collective_rpc`` reads
+  replies rank by rank and stops at the first failure, so the earlier ranks' replies have been read and
+  the next call gets its own answers. The call the trainer made raises (``update_weights`` for a bad
+  frame, a refused digest check or a wrong base), so ``finish_weight_update(weight_version)`` is never
+  reached and the version label does not move. Every rank's outcome stays readable with
   ``collective_rpc("dcr_transfer_status", args=(nonce,))`` (a worker method the plugin adds, see
   :mod:`~dcr_ray.engines.vllm.plugin`; the reply echoes ``nonce``, carries ``seq`` so it cannot be
-  taken for another call's, and says whether vLLM's update ``session`` is still open) and decides.
-  A refused ``update_weights`` leaves vLLM's session open there: close it with
-  ``finish_weight_update()`` without a version (it reloads nothing; the refused update was reset).
+  taken for another call's, and says whether vLLM's update ``session`` is still open). An engine
+  created outside vLLM's worker (no worker to close the session on, no process groups) only records a
+  "no" for a driver that reads the status.
 
 What a worker's receiver holds (its fused groups, the canonical tensors it serves, the last finish's
 statistics) is read, writing nothing, with ``collective_rpc(worker_query, args=(what, names))``
@@ -76,8 +80,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from dcr_ray.engines.vllm.ranks import EngineRanks, find_worker, vllm_ranks
 from dcr_ray.engines.vllm.receiver import MirrorReceiver
-from dcr_ray.errors import ConfigError, EngineStateError
+from dcr_ray.errors import BackendError, ConfigError, EngineStateError
 
 
 @dataclass
@@ -148,6 +153,11 @@ class NotInitializedError(EngineStateError, RuntimeError):
     """A weight-transfer call before ``init_weight_transfer_engine`` (vLLM's contract: a RuntimeError)."""
 
 
+class TransferRefused(BackendError, RuntimeError):
+    """Raised by the last worker of a tensor/pipeline-parallel engine when any worker refused a call;
+    names every refusing rank's reason (see :mod:`~dcr_ray.engines.vllm.ranks`)."""
+
+
 @dataclass
 class _RefusedInfo:
     """Init or update info that did not parse (world size >= 2: refused through the status, not raised)."""
@@ -171,6 +181,8 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self._shut_down: MirrorReceiver | None = None  # the receiver before shutdown (a reconnect checks it)
         self.last_finish: dict[str, int] = {}
         self._status: dict[str, Any] = {"seq": 0, "op": None, "ok": True, "error": None}
+        self._worker = find_worker()  # vLLM's worker creating this engine (its update session is closed here)
+        self._ranks: EngineRanks | None = None  # found at the first call: vLLM's groups exist by then
 
     # -- the status protocol ----------------------------------------------------------------------
     def transfer_status(self) -> dict[str, Any]:
@@ -180,24 +192,62 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         return {**self._status, "version": r.version if r is not None else None,
                 "open": r is not None and r.target is not None, "world_size": self.world_size}
 
-    def _run(self, op: str, fn, *args) -> None:
-        """``fn(*args)`` as call ``op``: recorded; on failure the open update is reset (never a refused
-        init: it leaves the previous receiver and its update alone) and, with one worker, raised."""
+    def _agreement(self) -> EngineRanks | None:
+        """The workers to agree with (:mod:`~dcr_ray.engines.vllm.ranks`), or None: one worker, or no way
+        to keep vLLM's sessions in step (then a "no" is only recorded, for a driver that reads the status)."""
+        if self.world_size > 1 and self._ranks is None and self._worker is not None:
+            self._ranks = vllm_ranks(self.world_size)
+        return self._ranks
+
+    def _run(self, op: str, fn, *args) -> Any:
+        """``fn(*args)`` as call ``op``, its outcome recorded. With one worker a failure resets the open
+        update (never a refused init: it leaves the previous receiver and its update alone) and raises.
+        With several, the outcome is agreed among them first (:mod:`~dcr_ray.engines.vllm.ranks`): any
+        rank's failure resets every rank's update and closes vLLM's session on every rank, and the last
+        rank raises with every rank's reason. Returns ``fn``'s result when every rank succeeded."""
         seq = self._status["seq"] + 1
+        error, result, raised = None, None, None
         try:
-            fn(*args)
+            result = fn(*args)
         except Exception as e:
-            if op != "init" and self.receiver is not None:
-                self.receiver.reset()  # the mirror is back at its base, the version unmoved
-            self._status = {"seq": seq, "op": op, "ok": False, "error": f"{type(e).__name__}: {e}"}
-            if self.world_size == 1:
-                raise
-            return  # world size >= 2: a raise would desynchronize vLLM's collective_rpc; the driver reads this
+            error, raised = f"{type(e).__name__}: {e}", e
         except BaseException:
             if self.receiver is not None:
                 self.receiver.reset()
             raise
-        self._status = {"seq": seq, "op": op, "ok": True, "error": None}
+        ranks = self._agreement()
+        failed = [] if error is None else [(0, error)]
+        if ranks is not None:
+            failed = [(r, e) for r, e in enumerate(ranks.gather(error)) if e is not None]
+        if not failed:
+            self._status = {"seq": seq, "op": op, "ok": True, "error": None}
+            return result
+        if op != "init" and self.receiver is not None:
+            self.receiver.reset()  # the mirror is back at its base, the version unmoved
+            if op == "finish" and error is None:
+                self.receiver.invalidate()  # this rank reloaded, another did not: the engine holds no version
+        if ranks is None:
+            self._status = {"seq": seq, "op": op, "ok": False, "error": error}
+            if self.world_size == 1:
+                raise raised
+            return None  # no agreement possible: a raise would desynchronize collective_rpc; the driver reads this
+        reasons = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        self._status = {"seq": seq, "op": op, "ok": False,
+                        "error": error if error is not None else f"another worker refused ({reasons})"}
+        if op in ("update", "finish"):
+            self._close_session()
+        if ranks.rank == ranks.size - 1:
+            raise TransferRefused(f"{op} refused by {len(failed)} of {ranks.size} vLLM workers, every worker's "
+                                  f"update reset and the version unmoved: {reasons}") from raised
+        return None
+
+    def _close_session(self) -> None:
+        """Close vLLM's update session on this worker, as the worker does itself when ``update_weights``
+        raises, so every rank's session agrees after a refusal whichever rank raised."""
+        worker = self._worker() if self._worker is not None else None
+        if worker is not None:
+            worker._weight_update_active = False
+        self.reset_weight_update_target()
 
     # -- vLLM's calls ---------------------------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> DcrInitInfo:
@@ -209,7 +259,9 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             return _RefusedInfo(f"{type(e).__name__}: {e}")  # type: ignore[return-value]
 
     def init_transfer_engine(self, init_info: DcrInitInfo) -> None:
-        self._run("init", self._init, init_info)
+        receiver = self._run("init", self._init, init_info)
+        if receiver is not None:  # every worker accepted it
+            self.receiver, self._shut_down = receiver, None
 
     def start_weight_update(self) -> None:
         # nothing to prepare: frames land in the mirror, the reload runs at finish. Accepted before
@@ -240,7 +292,9 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self._status = {"seq": self._status["seq"] + 1, "op": "shutdown", "ok": True, "error": None}
 
     # -- the work -------------------------------------------------------------------------------------
-    def _init(self, init_info: DcrInitInfo) -> None:
+    def _init(self, init_info: DcrInitInfo) -> MirrorReceiver:
+        """The receiver ``init_info`` asks for, checked against what the worker serves (installed by the
+        caller once every worker accepted it; a refusal writes nothing)."""
         if isinstance(init_info, _RefusedInfo):
             raise ConfigError(f"init_weight_transfer_engine: {init_info.error}")
         key = bytes.fromhex(init_info.key) if init_info.key else None
@@ -256,7 +310,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             receiver.adopt_served(previous)  # shown without writing (a reload would overwrite what it serves)
         elif init_info.verify_reload:
             receiver.check_reload_is_a_fresh_load()
-        self.receiver, self._shut_down = receiver, None
+        return receiver
 
     def _receive(self, r: MirrorReceiver, update_info: DcrUpdateInfo) -> None:
         if isinstance(update_info, _RefusedInfo):

@@ -96,17 +96,17 @@ class DcrRolloutRayActor(_openrlhf_vllm_engine.RolloutRayActor.__ray_actor_class
         return await self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
     async def dcr_storage_digests(self) -> list[dict[str, str]]:
-        """Per vLLM worker: parameter/buffer name -> digest of the bits it serves with (for checks: two
-        engines serving the same weights give equal digests; see
-        :func:`~dcr_ray.engines.vllm.storage.storage_digests`)."""
+        """Per vLLM worker: parameter/buffer name (and ``probe:<linear layer>``) -> digest of the bits it serves
+        with (for checks: two engines serving the same weights give equal digests; see
+        :func:`~dcr_ray.engines.vllm.served.served_fingerprint`)."""
         return await self.llm.collective_rpc(_served_storage_digests)
 
 
 def _served_storage_digests(worker) -> dict[str, str]:
     """Runs inside a vLLM worker (sent by ``collective_rpc``; OpenRLHF's actor allows pickled callables)."""
-    from dcr_ray.engines.vllm.storage import storage_digests
+    from dcr_ray.engines.vllm.served import served_fingerprint
 
-    return storage_digests(worker.get_model())
+    return served_fingerprint(worker.get_model())
 
 
 #: The Ray actor class (what ``create_vllm_engines`` instantiates in place of ``RolloutRayActor``).
