@@ -16,26 +16,49 @@ Toy models, a toy trainer, link emulation and fault injection for tests and exam
 :mod:`dcr_ray.testing`, which the library itself never imports.
 """
 
-from dcr_ray.actors.owner import DeltaOwner, owned_names
-from dcr_ray.actors.held_owner import Owner, OwnerMixin, StandaloneOwner
-from dcr_ray.api import Refit, launch
-from dcr_ray.engines import HFEngine
-from dcr_ray.config import (
-    ClusterSpec,
-    CodecConfig,
-    CommitConfig,
-    EngineConfig,
-    OwnerConfig,
-    RefitConfig,
-    TransportConfig,
-)
-from dcr_ray.engines.base import checkpoint_state_dict
-from dcr_ray.errors import DcrError, RefitError
-from dcr_ray.report import RefitReport
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = [
-    "ClusterSpec", "CodecConfig", "CommitConfig", "DcrError", "DeltaOwner", "EngineConfig", "HFEngine",
-    "Owner", "OwnerConfig", "OwnerMixin", "Refit", "RefitConfig", "RefitError", "RefitReport", "StandaloneOwner",
-    "TransportConfig", "checkpoint_state_dict", "launch", "owned_names",
-]
+
+#: Public name -> the module that defines it. Imported on first use (PEP 562), so a process that needs
+#: one submodule (an engine or relay actor, a Ray task reading a commit record) does not import them all.
+_EXPORTS = {
+    "ClusterSpec": "dcr_ray.config", "CodecConfig": "dcr_ray.config", "CommitConfig": "dcr_ray.config",
+    "EngineConfig": "dcr_ray.config", "OwnerConfig": "dcr_ray.config", "RefitConfig": "dcr_ray.config",
+    "TransportConfig": "dcr_ray.config",
+    "DcrError": "dcr_ray.errors", "RefitError": "dcr_ray.errors",
+    "DeltaOwner": "dcr_ray.actors.owner", "owned_names": "dcr_ray.actors.owner",
+    "Owner": "dcr_ray.actors.held_owner", "OwnerMixin": "dcr_ray.actors.held_owner",
+    "StandaloneOwner": "dcr_ray.actors.held_owner",
+    "Refit": "dcr_ray.api", "launch": "dcr_ray.api",
+    "HFEngine": "dcr_ray.engines",
+    "checkpoint_state_dict": "dcr_ray.engines.base",
+    "RefitReport": "dcr_ray.report",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcr_ray' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # what static tools see
+    from dcr_ray.actors.held_owner import Owner, OwnerMixin, StandaloneOwner
+    from dcr_ray.actors.owner import DeltaOwner, owned_names
+    from dcr_ray.api import Refit, launch
+    from dcr_ray.config import (ClusterSpec, CodecConfig, CommitConfig, EngineConfig, OwnerConfig, RefitConfig,
+                                TransportConfig)
+    from dcr_ray.engines import HFEngine
+    from dcr_ray.engines.base import checkpoint_state_dict
+    from dcr_ray.errors import DcrError, RefitError
+    from dcr_ray.report import RefitReport

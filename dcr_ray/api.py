@@ -39,6 +39,7 @@ from dcr_ray.engines.base import EngineBackend
 from dcr_ray import progress
 from dcr_ray.errors import ConfigError, RefitError, RefitTimeoutError
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, OWNER_PREFIX
+from dcr_ray.refit_call import answer_refit, coordinator_gone, forget_topology, remember_topology, topology_commit_dir
 from dcr_ray.options import actor_options as ray_options  # launch's actor_options parameter shadows the name
 from dcr_ray.relay.transport import Transport
 from dcr_ray.report import RefitReport
@@ -54,15 +55,28 @@ class Refit:
     :meth:`run` is the blocking shortcut.
     """
 
-    def __init__(self, actor, namespace: str = NAMESPACE):
+    def __init__(self, actor, namespace: str = NAMESPACE, commit_dir: str | None = None):
         self._actor = actor
         self.namespace = namespace
+        self._commit_dir = commit_dir
 
     @classmethod
     def get(cls, namespace: str = NAMESPACE) -> "Refit":
-        """The topology launched earlier in this Ray cluster (by any driver) in ``namespace``; ``ValueError``
-        when none runs there."""
-        return cls(ray.get_actor(COORDINATOR_NAME, namespace=namespace), namespace)
+        """The topology launched earlier in this Ray cluster (by any driver) in ``namespace``.
+
+        When no coordinator answers there: :class:`~dcr_ray.errors.CoordinatorGoneError` if a topology
+        was launched there and not shut down (its coordinator died for good; the error names the version
+        the commit record holds and the ``launch(..., resume=True)`` call that carries on), else
+        :class:`~dcr_ray.errors.ConfigError`. Both are ``ValueError``\ s."""
+        commit_dir = topology_commit_dir(namespace)
+        try:
+            actor = ray.get_actor(COORDINATOR_NAME, namespace=namespace)
+        except ValueError:
+            if commit_dir is not None:
+                raise coordinator_gone(namespace, commit_dir) from None
+            raise ConfigError(f"no dcr_ray topology runs in namespace {namespace!r} of this Ray cluster: start one "
+                              f"with dcr_ray.launch(..., namespace={namespace!r})") from None
+        return cls(actor, namespace, commit_dir)
 
     def remote(self) -> ray.ObjectRef:
         """Start a refit; returns the ObjectRef of its :class:`RefitReport` (``ray.get`` it).
@@ -70,12 +84,14 @@ class Refit:
         The call carries a fresh request id. If the coordinator's process dies during the refit, Ray
         restarts it and retries the call: a refit whose commit record was already written is answered
         from the record (with a warning), one that had not committed runs again on the resumed
-        coordinator. Either way the answer is a report or a :class:`~dcr_ray.errors.RefitError`.
+        coordinator. Either way the answer is a report or a :class:`~dcr_ray.errors.RefitError`; a
+        coordinator gone for good answers :class:`~dcr_ray.errors.CoordinatorGoneError`, naming the
+        version its record holds and how to resume (:mod:`~dcr_ray.refit_call`).
         """
         return self._call(uuid.uuid4().hex)
 
     def _call(self, request: str) -> ray.ObjectRef:
-        return self._actor.refit.options(max_task_retries=REFIT_CALL_RETRIES).remote(request)
+        return answer_refit.remote(self._actor, request, REFIT_CALL_RETRIES, self.namespace, self._commit_dir)
 
     @property
     def actor(self):
@@ -175,6 +191,7 @@ class Refit:
             _remove_placement_groups(ns)
         _kill_named((OWNER_PREFIX,), namespace=ns)  # the owners launch(owner_tensors=...) made (detached)
         ray.kill(self._actor, no_restart=True)
+        forget_topology(ns)
 
 
 def launch(
@@ -284,7 +301,7 @@ def launch(
     n_eng = sum(c.started + len(c.adopt) for c in clusters)
     log.info("starting %d engines in %d clusters, %d owners, transport=%s; dense bootstrap...", n_eng,
              len(clusters), len(owners), config.transport.kind)
-    refit = Refit(actor, ns)
+    refit = Refit(actor, ns, config.commit.dir)
     limit = timeout_s if timeout_s is not None else config.commit.start_timeout_s
     try:
         try:
@@ -308,6 +325,7 @@ def launch(
             time.sleep(0.1)
         _kill_named(_TOPOLOGY_PREFIXES, keep=foreign, namespace=ns)
         raise
+    remember_topology(ns, config.commit.dir)
     return refit
 
 

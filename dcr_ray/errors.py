@@ -82,6 +82,13 @@ class RefitError(DcrError):
     """A refit did not commit. The message says which stage failed and why."""
 
 
+class CoordinatorGoneError(RefitError, ValueError):
+    """The topology's coordinator is gone for good (killed, or its node lost, past Ray's restarts). The
+    message names the version the commit record holds and the call that resumes the topology
+    (``dcr_ray.launch(..., resume=True)`` with the same ``CommitConfig.dir``). A ``ValueError`` too,
+    as ``Refit.get`` raised when no coordinator answered."""
+
+
 class RefitTimeoutError(RefitError, TimeoutError):
     """A stage of a refit did not finish within its configured timeout."""
 

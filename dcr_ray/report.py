@@ -52,6 +52,16 @@ class RefitReport:
     """Process CPU seconds per role and actor, from before ``prepare`` to after ``activate``:
     ``{"owners": {id: s}, "relays": {id: s}, "engines": {id: s}}`` (:mod:`dcr_ray.actors.cpu_clock`;
     an actor that did not answer its reading is missing)."""
+    from_record: bool = False
+    """The refit committed, but the coordinator that ran it restarted before answering: this report was
+    rebuilt from the commit record (version, transfer, the engines that hold it). Its per-stage seconds,
+    bytes, change counts and CPU readings were lost with that coordinator and are not zeros to read."""
+
+    @classmethod
+    def of_record(cls, record, warning: str) -> "RefitReport":
+        """What is known of a committed refit from its commit record alone (see :attr:`from_record`)."""
+        return cls(version=record.version, transfer=record.transfer, attempts=1, from_record=True,
+                   engine_versions={e: record.version for e in record.members}, warnings=[warning])
 
     @classmethod
     def from_stages(cls, *, version: int, transfer: str, attempts: int, sums: dict, acks: dict, link_bytes: dict,
@@ -103,6 +113,11 @@ class RefitReport:
         return d
 
     def __str__(self) -> str:
+        if self.from_record:
+            return (f"v{self.version} committed (transfer {self.transfer}; engines {sorted(self.engine_versions)} "
+                    f"hold it) | answered from the commit record: the coordinator restarted before answering, "
+                    f"and this refit's seconds, bytes and change counts were lost with it"
+                    + "".join(f"\n  warning: {w}" for w in self.warnings))
         s = self.seconds
         links = ", ".join(f"{c}: {b / 1e6:.2f} MB" for c, b in self.link_bytes.items())
         return (

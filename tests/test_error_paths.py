@@ -79,7 +79,9 @@ def test_a_history_line_that_cannot_be_appended_leaves_the_durable_record_commit
     os.makedirs(history)  # appending to it fails after the record is in place
     try:
         ray.get(trainer.step.remote(seed=20))
-        assert refit.run().version == v + 1
+        report = refit.run()
+        assert report.version == v + 1
+        assert any("history.jsonl could not be appended" in w for w in report.warnings), report.warnings
     finally:
         os.rmdir(history)
         shutil.move(history + ".kept", history)

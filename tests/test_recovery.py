@@ -70,6 +70,14 @@ def test_a_dead_engine_is_dropped_from_the_refit_and_comes_back_recreated_at_the
         ray.get(trainer.step.remote(seed=1))
         assert set(refit.run().engine_versions) == {"a/e0", "a/e1", "b/e0"}
         check_engines(refit, trainer)
+        # the whole of cluster b is lost: its engine heals from a peer of cluster a, and the report says so
+        ray.kill(refit.engines()["b/e0"])
+        ray.get(trainer.step.remote(seed=2))
+        report = refit.run()
+        assert any("b/e0 died" in w and "from a peer of another cluster: its whole cluster 'b' was lost" in w
+                   for w in report.warnings), report.warnings
+        refit.wait_healed(timeout=120)
+        check_engines(refit, trainer)
     finally:
         refit.shutdown()
 
@@ -125,6 +133,7 @@ def test_a_failure_after_the_commit_record_rolls_forward_and_is_reported_not_ret
         # committed and active on the engines, with the owner's failure reported
         assert report.version == 1 and report.retries == 0 and report.engine_versions == {"a/e0": 1}
         assert len(report.warnings) == 1 and "did not promote" in report.warnings[0]
+        assert "Refit.replace_owner(owner_id, handle)" in report.warnings[0]
         assert refit.status()["version"] == 1
         check_engines(refit, trainer)
         # the owner's baseline is still v0, so its next stream is refused with a clear error and

@@ -14,7 +14,7 @@ import torch
 
 import dcr_ray
 from dcr_ray.actors.commit import CommitLog, CommitRecord
-from dcr_ray.errors import CommitConflictError
+from dcr_ray.errors import CommitConflictError, CoordinatorGoneError
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE
 from dcr_ray.engines.base import checkpoint_state_dict
 from dcr_ray.testing.faults import TrainerThatKillsTheCoordinatorAtPromote
@@ -93,25 +93,34 @@ def test_a_crashed_coordinator_is_restarted_by_ray_and_resumes_with_the_same_eng
 
 
 @pytest.mark.slow
-def test_a_coordinator_killed_for_good_is_replaced_by_launch_with_resume(local_ray, tmp_path):
-    refit, owners = _launch(tmp_path, transport="object_store")
-    (trainer,) = owners
+def test_a_coordinator_killed_for_good_after_its_commit_says_so_and_launch_with_resume_carries_on(
+        local_ray, tmp_path):
+    """The coordinator dies for good inside a refit, right after the commit record: the call answers with a
+    DcrError naming the version it committed and the resume call (not Ray's ActorDiedError), and so does
+    ``Refit.get()``; engines keep serving that version, and ``launch(resume=True)`` carries on."""
+    trainer = ray.remote(num_cpus=0)(TrainerThatKillsTheCoordinatorAtPromote).remote(SPEC, lr=1e-3, for_good=True)
+    refit, owners = _launch(tmp_path, owners=[trainer], transport="object_store")
     try:
         ray.get(trainer.step.remote(seed=0))
-        assert refit.run().version == 1
-        engines = refit.engines()
-        ray.kill(refit.actor)  # no restart: engines, relays and owners keep running
+        with pytest.raises(CoordinatorGoneError, match=r"(?s)gone for good; this refit committed version 1 .*"
+                                                       r"resume=True"):
+            ray.get(refit.remote())
         _wait_gone(COORDINATOR_NAME)
-        assert all(ray.get(h.get_version.remote()) == 1 for h in engines.values())
+        with pytest.raises(CoordinatorGoneError, match=r"(?s)the commit record holds version 1 .*resume=True"):
+            dcr_ray.Refit.get()
         with pytest.raises(dcr_ray.errors.ConfigError, match="resume=True"):
             _launch(tmp_path, owners=owners, transport="object_store")  # a fresh launch on a used record...
         refit, _ = _launch(tmp_path, resume=True, owners=owners, transport="object_store")  # ...resume
-        assert refit.status()["version"] == 1 and refit.engines() == engines
+        assert refit.status()["version"] == 1
+        assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 1)
         ray.get(trainer.step.remote(seed=1))
         assert refit.run().version == 2
         check_engines(refit, trainer)
+        assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 2)
     finally:
         refit.shutdown()
+    with pytest.raises(dcr_ray.errors.ConfigError, match="no dcr_ray topology runs"):
+        dcr_ray.Refit.get()  # shut down: nothing to resume
 
 
 @pytest.mark.slow
@@ -186,8 +195,9 @@ def test_a_coordinator_killed_right_after_its_commit_record_answers_with_the_com
     try:
         ray.get(trainer.step.remote(seed=0))
         report = refit.run()  # the coordinator dies in this call, after the record; Ray retries the call
-        assert report.version == 1
+        assert report.version == 1 and report.from_record and report.engine_versions == {"a/e0": 1, "a/e1": 1}
         assert any("from the commit record" in w for w in report.warnings), report.warnings
+        assert "answered from the commit record" in str(report) and "elements changed" not in str(report)
         assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 1)
         ray.get(trainer.step.remote(seed=1))
         assert refit.run().version == 2  # not refit twice: the retried call did not make a version 2

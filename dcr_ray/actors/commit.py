@@ -55,6 +55,8 @@ class CommitLog:
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, "commit.json")
         self._lock_path = os.path.join(directory, ".lock")
+        #: what went wrong after the last durable record (history.jsonl not appended): for its report
+        self.warnings: list[str] = []
 
     def read(self) -> CommitRecord | None:
         try:
@@ -70,6 +72,7 @@ class CommitLog:
         :class:`CommitError` when the record could not be written (the committed version is unchanged).
         """
         record.time = record.time or time.time()
+        self.warnings = []
         try:
             with open(self._lock_path, "a+") as lk:
                 fcntl.flock(lk, fcntl.LOCK_EX)
@@ -129,5 +132,7 @@ class CommitLog:
             with open(os.path.join(self.directory, "history.jsonl"), "a") as f:
                 f.write(json.dumps(asdict(record)) + "\n")
         except OSError as e:
-            log.warning("dcr_ray: version %d is committed, but history.jsonl could not be appended (%r); "
-                        "commit.json holds the record", record.version, e)
+            warning = (f"version {record.version} is committed, but {self.directory}/history.jsonl could not be "
+                       f"appended ({type(e).__name__}: {e}); commit.json holds the record, the log lacks this line")
+            log.warning("dcr_ray: %s", warning)
+            self.warnings.append(warning)

@@ -289,14 +289,15 @@ class CoordinatorActor:
         # Committed: v+1 is durable. From here on roll forward (never retry, never abort): a failure
         # now takes the failing actor out of service and is reported, the version stays v+1.
         s.version = target
-        warnings = []
+        warnings = list(s.commits.warnings)
         s.set_phase("promote", transfer, attempt, target)
         _, dead, errors = gather({o: h.dcr_promote.remote(target) for o, h in s.owners.items()}, t, "promote")
         if dead or errors:
             bad = sorted({*dead, *errors})
             why = "; ".join(f"{o}: {e}" for o, e in errors.items()) or "actor died"
-            warnings.append(f"owner(s) {bad} did not promote their baseline to v{target} ({why}); their "
-                            f"next stream is refused until the topology is relaunched")
+            warnings.append(f"owner(s) {bad} did not promote their baseline to v{target} ({why}); their next "
+                            f"stream is refused until each is replaced by one that holds v{target}'s bits: "
+                            f"Refit.replace_owner(owner_id, handle) (or relaunch the topology)")
         t_pro = time.perf_counter()
         s.set_phase("activate", transfer, attempt, target)
         versions, dead, errors = gather(

@@ -74,8 +74,21 @@ class Membership:
     def heal_later(self, dead, reason: str) -> list[str]:
         """Re-create the engines in ``dead`` and heal them in the background; the report's warnings."""
         self._healer.schedule(sorted(dead), reason, respawn=True)
-        return [f"engine {e} died; it is re-created and heals in the background from a peer of its cluster "
+        return [f"engine {e} died; it is re-created and heals in the background {self._heal_source(e, dead)} "
                 f"(Refit.status()['healing'])" for e in sorted(dead)]
+
+    def _heal_source(self, engine: str, dead) -> str:
+        """Where a re-created ``engine`` will take the committed version from, as the report says it
+        (:mod:`~dcr_ray.actors.healing`'s order: its cluster, another cluster, the owners)."""
+        s = self._s
+        cluster = s.topology.engine_cluster.get(engine)
+        holders = [e for e in s.required if e not in set(dead)]
+        if any(s.topology.engine_cluster.get(e) == cluster for e in holders):
+            return "from a peer of its cluster"
+        if holders:
+            return (f"from a peer of another cluster: its whole cluster {cluster!r} was lost, so the first of its "
+                    f"engines copies across the cluster link once and the others copy from that one")
+        return "densely from the owners: no engine holds the committed version any more"
 
     def not_activated(self, errors, target: int) -> list[str]:
         """Engines that are alive but failed to activate committed ``target`` leave the required set and

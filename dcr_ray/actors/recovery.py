@@ -112,9 +112,9 @@ class Recovery:
             rec = s.commits.read()
         if rec is None or rec.request != request:
             return None
-        return RefitReport(version=rec.version, transfer=rec.transfer, attempts=1, engine_versions={},
-                           warnings=[f"the coordinator restarted after committing version {rec.version}; "
-                                     f"this answer comes from the commit record (per-stage figures were lost)"])
+        return RefitReport.of_record(rec, f"the coordinator restarted after committing version {rec.version}; "
+                                            f"this answer comes from the commit record (its per-stage seconds, "
+                                            f"bytes and change counts were lost)")
 
     def committed_anyway(self, transfer: str, attempt: int, err: BaseException) -> RefitReport:
         """The report of a refit whose record is durable although a step after it raised ``err``: the

@@ -206,9 +206,14 @@ class TrainerThatFailsToPromoteOnce(TinyTrainer):
 
 class TrainerThatKillsTheCoordinatorAtPromote(TinyTrainer):
     """A :class:`~dcr_ray.testing.trainer.TinyTrainer` whose first ``dcr_promote`` kills the coordinator
-    (``no_restart=False``: Ray restarts it, and it resumes from the record) before promoting."""
+    before promoting: by default so that Ray restarts it (it resumes from the record); with
+    ``for_good=True`` with ``no_restart=True`` (gone for good: ``launch(..., resume=True)`` carries on)."""
 
     _killed = False
+
+    def __init__(self, *args, for_good: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._for_good = for_good
 
     def dcr_promote(self, version: int) -> int:
         if not self._killed:
@@ -217,5 +222,5 @@ class TrainerThatKillsTheCoordinatorAtPromote(TinyTrainer):
             from dcr_ray.options import COORDINATOR_NAME, NAMESPACE
 
             self._killed = True
-            ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE), no_restart=False)
+            ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE), no_restart=self._for_good)
         return super().dcr_promote(version)

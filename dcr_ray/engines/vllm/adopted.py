@@ -11,10 +11,11 @@ duplicate payloads) and drives the real engine with vLLM's own calls::
     flush      -> finish_weight_update(); update_weight_version(str(target)); reset_prefix_cache()
 
 and after each of those calls it reads every worker's outcome (``collective_rpc("dcr_transfer_status")``,
-see :mod:`~dcr_ray.engines.vllm.transfer`): with tensor parallelism a worker answers "no" with a status,
-never a raise, so vLLM's ``collective_rpc`` stays in step. Any "no" closes vLLM's update session without
-a version and is a :class:`~dcr_ray.errors.BackendError` here; the version label moves only after every
-worker said yes to ``finish``.
+see :mod:`~dcr_ray.engines.vllm.transfer`): with tensor parallelism the workers agree on a "no" and only
+the last rank raises it, so vLLM's ``collective_rpc`` stays in step and every worker's session is
+closed; the status names each rank's reason. Any "no" is a :class:`~dcr_ray.errors.BackendError` here
+(a session some worker still reports open is closed without a version); the version label moves only
+after every worker said yes to ``finish``.
 
 so the relay tree, the commit record, retries and the dirty-engine handling are the same as for
 engines dcr_ray starts. The calls reach the engine through Ray actor handles (``LLM`` / ``AsyncLLM``
@@ -58,7 +59,7 @@ class WeightSyncBackend(EngineBackend):
 
     ``calls`` is how the calls reach the engine (:mod:`~dcr_ray.engines.vllm.sync`: Ray actor handles or
     server URLs); this class holds the refit logic for both. Every call is followed by a read of every
-    worker's status (:meth:`_checked`): a worker's "no" is decided here, not by a raise in the worker.
+    worker's status (:meth:`_checked`), so each worker's reason is known whether or not the call raised.
     """
 
     wants_wire_frames = True

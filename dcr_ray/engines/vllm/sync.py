@@ -16,10 +16,9 @@ each call travels, so that is all this module holds (:class:`WeightSyncCalls`):
 
 Every call fans out to every replica and waits for all; a failure raises
 :class:`~dcr_ray.errors.BackendError` carrying the engine's own message. With tensor parallelism the
-``dcr`` backend answers a refusal with a status instead of raising (a raise would leave vLLM's
-``collective_rpc`` reading stale replies), so :meth:`WeightSyncCalls.transfer_status` reads every
-worker's outcome (``collective_rpc("dcr_transfer_status")``; over HTTP the dev-mode route
-``/collective_rpc``) and the proxy decides.
+``dcr`` backend's workers agree on a refusal and only the last rank raises it (vLLM's ``collective_rpc``
+stays in step), and :meth:`WeightSyncCalls.transfer_status` reads every worker's outcome
+(``collective_rpc("dcr_transfer_status")``; over HTTP the dev-mode route ``/collective_rpc``).
 """
 
 from __future__ import annotations
