@@ -1,7 +1,9 @@
-"""Peer encodings for side-by-side byte counts: what other RL systems put on the wire for the same change.
+"""Two compact peer encodings for side-by-side byte counts: what other RL systems put on the wire for the
+same change.
 
 Both are written from their public descriptions (see ``shared/REFERENCE.md``), compactly and without
-their code; each has a decoder so the benchmark can check that it round-trips bit-exactly.
+their code; each has a decoder so the benchmarks can check that it round-trips bit-exactly. ``dcr-ray
+bench codec`` counts their bytes; ``dcr-ray bench peers`` also times them and corrupts their payloads.
 
 ``areal``  AReaL-DTE style: per tensor, int32 flat indices + raw new bits (overwrite), no compression;
            the whole tensor's raw bits instead when the sparse form exceeds 0.9x of dense.
