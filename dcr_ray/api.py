@@ -33,13 +33,15 @@ import ray
 import torch
 
 from dcr_ray.actors.coordinator import CoordinatorActor
+from dcr_ray.actors.coordinator_inputs import write_inputs
 from dcr_ray.actors.held_owner import StandaloneOwner, check_owner
 from dcr_ray.config import ClusterSpec, RefitConfig, validate
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray import progress
 from dcr_ray.errors import ConfigError, RefitError, RefitTimeoutError
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, OWNER_PREFIX
-from dcr_ray.refit_call import answer_refit, coordinator_gone, forget_topology, remember_topology, topology_commit_dir
+from dcr_ray.refit_call import (answer_refit, coordinator_gone, forget_topology, remember_topology,
+                                topology_commit_dir, warm)
 from dcr_ray.options import actor_options as ray_options  # launch's actor_options parameter shadows the name
 from dcr_ray.relay.transport import Transport
 from dcr_ray.report import RefitReport
@@ -91,7 +93,7 @@ class Refit:
         return self._call(uuid.uuid4().hex)
 
     def _call(self, request: str) -> ray.ObjectRef:
-        return answer_refit.remote(self._actor, request, REFIT_CALL_RETRIES, self.namespace, self._commit_dir)
+        return answer_refit.remote(self.namespace, request, REFIT_CALL_RETRIES, self._commit_dir)
 
     @property
     def actor(self):
@@ -293,11 +295,14 @@ def launch(
                                                              namespace=ns, user=config.actor_options)).remote(t)
                   for i, t in enumerate(owner_tensors)}
     Coordinator = ray.remote(CoordinatorActor)
-    # detached and restarted by Ray when its process dies: it resumes from the commit record
+    # detached and restarted by Ray when its process dies: it resumes from the commit record. It is built
+    # from what write_inputs keeps beside the record, so a restart needs nothing from the object store
+    write_inputs(config.commit.dir, config=config, clusters=clusters, backend_factory=engine, owners=owners,
+                 transport=transport)
     actor = Coordinator.options(**ray_options("coordinator", COORDINATOR_NAME, resources=coordinator_resources,
                                                 detached=True, max_restarts=-1, namespace=ns,
-                                                user=config.actor_options)).remote(
-        config, clusters, engine, dict(owners), transport)
+                                                user=config.actor_options)).remote(config.commit.dir)
+    answers_ready = warm.remote(ns)  # a worker for refit.remote()'s calls, ready while the topology starts
     n_eng = sum(c.started + len(c.adopt) for c in clusters)
     log.info("starting %d engines in %d clusters, %d owners, transport=%s; dense bootstrap...", n_eng,
              len(clusters), len(owners), config.transport.kind)
@@ -326,6 +331,7 @@ def launch(
         _kill_named(_TOPOLOGY_PREFIXES, keep=foreign, namespace=ns)
         raise
     remember_topology(ns, config.commit.dir)
+    del answers_ready
     return refit
 
 

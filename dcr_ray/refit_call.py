@@ -82,8 +82,34 @@ def coordinator_gone(namespace: str, commit_dir: str | None, request: str | None
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def answer_refit(coordinator, request: str, retries: int, namespace: str, commit_dir: str | None):
-    """Make the coordinator's ``refit(request)`` call and return its report (see the module docstring)."""
+def warm(namespace: str) -> bool:
+    """Make a handle to the coordinator of ``namespace`` where :func:`answer_refit` will run: ``launch``
+    submits it while the topology starts, so the first refit does not wait for a Ray worker to start
+    and load the coordinator's class (Ray imports it to make a handle, about a second)."""
+    from dcr_ray.options import COORDINATOR_NAME
+
+    for _ in range(100):
+        try:
+            ray.get_actor(COORDINATOR_NAME, namespace=namespace)
+            return True
+        except ValueError:  # not registered yet
+            time.sleep(0.05)
+    return False
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def answer_refit(namespace: str, request: str, retries: int, commit_dir: str | None):
+    """Make the coordinator's ``refit(request)`` call and return its report (see the module docstring).
+
+    The coordinator is looked up by name here rather than passed as a handle: unpickling a handle
+    imports the actor's class (torch and all), which would cost the first refit of a fresh worker a
+    second; a handle made by name carries only the method names."""
+    from dcr_ray.options import COORDINATOR_NAME
+
+    try:
+        coordinator = ray.get_actor(COORDINATOR_NAME, namespace=namespace)
+    except ValueError:
+        raise coordinator_gone(namespace, commit_dir, request) from None
     try:
         return ray.get(coordinator.refit.options(max_task_retries=retries).remote(request))
     except ray.exceptions.RayTaskError as e:

@@ -42,9 +42,8 @@ def run(args) -> int:
         return 1
     try:
         refit = Refit.get(namespace=ns)
-    except ValueError:
-        print(f"dcr-ray status: no dcr_ray topology runs in this Ray cluster (nothing named "
-              f"'dcr_coordinator' in namespace {ns!r}; another namespace: --namespace NAME)", file=sys.stderr)
+    except ValueError as e:  # none launched there (another namespace: --namespace NAME), or its coordinator died
+        print(f"dcr-ray status: {e}", file=sys.stderr)
         return 1
     st = refit.status(detail=True)
     print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
@@ -78,6 +77,7 @@ def format_status(st: dict) -> str:
     relays = st.get("relays") or {}
     if relays:
         lines += ["", "relays: " + "; ".join(f"{c}: {', '.join(sorted(r))}" for c, r in sorted(relays.items()))]
+    lines += format_startup(st.get("startup") or {})
     refits = st.get("last_refits") or []
     if refits:
         lines += ["", f"{'version':>7} {'total s':>8} {'stream s':>8} {'commit s':>8} {'wire MB':>8} "
@@ -89,3 +89,23 @@ def format_status(st: dict) -> str:
                          f"{s.get('commit', 0):>8.2f} {r.get('wire_bytes', 0) / 1e6:>8.2f} "
                          f"{100 * r.get('change_rate', 0):>7.2f}% {r.get('attempts', 1) - 1:>7}  {links}")
     return "\n".join(lines)
+
+
+def format_startup(startup: dict) -> list[str]:
+    """Lines of per-actor start-up seconds (:meth:`~dcr_ray.actors.inspection.Inspection.startup`): the
+    coordinator's phases, then one row per engine and relay (``worker``: process start, imports and
+    arguments; ``backend``: the model built; ``kernels``: numba kernels loaded, on a thread beside)."""
+    if not startup:
+        return []
+    coord = (startup.get("coordinator") or {}).get("seconds") or {}
+    lines = ["", "start-up (s): coordinator " + ", ".join(f"{k} {v:.2f}" for k, v in coord.items())]
+    rows = [("engine", e, v) for e, v in (startup.get("engines") or {}).items()]
+    rows += [("relay", r, v) for r, v in (startup.get("relays") or {}).items()]
+    if rows:
+        lines.append(f"{'actor':<28} {'worker':>7} {'backend':>8} {'kernels':>8}")
+        for kind, name, v in rows:
+            sec = (v or {}).get("seconds") or {}
+            cells = [f"{sec[k]:>{w}.2f}" if k in sec else f"{'-':>{w}}" for k, w in (("worker", 7), ("backend", 8),
+                                                                                    ("kernels", 8))]
+            lines.append(f"{kind + ' ' + name:<28} " + " ".join(cells))
+    return lines

@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True, logging_level="ERROR")
+    # a Ray of its own (address="local"), never a cluster that happens to run on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True, logging_level="ERROR")
     spec = ModelSpec(arch=args.arch, size="tiny", seed=0)
 
     if args.trainer == "fsdp":

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
                     help="engines stage payloads while serving the old version (async RL)")
     args = ap.parse_args(argv)
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     spec = ModelSpec(size="tiny")
     Worker = ray.remote(num_cpus=0)(TinyTrainer)
     group = [Worker.remote(spec, lr=1e-4, rank=r, world=args.dp) for r in range(args.dp)]

@@ -57,6 +57,7 @@ from dcr_ray.actors.bootstrap import Bootstrap
 from dcr_ray.actors.calls import ActorsDied, gather, get_all
 from dcr_ray.actors.coding_choice import choose_coding
 from dcr_ray.actors.commit import CommitLog, CommitRecord
+from dcr_ray.actors.coordinator_inputs import is_restart, read_inputs
 from dcr_ray.actors.coordinator_state import CoordinatorState
 from dcr_ray.actors.coverage import check_coverage
 from dcr_ray.actors.cpu_clock import CpuClock
@@ -66,9 +67,9 @@ from dcr_ray.actors.membership import Membership
 from dcr_ray.actors.recovery import Recovery
 from dcr_ray.actors.topology import Topology
 from dcr_ray.codec.bits import dtype_of, itemsize
-from dcr_ray.config import ClusterSpec, RefitConfig
+from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, CommitConflictError, ConfigError, DcrError, RefitError
-from dcr_ray.relay.transport import Transport, make_transport
+from dcr_ray.relay.transport import make_transport
 from dcr_ray.relay.window import CommittedStep
 from dcr_ray.report import RefitReport
 
@@ -76,11 +77,17 @@ log = logging.getLogger("dcr_ray")
 
 
 class CoordinatorActor:
-    def __init__(self, config: RefitConfig, clusters: list[ClusterSpec], backend_factory,
-                 owners: dict[str, object], transport: Transport | None = None):
+    """The refit state machine (see the module docstring). Built from the commit directory alone: its
+    inputs are read from there (:mod:`~dcr_ray.actors.coordinator_inputs`), so a restart by Ray needs
+    nothing from the object store."""
+
+    def __init__(self, commit_dir: str):
+        inputs = read_inputs(commit_dir)
+        config = inputs.config
         s = self._s = CoordinatorState(config=config, commits=CommitLog(config.commit.dir),
-                                       topology=Topology(clusters, owners, transport or make_transport(config)),
-                                       backend_factory=backend_factory)
+                                       topology=Topology(inputs.clusters, inputs.owners,
+                                                         inputs.transport or make_transport(config)),
+                                       backend_factory=inputs.backend_factory)
         self._started = False
         self._resume_error: Exception | None = None
         self._boot = Bootstrap(s)
@@ -88,7 +95,7 @@ class CoordinatorActor:
         self._members = Membership(s, self._boot, self._healer)
         self._recovery = Recovery(s, self._healer)
         self._inspection = Inspection(s, self._healer)
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        if is_restart(commit_dir, inputs.launch_id):
             try:
                 self.start(resume=True)  # Ray restarted this actor: carry on from the record
             except Exception as e:  # kept for refit() to report; raising here would restart us in a loop
@@ -146,13 +153,17 @@ class CoordinatorActor:
                     f"at version 0: use a fresh CommitConfig.dir, or launch(..., resume=True) to carry on "
                     f"with the running topology"
                 )
+            s.start.mark("construct")
             s.set_phase("start engines")
             s.topology.start(s.backend_factory, cfg)
+            s.start.mark("spawn")
             t = cfg.commit.start_timeout_s
             s.set_phase("attach")
             specs = get_all({o: h.dcr_attach.remote(o, cfg) for o, h in s.owners.items()}, t, "attach")
+            s.start.mark("attach owners")
             s.set_phase("engines up")  # the engines' actors start and load the model
             engine_specs = s.topology.engine_specs(t)
+            s.start.mark("engines up")
             check_coverage(specs, engine_specs)
             s.model_bytes = sum(math.prod(shape) * itemsize(dtype_of(dt)) for dt, shape in engine_specs.values())
             self._recovery.attached(specs)  # a restarted coordinator checks replacements against these specs
@@ -161,6 +172,7 @@ class CoordinatorActor:
                                                              members=sorted(s.engines)))
             s.version = 0
             self._boot.dense(list(s.engines))
+            s.start.mark("bootstrap")
             self._started = True
             return self.status()
 

@@ -24,6 +24,7 @@ from dcr_ray.actors.commit import CommitLog
 from dcr_ray.actors.topology import Topology
 from dcr_ray.config import RefitConfig
 from dcr_ray.relay.transport import Transport
+from dcr_ray.start_clock import StartClock
 
 
 def _idle() -> dict:
@@ -46,6 +47,7 @@ class CoordinatorState:
     phase: dict = field(default_factory=_idle)  #: where the refit (or start-up) in flight is
     progress_total: int | None = None  #: bytes the phase in flight delivers, when known
     model_bytes: int = 0  #: canonical bytes of one engine's tensors (0 until known: a resumed coordinator)
+    start: StartClock = field(default_factory=StartClock)  #: this incarnation's start-up, phase by phase
 
     @property
     def engines(self) -> dict[str, Any]:

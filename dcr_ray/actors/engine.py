@@ -32,6 +32,7 @@ from dcr_ray import metrics
 from dcr_ray.actors.attempt import Attempt as _Attempt
 from dcr_ray.actors.engine_catchup import CatchUp
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.start_clock import StartClock
 from dcr_ray.actors.engine_digests import DigestMembership
 from dcr_ray.actors.engine_heal import PeerCopy
 from dcr_ray.actors.engine_state import EngineState, Phase
@@ -60,10 +61,12 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
     """
 
     def __init__(self, engine_id: str, cluster: str, backend_factory, config: RefitConfig, reader):
+        self._clock = StartClock()  # worker start and imports until now; then the backend, the kernels
         self.engine_id = engine_id
         self.cluster = cluster
         self.config = config
         self.backend = backend_factory()
+        self._clock.mark("backend")
         if not isinstance(self.backend, EngineBackend):
             raise ConfigError(f"engine {engine_id}: the engine factory returned a {type(self.backend).__name__}; it "
                               f"must return a dcr_ray.engines.base.EngineBackend (subclass it and implement its "
@@ -81,7 +84,7 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         #: inverse of the in-place writes of the transfer in flight (in-place rollback)
         self._undo = UndoLog()
         self._tags = {"cluster": cluster, "engine": engine_id}  # of every metric this engine records
-        kernels.warm_up()  # load the apply kernels while the dense bootstrap runs
+        kernels.warm_up(on_done=lambda secs: self._clock.add("kernels", secs))  # while the bootstrap runs
 
     def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
         try:
@@ -355,7 +358,8 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         with self._cv:
             return {"engine": self.engine_id, "cluster": self.cluster, "version": self.version,
                     "node": ray.get_runtime_context().get_node_id(),
-                    "placement_group": ray.get_runtime_context().get_placement_group_id(), **self._stats}
+                    "placement_group": ray.get_runtime_context().get_placement_group_id(),
+                    "start": self._clock.report(), **self._stats}
 
     def state(self) -> dict:
         """Where this engine stands: its version, the transfer it is in or wrote into, dirty or not, and

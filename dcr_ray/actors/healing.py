@@ -78,7 +78,8 @@ class _TimedLock:
 def _record(e: str, reason: str | None, respawn: bool) -> dict:
     """A healing engine's row: its phase, why it heals, and what it took so far (``sources`` in order)."""
     return {"engine": e, "phase": "queued", "reason": reason, "respawn": respawn, "source": None,
-            "since": time.time(), "rounds": 0, "error": None, "sources": [], **dict.fromkeys(TOOK, 0)}
+            "since": time.time(), "rounds": 0, "error": None, "sources": [], "start_seconds": None,
+            **dict.fromkeys(TOOK, 0)}
 
 
 class Healing:
@@ -172,7 +173,8 @@ class Healing:
         with self._guard:
             rec = self._table.pop(e, None) or _record(e, None, False)
             out = {**out, "source": (rec["sources"] or ["held"])[-1], "sources": rec["sources"],
-                   **{k: rec[k] for k in TOOK}, "reason": rec["reason"], "seconds": secs, "at": time.time()}
+                   **{k: rec[k] for k in TOOK}, "reason": rec["reason"], "seconds": secs, "at": time.time(),
+                   "start_seconds": rec["start_seconds"]}
             self.healed = [*self.healed, out][-HEALED_KEPT:]
             metrics.record("healing_engines", len(self._table))
         metrics.record("heal_seconds", secs)
@@ -202,15 +204,19 @@ class Healing:
         (the model is built): no lock is held and nothing is copied meanwhile."""
         s = self._s
         for _ in range(MAX_ROUNDS):
+            created = None
             if self._table[e]["respawn"]:
                 self._set(e, phase="re-creating")
                 s.topology.retire(e, s.config)  # its name is released before the lock is taken
                 with self._holding(e, s.lock):
                     s.topology.respawn(e, s.config)
+                created = time.perf_counter()
                 self._set(e, respawn=False)
             self._set(e, phase="starting")
             try:
                 ray.get(s.engines[e].get_version.remote(), timeout=s.config.commit.start_timeout_s)
+                if created is not None:  # re-created to ready to heal: its process, imports and backend
+                    self._set(e, start_seconds=time.perf_counter() - created)
                 return
             except RayActorError:
                 self._set(e, respawn=True)

@@ -72,4 +72,19 @@ class Inspection:
                 relays.setdefault(rid.split("/")[0], []).append(rid)
             out["relays"] = relays
             out["last_refits"] = list(s.history[-STATUS_HISTORY:])
+            out["startup"] = self.startup()
         return out
+
+    def startup(self) -> dict:
+        """Where start-up time went, per actor (:mod:`~dcr_ray.start_clock`): the coordinator's phases
+        (``construct``, ``spawn``, ``attach owners``, ``engines up``, ``bootstrap``), and each engine's and
+        relay's ``worker`` (process start, imports, arguments), ``backend`` and ``kernels`` seconds.
+        Lock-free; an actor that does not answer within the status timeout is left out."""
+        s = self._s
+        infos, _, _ = gather({e: h.info.remote() for e, h in s.engines.items()}, STATUS_TIMEOUT_S, "status")
+        try:
+            relays = {r["relay"]: r.get("start") for r in s.transport.stats()}
+        except Exception:  # noqa: BLE001 - a transport without relays, or a dead one: no relay rows
+            relays = {}
+        return {"coordinator": s.start.report(), "engines": {e: i.get("start") for e, i in sorted(infos.items())},
+                "relays": {r: v for r, v in sorted(relays.items()) if v is not None}}

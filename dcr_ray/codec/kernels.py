@@ -31,6 +31,7 @@ validates every position before any apply).
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -170,16 +171,23 @@ def join2(p0: np.ndarray, p1: np.ndarray) -> np.ndarray:
     return out
 
 
-def warm_up(background: bool = True) -> None:
+def warm_up(background: bool = True, on_done=None) -> None:
     """Load (or compile, the first time on a machine) the kernels for the common element widths.
 
     Owners and receivers call this at start-up so that the first delta refit does not pay for numba's
     start-up (and, the first time on a machine, for compiling). A no-op when the kernels are disabled.
+    ``on_done(seconds)`` is called when they are loaded (on the background thread with ``background``).
     """
     if not ENABLED:
         return
 
     def run() -> None:
+        t0 = time.perf_counter()
+        load()
+        if on_done is not None:
+            on_done(time.perf_counter() - t0)
+
+    def load() -> None:
         pos = np.arange(2, dtype=np.int64)
         for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
             view = np.zeros(4, dt)

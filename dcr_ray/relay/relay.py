@@ -26,6 +26,7 @@ import ray
 
 from dcr_ray import metrics
 from dcr_ray.errors import RefitTimeoutError
+from dcr_ray.start_clock import StartClock
 from dcr_ray.relay.window import CatchUpWindow, CommittedStep
 
 
@@ -37,6 +38,7 @@ class RelayActor:
 
     def __init__(self, relay_id: str, cluster: str, *, head: bool, on_cross=None, window_bytes: int = 0,
                  pull_timeout_s: float | None = None):
+        self._clock = StartClock()  # worker start and imports
         self.relay_id = relay_id
         self.cluster = cluster
         self.head = head
@@ -133,4 +135,4 @@ class RelayActor:
             return {"relay": self.relay_id, "cluster": self.cluster, "head": self.head,
                     "bytes_in": dict(self._bytes_in),
                     "payloads_in": {t: len(s) for t, s in self._payloads_in.items()},
-                    "window": [st.header() for st in self._window.steps]}
+                    "window": [st.header() for st in self._window.steps], "start": self._clock.report()}
