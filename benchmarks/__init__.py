@@ -12,7 +12,8 @@ matplotlib) inside the functions that run, so ``dcr-ray --help`` stays fast.
   reference and peers; link sweep; projection to large models
 - :mod:`~benchmarks.projection`  sharded owners projecting their changes vs gather-then-convert-then-diff
 - :mod:`~benchmarks.heal`  healing a dead, lagging or lost engine: bytes across the link, owner bytes, refit stall
-- :mod:`~benchmarks.peers`  compact peer encodings (AReaL-DTE style, slime style) for comparison
+- :mod:`~benchmarks.peers`  the peers side by side on the same steps (SkyRL's own code where installed, vLLM
+  sparse_nccl, XOR + zstd, and the compact AReaL-DTE- and slime-style encodings the other benchmarks count)
 - :mod:`~benchmarks.markdown`  a run's tables (BENCHMARKS.md) rendered from its JSON alone
 - :mod:`~benchmarks.chaos`  ``dcr-ray chaos``: seeded faults against a multi-node topology, every refit checked
 - :mod:`~benchmarks.cuda`  scripts for a GPU (``cuda_ext/check_gpu.sh`` runs them): the CuPy kernels vs the
@@ -24,7 +25,7 @@ from __future__ import annotations
 import importlib
 
 #: Benchmark modules (under ``benchmarks``) that add a ``dcr-ray bench <name>`` subcommand.
-MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal", "markdown")
+MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal", "peers", "markdown")
 
 
 def add_parsers(subparsers) -> None:

@@ -1,0 +1,72 @@
+"""What one run of ``dcr-ray bench peers`` measures: its sizes, the targets it checks, the peers it names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.codec.settings import DEFAULT_LINK_MBPS
+
+#: Targets from issue 29 (checked and reported, never asserted, never tuned for).
+TARGETS = {
+    # wire bytes against SkyRL's on the real AdamW steps at lr 1e-6
+    "default_over_skyrl_adamw_lr1e-6_max": 0.6,
+    "class_order_over_skyrl_adamw_lr1e-6_max": 0.5,
+    # receiver CPU seconds until the engine holds the new version, against SkyRL's, at 3% stress
+    "receiver_over_skyrl_stress3_max": 0.25,
+}
+
+#: Every peer row, in table order: (peer, what it is).
+PEER_ROWS = (
+    ("dcr_default", "dcr_ray, CodecConfig(coding='auto') asked at the run's link"),
+    ("dcr_plain", "dcr_ray, XOR/ADD masks at flat positions (coding='plain')"),
+    ("dcr_class_order", "dcr_ray, positions in the class order of the old values (coding='context')"),
+    ("skyrl", "SkyRL 0.4.0 delta sync: dense XOR mask per changed tensor, zstd 1, safetensors + manifest"),
+    ("vllm_sparse_nccl", "vLLM 0.32 sparse_nccl: int32 flat index + value per change, uncompressed"),
+    ("xor_zstd1", "dense XOR mask per changed tensor, zstd level 1, no checksum"),
+    ("xor_zstd3", "dense XOR mask per changed tensor, zstd level 3, no checksum"),
+    ("areal", "AReaL-DTE style: int32 index + new value, dense fallback at 0.9x"),
+    ("slime", "slime style: uint16 gaps with escapes + new values, zstd 3"),
+)
+
+#: The corruptions every peer's receiver is run on: one flipped byte, one truncation.
+CORRUPTIONS = ("flip", "truncate")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The sizes of one run (``--quick``, ``--tiny`` or full)."""
+
+    mode: str
+    seed: int
+    repeats: int
+    models: tuple[str, ...]
+    lrs: tuple[float, ...]
+    warm_steps: int
+    steps: int
+    batch: tuple[int, int]
+    stress_rates: tuple[float, ...]
+    stress_elems: int
+    link_mbps: float = DEFAULT_LINK_MBPS
+
+    @classmethod
+    def make(cls, mode: str = "full", seed: int = 0, repeats: int | None = None,
+             link_mbps: float = DEFAULT_LINK_MBPS) -> Settings:
+        """``full``: the small and medium models, 3 measured steps each; ``quick``: one measured step each and
+        a smaller stress tensor (<= 10 minutes on 2 cores); ``tiny``: the ``tiny`` model and a 1 Mi-element
+        stress tensor, for the smoke test (seconds)."""
+        if not link_mbps > 0:
+            raise ValueError(f"--link-mbps must be > 0 Mbit/s, got {link_mbps}")
+        lrs, rates = (1e-6, 1e-5), (0.01, 0.03, 0.05)
+        if mode == "tiny":
+            return cls(mode, seed, repeats or 2, ("tiny",), lrs, 1, 1, (2, 16), (0.03,), 1 << 20, link_mbps)
+        if mode == "quick":
+            return cls(mode, seed, repeats or 3, ("small", "medium"), lrs, 1, 1, (2, 64), rates, 16 << 20,
+                       link_mbps)
+        if mode == "full":
+            return cls(mode, seed, repeats or 5, ("small", "medium"), lrs, 1, 3, (4, 128), rates, 64 << 20,
+                       link_mbps)
+        raise ValueError(f"mode must be 'full', 'quick' or 'tiny', got {mode!r}")
+
+    @property
+    def quick(self) -> bool:
+        return self.mode != "full"
