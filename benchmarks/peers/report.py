@@ -36,8 +36,8 @@ def checks(rows: list[dict]) -> dict:
     }
 
 
-def corruption_cell(v: dict) -> str:
-    """One corruption's outcome in a few words."""
+def corruption_cell(v: dict, with_bytes: bool = True) -> str:
+    """One corruption's outcome in a few words (with the bytes its recovery fetched again)."""
     what = ("refused before write" if v["refused_before_write"] else "detected after writing" if v["detected"]
             else "undetected")
     if v["wrong_bits_served"]:
@@ -45,7 +45,8 @@ def corruption_cell(v: dict) -> str:
     if v.get("reset_and_replay"):
         what += f", reset + replay of {v.get('replayed_versions', '?')} versions"
     if v.get("recovered") is not None:
-        what += (f", recovered ({v['refetched_bytes'] / 1e6:.2f} MB again)" if v["recovered"]
+        again = f" ({v['refetched_bytes'] / 1e6:.2f} MB again)" if with_bytes else ""
+        what += (f", recovered{again}" if v["recovered"]
                  else ", NOT recovered" + (f" ({v['operator_repair']} to go on)" if v.get("operator_repair") else ""))
     return what
 
@@ -116,9 +117,21 @@ def markdown(r: dict) -> str:
             seen: dict = {}
             for x in r["cases"]:
                 if x["peer"] == peer:
-                    seen.setdefault(corruption_cell(x["corrupt"][kind]), []).append(x["data"])
+                    seen.setdefault(corruption_cell(x["corrupt"][kind], with_bytes=False), []).append(x["data"])
             cells[kind] = "; ".join(w if len(seen) == 1 else f"{w} ({', '.join(d)})" for w, d in seen.items())
         out.append(f"| {peer} | {cells['flip']} | {cells['truncate']} |")
+    out += ["", "Bytes a recovery fetched again (MB; the step's wire bytes in brackets): dcr_ray's retry sends "
+                "OVERWRITE frames of the whole changed set; SkyRL's next fetch downloads again what it deleted:", "",
+            "| data | dcr_plain | dcr_class_order | skyrl, flipped byte | skyrl, truncation |", "|---|---|---|---|---|"]
+    for data, rows in _by_data(r).items():
+        got = {x["peer"]: x for x in rows}
+
+        def again(peer, kind):
+            v = got[peer]["corrupt"][kind]
+            return (f"{v['refetched_bytes'] / 1e6:.2f} ({got[peer]['wire_bytes'] / 1e6:.2f})" if v["recovered"]
+                    else "not recovered")
+        out.append(f"| {data} | {again('dcr_plain', 'flip')} | {again('dcr_class_order', 'flip')} | "
+                   f"{again('skyrl', 'flip')} | {again('skyrl', 'truncate')} |")
     out += ["", targets_markdown(r)]
     return "\n".join(out)
 
