@@ -35,12 +35,14 @@ from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.start_clock import StartClock
 from dcr_ray.actors.engine_digests import DigestMembership
 from dcr_ray.actors.engine_heal import PeerCopy
+from dcr_ray.actors.engine_pause import PauseClock
 from dcr_ray.actors.engine_state import EngineState, Phase
 from dcr_ray.codec.undo import UndoLog
 from dcr_ray.codec import kernels
 from dcr_ray.codec import DIGEST_SIZE, PayloadKey, decode_frame, open_frame
 from dcr_ray.config import RefitConfig
 from dcr_ray.engines.base import EngineBackend
+from dcr_ray.engines.sampling import Sampling
 from dcr_ray.errors import (
     ConfigError,
     EngineStateError,
@@ -84,6 +86,7 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         #: inverse of the in-place writes of the transfer in flight (in-place rollback)
         self._undo = UndoLog()
         self._tags = {"cluster": cluster, "engine": engine_id}  # of every metric this engine records
+        self._pause = PauseClock()  # when generation could not serve, per refit (engine_pause)
         kernels.warm_up(on_done=lambda secs: self._clock.add("kernels", secs))  # while the bootstrap runs
 
     def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
@@ -130,6 +133,8 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
                     f"engine {self.engine_id} holds version {base} of content {self.version_id!r}, the "
                     f"transfer is built on {base_id!r}: another lineage with the same version number; it "
                     f"must be bootstrapped (dense) before it can take deltas")
+            if base != BOOTSTRAP_BASE and self.config.engines.apply != "staged":
+                self._pause.begin(transfer, "in_place")  # frames land in live weights as they arrive
             if not st.is_in(transfer, attempt):
                 if not st.is_in(transfer):
                     self._applied.clear()
@@ -237,12 +242,14 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
                 self._cv.wait(min(left, 1.0))
             t0 = time.perf_counter()
             if self._staged:
+                self._pause.begin(transfer, "staged")  # generation waits from the first write to activate
                 st.wrote()
             for _key, data in sorted(self._staged, key=lambda kd: kd[0]):
                 self._apply(data, self._decode(open_frame(data, key=self.config.codec.key), st.attempt))
             self._staged = []
             self.backend.flush()
             st.flushed_now()
+            self._pause.applied(time.perf_counter() - t0)
             self._apply_s += time.perf_counter() - t0
             metrics.record("engine_apply_seconds", self._apply_s, tags=self._tags)
             return {"engine": self.engine_id, "cluster": self.cluster, "applied": len(want),
@@ -269,25 +276,34 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
                             keep_packs=self.backend.applies_packs)
 
     def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8,
-                 timeout_s: float | None = None) -> dict:
-        """Greedy generation with the backend; returns ``{"version", "outputs"}``.
+                 timeout_s: float | None = None, sampling=None) -> dict:
+        """Generation with the backend, greedy unless ``sampling`` (a
+        :class:`~dcr_ray.engines.sampling.Sampling` or a dict of its fields) says otherwise; returns
+        ``{"version", "outputs"}`` (outputs prompt-major, ``n`` per prompt).
 
         Waits (pauses) while an in-place transfer is open or between its attempts, so outputs always
         come from one version; refuses (``EngineStateError``) while the engine holds no version.
         """
         deadline = time.monotonic() + (timeout_s or self.config.commit.timeout_s)
+        staged = self.config.engines.apply == "staged"
         with self._cv:
-            # in place: paused while a transfer is open, and between its attempts (half-written bits)
-            while self._st.paused and self.config.engines.apply != "staged":
+            # in place: paused while a transfer is open, and between its attempts (half-written bits);
+            # staged: from the flush's writes until activate (the bits are not committed before that)
+            t_wait = time.perf_counter()
+            while (self._st.written is not None) if staged else self._st.paused:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RefitTimeoutError(f"engine {self.engine_id}: paused for a refit longer than allowed")
                 self._cv.wait(min(left, 1.0))
+            waited = time.perf_counter() - t_wait
+            if waited > 0.001:
+                self._pause.blocked(waited)
             if self._st.why is not None:
                 raise EngineStateError(f"engine {self.engine_id} will not generate: it holds no version "
                                        f"({self._st.why}); Refit.rejoin({self.engine_id!r}) restores it")
-            return {"engine": self.engine_id, "version": self.version,
-                    "outputs": self.backend.generate(prompt_token_ids, max_tokens)}
+            outputs = (self.backend.generate(prompt_token_ids, max_tokens) if sampling is None
+                       else self.backend.generate(prompt_token_ids, max_tokens, sampling=Sampling.of(sampling)))
+            return {"engine": self.engine_id, "version": self.version, "outputs": outputs}
 
     def activate(self, version: int, transfer: str | None = None, version_id: str | None = None) -> int:
         """Make ``version`` current (after the commit record is written). Idempotent.
@@ -297,6 +313,8 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
         with self._cv:
             if transfer is None or self._st.is_in(transfer):
                 self._st.activate(version, version_id if version_id is not None else transfer)
+                if transfer is not None:
+                    self._pause.end(transfer, "activated", version)
                 self._applied.clear()
                 self._undo.clear()
                 self.backend.activate(version)  # backends that tag their outputs with a version
@@ -322,11 +340,15 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
             if final and st.written == transfer and self._rolled_back(transfer):
                 st.rolled_back()
                 self._stats["rollbacks"] += 1
+                self._pause.end(transfer, "rolled back", self.version)
                 self._cv.notify_all()
                 return {"engine": self.engine_id, "dirty": False, "rolled_back": True}
             if final and st.written == transfer:
                 self._mark_dirty(f"transfer {transfer} was abandoned after writing into this engine's weights "
                                  f"in place")
+                self._pause.end(transfer, "abandoned", None)
+            elif final:
+                self._pause.end(transfer, "rolled back", self.version)  # nothing was written: serving goes on
             self._cv.notify_all()
             return {"engine": self.engine_id, "dirty": st.why is not None}
 
@@ -360,6 +382,13 @@ class EngineActor(DigestMembership, PeerCopy, CatchUp):
                     "node": ray.get_runtime_context().get_node_id(),
                     "placement_group": ray.get_runtime_context().get_placement_group_id(),
                     "start": self._clock.report(), **self._stats}
+
+    def pauses(self, since: float = 0.0) -> list[dict]:
+        """This engine's serving pauses that began at or after ``since`` (``time.time()``), oldest first:
+        per refit, ``pause_s`` (generation could not serve), split into ``apply_s`` (writes and the
+        backend's flush) and ``commit_s`` (waiting for the record and activation), ``blocked_s`` (how
+        long ``generate`` calls waited), the ``mode`` and ``outcome`` (:mod:`~dcr_ray.actors.engine_pause`)."""
+        return self._pause.recent(since)
 
     def state(self) -> dict:
         """Where this engine stands: its version, the transfer it is in or wrote into, dirty or not, and

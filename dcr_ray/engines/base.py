@@ -151,8 +151,9 @@ class EngineBackend(ABC):
         """
         return None
 
-    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8) -> list[dict]:
-        """Greedy generation: per prompt ``{"token_ids", "logprobs"}`` (optional for a backend)."""
+    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8, sampling=None) -> list[dict]:
+        """Continuations per prompt ``{"token_ids", "logprobs"}``: greedy by default, else as ``sampling``
+        (:class:`~dcr_ray.engines.sampling.Sampling`) says (optional for a backend)."""
         raise NotImplementedError(f"{type(self).__name__} does not generate")
 
     def close(self) -> None:

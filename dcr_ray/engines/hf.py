@@ -16,6 +16,7 @@ from dcr_ray.codec.bits import bits_view
 from dcr_ray.codec import DecodedFrame, apply_decoded
 from dcr_ray.codec.undo import FrameUndo
 from dcr_ray.engines.base import EngineBackend, canonical_state_dict
+from dcr_ray.engines.sampling import Sampling
 from dcr_ray.errors import ConfigError
 
 
@@ -47,17 +48,60 @@ class TransformersBackend(EngineBackend):
             bits_view(dst)[:] = bits_view(t.contiguous())
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8) -> list[dict]:
-        """Greedy continuations: per prompt ``{"token_ids": [...], "logprobs": [...]}`` (float32)."""
-        outs = []
-        for ids in prompt_token_ids:
-            out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                                      output_scores=True, return_dict_in_generate=True,
-                                      pad_token_id=0)
-            toks = out.sequences[0, len(ids):].tolist()
-            lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, toks)]
-            outs.append({"token_ids": toks, "logprobs": lps})
-        return outs
+    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8,
+                 sampling: Sampling | dict | None = None) -> list[dict]:
+        """Continuations of each prompt (see :mod:`~dcr_ray.engines.sampling`): greedy by default, one per
+        prompt ``{"token_ids": [...], "logprobs": [...]}`` (float32); with ``sampling``, ``n`` sampled
+        continuations per prompt, prompt-major."""
+        sampling = Sampling.of(sampling)
+        if sampling.greedy and sampling.n == 1 and sampling.allowed_token_ids is None:
+            return [self._greedy_one(ids, max_tokens) for ids in prompt_token_ids]
+        return self._sample(prompt_token_ids, max_tokens, sampling)
+
+    def _greedy_one(self, ids: list[int], max_tokens: int) -> dict:
+        out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                  output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+        toks = out.sequences[0, len(ids):].tolist()
+        lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, toks)]
+        return {"token_ids": toks, "logprobs": lps}
+
+    @torch.no_grad()
+    def _sample(self, prompt_token_ids: list[list[int]], max_tokens: int, sampling: Sampling) -> list[dict]:
+        """Batched sampling with the model's KV cache: prompts of one length go through together, each
+        repeated ``n`` times; every step masks to the allowed tokens, scales by the temperature and draws
+        from one seeded generator (greedy: the argmax of the masked logits)."""
+        gen = torch.Generator()
+        if sampling.seed is not None:
+            gen.manual_seed(sampling.seed)
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        mask = None
+        if sampling.allowed_token_ids is not None:
+            mask = torch.full((vocab,), float("-inf"))
+            mask[list(sampling.allowed_token_ids)] = 0.0
+        out: list[dict | None] = [None] * (len(prompt_token_ids) * sampling.n)
+        by_len: dict[int, list[int]] = {}
+        for i, ids in enumerate(prompt_token_ids):
+            by_len.setdefault(len(ids), []).append(i)
+        for idx in by_len.values():
+            x = torch.tensor([prompt_token_ids[i] for i in idx]).repeat_interleave(sampling.n, 0)
+            past, step_in, toks, lps = None, x, [], []
+            for _ in range(max_tokens):
+                res = self.model(step_in, past_key_values=past, use_cache=True)
+                past, raw = res.past_key_values, res.logits[:, -1].float()
+                logits = raw if mask is None else raw + mask
+                if sampling.greedy:
+                    nxt = logits.argmax(-1, keepdim=True)
+                else:
+                    nxt = torch.multinomial(torch.softmax(logits / sampling.temperature, -1), 1, generator=gen)
+                toks.append(nxt)
+                lps.append(torch.log_softmax(raw, -1).gather(-1, nxt))
+                step_in = nxt
+            toks_t, lps_t = torch.cat(toks, 1).tolist(), torch.cat(lps, 1).tolist()
+            for k, i in enumerate(idx):
+                for j in range(sampling.n):
+                    row = k * sampling.n + j
+                    out[i * sampling.n + j] = {"token_ids": toks_t[row], "logprobs": lps_t[row]}
+        return out  # type: ignore[return-value]
 
     @torch.no_grad()
     def greedy(self, input_ids: list[list[int]], max_new_tokens: int = 8) -> list[list[int]]:

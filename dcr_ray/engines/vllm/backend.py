@@ -33,7 +33,8 @@ from dcr_ray.engines.vllm.checkpoint import checkpoint_files
 from dcr_ray.engines.vllm.compat import shutdown_llm, start_llm, will_use_cuda
 from dcr_ray.engines.vllm.plan import merge_summaries, strict_check
 from dcr_ray.engines.vllm.plugin import BACKEND_NAME
-from dcr_ray.engines.vllm.serving import greedy
+from dcr_ray.engines.sampling import Sampling
+from dcr_ray.engines.vllm.serving import greedy, sample
 from dcr_ray.engines.vllm.sync import LocalWeightSync
 from dcr_ray.errors import BackendError, ConfigError, TargetMismatchError
 
@@ -263,13 +264,19 @@ class VllmBackend(WeightSyncBackend):
         gc.collect()
 
     # -- serving -----------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int = 16) -> list[dict]:
-        """Greedy continuations (temperature 0, EOS ignored, so exactly ``max_tokens`` tokens).
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int = 16,
+                 sampling=None) -> list[dict]:
+        """Continuations (EOS ignored, so exactly ``max_tokens`` tokens): greedy by default, else as
+        ``sampling`` (:class:`~dcr_ray.engines.sampling.Sampling`) says, through vLLM's own sampler.
 
-        Returns one ``{"token_ids": [...], "logprobs": [...], "version": v}`` per prompt: the
-        log-probability of each chosen token, and the policy version that produced it.
+        Returns ``{"token_ids": [...], "logprobs": [...], "version": v}`` per continuation (prompt-major):
+        the log-probability of each chosen token, and the policy version that produced it.
         """
+        sampling = Sampling.of(sampling)
         with self._lock:
-            outs = greedy(self.llm, prompt_token_ids, max_tokens)
+            if sampling.greedy and sampling.n == 1 and sampling.allowed_token_ids is None:
+                outs = greedy(self.llm, prompt_token_ids, max_tokens)
+            else:
+                outs = sample(self.llm, prompt_token_ids, max_tokens, sampling)
             version = self.version
         return [{**o, "version": version} for o in outs]

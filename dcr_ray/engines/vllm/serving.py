@@ -31,6 +31,26 @@ def greedy(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int,
     return result
 
 
+def sample(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int, sampling) -> list[dict]:
+    """Sampled continuations through vLLM's own sampler (``SamplingParams``: temperature, ``n``, seed,
+    ``allowed_token_ids``; EOS ignored), prompt-major, each ``{"token_ids", "logprobs"}`` (vLLM's raw
+    log-probabilities of the chosen tokens): see :mod:`dcr_ray.engines.sampling`."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=sampling.temperature, n=sampling.n, seed=sampling.seed, max_tokens=max_tokens,
+                        logprobs=0, ignore_eos=True, detokenize=False,
+                        allowed_token_ids=list(sampling.allowed_token_ids) if sampling.allowed_token_ids else None)
+    prompts = [TokensPrompt(prompt_token_ids=[int(x) for x in p]) for p in prompt_token_ids]
+    result = []
+    for o in llm.generate(prompts, sp, use_tqdm=False):
+        for c in sorted(o.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            result.append({"token_ids": ids,
+                           "logprobs": [float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)]})
+    return result
+
+
 def served_digests(llm: Any) -> list[dict[str, str]]:
     """Per worker, the digest of every parameter and buffer the engine serves with and of each linear
     layer's kernel output on a probe (:func:`~dcr_ray.engines.vllm.served.served_fingerprint`: on CPU the

@@ -1,0 +1,70 @@
+"""When an engine could not serve, measured on its own clock: the serving pause of each refit.
+
+A pause opens when generation must stop serving the committed version and closes when it may go on:
+
+- ``apply="in_place"``: from ``prepare`` of a delta transfer (writes land in live weights as frames
+  arrive) to ``activate`` of the new version, or to the rollback of an abandoned transfer;
+- ``apply="staged"``: from the first write at ``flush`` (every frame was validated and decoded while the
+  engine served) to ``activate``. Generation must not run between the write and the commit record: a
+  refit that then fails rolls the weights back, and outputs would name a policy that was never committed.
+
+Each closed pause keeps its seconds split into where they went (``apply``: the writes and the backend's
+flush; ``commit``: waiting for the commit record and activation), and the seconds ``generate`` calls
+actually waited (``blocked``). :meth:`PauseClock.recent` is what ``EngineActor.pauses()`` returns, read by
+the GRPO example and ``dcr-ray bench live``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+#: Closed pauses an engine keeps.
+KEPT = 256
+
+
+class PauseClock:
+    """The open pause (at most one, of one transfer) and the last :data:`KEPT` closed ones."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict | None = None
+        self._closed: collections.deque = collections.deque(maxlen=KEPT)
+
+    def begin(self, transfer: str, mode: str) -> None:
+        """Generation stops serving for ``transfer`` now (no-op if a pause of it is open)."""
+        with self._lock:
+            if self._open is None or self._open["transfer"] != transfer:
+                self._open = {"transfer": transfer, "mode": mode, "t0": time.perf_counter(), "at": time.time(),
+                              "apply_s": 0.0, "blocked_s": 0.0}
+
+    def applied(self, seconds: float) -> None:
+        """The open pause spent ``seconds`` writing (and flushing the backend)."""
+        with self._lock:
+            if self._open is not None:
+                self._open["apply_s"] += seconds
+
+    def blocked(self, seconds: float) -> None:
+        """A ``generate`` call waited ``seconds`` for the open pause (or for a pause that just closed)."""
+        with self._lock:
+            target = self._open if self._open is not None else (self._closed[-1] if self._closed else None)
+            if target is not None:
+                target["blocked_s"] += seconds
+
+    def end(self, transfer: str, outcome: str, version: int | None) -> None:
+        """The pause of ``transfer`` closes: ``outcome`` is ``activated`` (serving ``version``), ``rolled back``
+        or ``abandoned`` (the engine holds no version)."""
+        with self._lock:
+            p = self._open
+            if p is None or p["transfer"] != transfer:
+                return
+            self._open = None
+            secs = time.perf_counter() - p.pop("t0")
+            self._closed.append({**p, "pause_s": secs, "commit_s": max(0.0, secs - p["apply_s"]),
+                                 "outcome": outcome, "version": version})
+
+    def recent(self, since: float = 0.0) -> list[dict]:
+        """Closed pauses that began at or after ``since`` (``time.time()`` scale), oldest first."""
+        with self._lock:
+            return [dict(p) for p in self._closed if p["at"] >= since]
