@@ -40,11 +40,12 @@ contract at one worker, not with tensor parallelism.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, ContextManager, Iterable
 
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
@@ -104,7 +105,8 @@ class ClientCalls:
 
     The four calls go through ``client``; every worker's status, the version label and the prefix cache
     through the same endpoints (:class:`~dcr_ray.engines.vllm.sync.RayWeightSync` /
-    :class:`~dcr_ray.engines.vllm.sync.HttpWeightSync`) for vLLM's built-in clients. Another client
+    :class:`~dcr_ray.engines.vllm.sync.HttpWeightSync`) for vLLM's built-in clients, and through ``client``
+    itself when it is one of those (a :class:`~dcr_ray.engines.vllm.sync.WeightSyncCalls`). Another client
     answers the status itself from the calls it made (a raise is its only "no")."""
 
     def __init__(self, client: Any, timeout_s: float = 300.0):
@@ -115,6 +117,9 @@ class ClientCalls:
             self._side = RayWeightSync(client.handles, timeout_s)
         elif self._http:
             self._side = HttpWeightSync([client.base_url], timeout_s)
+        elif callable(getattr(client, "transfer_status", None)):
+            # dcr_ray's own calls (engines/vllm/sync.py): they read status, version and cache themselves
+            self._side, self.where = client, getattr(client, "where", self.where)
         else:
             self._side = None
         self._seq, self._op = 0, None
@@ -237,11 +242,16 @@ class DcrTrainerWeightTransferEngine(TrainerWeightTransferEngine[DcrTrainerInitI
         engine.owner.attach(dict(iter_checkpoint(checkpoint_files(init_info.checkpoint))), init_info.version)
         return engine
 
-    def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+    def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                     apply_window: Callable[[], ContextManager] | None = None) -> dict[str, Any]:
         """Send what changed since the last round: ``weights`` (``(name, tensor)`` pairs, e.g.
         ``model.named_parameters()``), else a fresh pass over the source. Called on every rank (each
         iterates); the sender returns the round's summary (``version``, ``changed`` elements, ``frames``,
-        ``calls``, ``wire_bytes``, ``seconds``), the others ``{}``."""
+        ``calls``, ``wire_bytes``, ``seconds``), the others ``{}``.
+
+        ``apply_window``: a context manager factory entered around the apply (``finish_weight_update``,
+        the version label, the prefix cache) of a round that sent frames; the frames before it only reach
+        the workers' mirrors, so a caller that pauses generation for the apply alone pauses there."""
         if weights is None and self.source is None:
             raise ConfigError("send_weights() has nothing to send: give a WeightSource to trainer_init, or the "
                               "(name, tensor) pairs to send_weights(pairs)")
@@ -261,7 +271,8 @@ class DcrTrainerWeightTransferEngine(TrainerWeightTransferEngine[DcrTrainerInitI
             summary = self.owner.stream(tensors, transfer=f"vllm-{self._run}-v{target}", attempt=0, base=base,
                                         target=target, sink=sink)
             if sink.frames:
-                self.backend.flush()
+                with apply_window() if apply_window is not None else contextlib.nullcontext():
+                    self.backend.flush()
         except BaseException:
             self._abandon(target)
             raise
