@@ -108,7 +108,7 @@ def markdown(r: dict) -> str:
                        f"{x['bound_bytes_per_change']:.3f} | {x['wire_over_skyrl']:.3f} | {x['sender_seconds']:.3f} | "
                        f"{x['receiver_seconds']:.4f} | {x['receiver_over_skyrl']:.3f} | "
                        f"{'yes' if x['bit_exact'] else '**no**'} |")
-    out += ["", "Corrupted payloads (the last step of each case; the peer's largest payload with its middle byte "
+    out += ["", "Corrupted payloads (the last step of each case; the peer's largest payload with its middle byte\n"
                 "flipped, or cut at its middle), per peer, the same on every case unless listed:", "",
             "| peer | flipped byte | truncation |", "|---|---|---|"]
     for peer in dict.fromkeys(x["peer"] for x in r["cases"]):
@@ -120,7 +120,7 @@ def markdown(r: dict) -> str:
                     seen.setdefault(corruption_cell(x["corrupt"][kind], with_bytes=False), []).append(x["data"])
             cells[kind] = "; ".join(w if len(seen) == 1 else f"{w} ({', '.join(d)})" for w, d in seen.items())
         out.append(f"| {peer} | {cells['flip']} | {cells['truncate']} |")
-    out += ["", "Bytes a recovery fetched again (MB; the step's wire bytes in brackets): dcr_ray's retry sends "
+    out += ["", "Bytes a recovery fetched again (MB; the step's wire bytes in brackets): dcr_ray's retry sends\n"
                 "OVERWRITE frames of the whole changed set; SkyRL's next fetch downloads again what it deleted:", "",
             "| data | dcr_plain | dcr_class_order | skyrl, flipped byte | skyrl, truncation |", "|---|---|---|---|---|"]
     for data, rows in _by_data(r).items():
