@@ -293,7 +293,7 @@ def _live_engine(rng, engine_ids: list[str]):
 def _some_tensor(engine) -> tuple[str, tuple]:
     import ray
 
-    specs = ray.get(engine.call_backend.remote("tensor_specs"), timeout=30)
+    specs = ray.get(engine.tensor_specs.remote(), timeout=30)
     name = sorted(specs)[0]
     return name, tuple(specs[name][1])
 

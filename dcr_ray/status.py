@@ -2,7 +2,8 @@
 
 Connects to a Ray cluster (``--address``, default: the local one), finds the coordinator by its name
 and prints the committed version and record, the refit in flight and its phase, each engine's version
-and state (``ready`` / ``receiving`` / ``staging`` / ``dirty`` / ``dead``), the engines healing in the
+and state (its phase: ``empty`` / ``ready`` / ``staging`` / ``open`` / ``written`` / ``dirty``, or ``dead``)
+and standing (``required`` / ``joining`` / ``evicted`` / ``healing`` / ``out``), the engines healing in the
 background (phase, source: a peer of their cluster or the owners) and the last heals, the relays per cluster,
 and the last refits (seconds per stage, wire bytes per cluster link, change rate, retries).
 ``--json`` prints the same as one JSON object (what :meth:`dcr_ray.Refit.status` returns with
@@ -61,10 +62,10 @@ def format_status(st: dict) -> str:
                      f"'{ph['phase']}' for {time.time() - ph.get('since', time.time()):.1f} s")
     else:
         lines.append("no refit in flight")
-    lines += ["", f"{'engine':<20} {'cluster':<12} {'version':>7}  {'state':<14} required"]
+    lines += ["", f"{'engine':<20} {'cluster':<12} {'version':>7}  {'state':<14} standing"]
     for e in st.get("engine_states", []):
         lines.append(f"{e['engine']:<20} {str(e.get('cluster')):<12} {str(e.get('version')):>7}  "
-                     f"{e.get('phase', '?'):<14} {'yes' if e.get('required') else 'no'}")
+                     f"{e.get('phase', '?'):<14} {e.get('standing') or ('required' if e.get('required') else '-')}")
     healing, healed = st.get("healing") or {}, st.get("healed") or []
     if healing or healed:
         lines += ["", f"{'healing engine':<20} {'phase':<14} {'source':<14} {'for s':>6}  reason / error"]

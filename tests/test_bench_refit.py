@@ -316,11 +316,11 @@ def test_the_bench_receiver_keeps_the_engines_undo_record_in_the_applying_pass_a
     # the engine's default rollback is in place, so the benchmark's light receiver pays for the record as a
     # transformers engine does: one pass (its own apply_with_undo), not the default read-back hook
     from dcr_ray.codec.undo import UndoLog
-    from dcr_ray.engines.base import EngineBackend
+    from dcr_ray.engines.base import TensorBackend
     from test_codec_context import small_step
     from test_undo_fused import _clone, _decoded, _frames, _model, _same
 
-    assert R.SyntheticBackend.apply_with_undo is not EngineBackend.apply_with_undo
+    assert R.SyntheticBackend.apply_with_undo is not TensorBackend.apply_with_undo
     old = _model(21)
     new = {n: small_step(t, seed=210 + i, rate=0.05) for i, (n, t) in enumerate(old.items())}
     b = R.SyntheticBackend({n: tuple(t.shape) for n, t in old.items()})

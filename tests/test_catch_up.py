@@ -20,7 +20,7 @@ import ray
 import dcr_ray
 from dcr_ray.errors import EngineStateError, FrameError
 from dcr_ray.relay.window import CatchUpWindow, CommittedStep
-from dcr_ray.testing.faults import StallingEngine
+from dcr_ray.testing.faults import StallingEngine, mislabel_engine
 from dcr_ray.testing.models import ModelSpec
 from dcr_ray.testing.trainer import TinyTrainer
 
@@ -125,10 +125,10 @@ def test_a_catch_up_that_does_not_fit_what_the_engine_holds_is_refused_before_an
         steps[0].keys = steps[0].keys + [(steps[0].transfer, steps[0].attempt, "nobody", 99)]
         # the engine is told it holds v2 while it holds v3's bits: had anything of the v2->v3 step (a key
         # the record names but no payload carries) been written, the XOR would leave wrong bits below
-        ray.get(eng.__ray_call__.remote(lambda self: self._st.activate(2, steps[0].base_id)))
+        ray.get(eng.__ray_call__.remote(mislabel_engine, 2, steps[0].base_id))
         with pytest.raises(FrameError, match="not the committed attempt"):
             ray.get(eng.catch_up.remote(steps, 30))
-        ray.get(eng.__ray_call__.remote(lambda self: self._st.activate(3, steps[0].transfer)))
+        ray.get(eng.__ray_call__.remote(mislabel_engine, 3, steps[0].transfer))
         assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 3)
     finally:
         refit.shutdown()

@@ -62,3 +62,36 @@ def test_a_new_attempt_forgets_the_last_ones_error_and_fail_first_keeps_the_firs
     assert st.error is second
     st.open(Attempt("v4-a", 1, 3, 4))
     assert st.error is None
+
+
+def test_a_staged_attempt_serves_on_while_it_stages_and_pauses_from_its_first_write():
+    st = _ready()
+    st.open(Attempt("v4-a", 0, 3, 4, "v3-x"), staged=True)
+    assert (st.phase, st.paused, st.version) == (Phase.STAGING, False, 3)  # generation goes on at v3
+    st.wrote()  # the flush writes the staged frames
+    assert (st.phase, st.paused, st.written) == (Phase.OPEN, True, "v4-a")
+    st.activate(4, "v4-a")
+    assert (st.phase, st.paused, st.version) == (Phase.READY, False, 4)
+
+
+def test_a_staged_retry_over_in_place_writes_of_the_same_transfer_opens_paused():
+    st = _ready()
+    st.open(Attempt("v4-a", 0, 3, 4), staged=True)
+    st.wrote()
+    st.close("v4-a")
+    assert st.phase is Phase.WRITTEN
+    st.open(Attempt("v4-a", 1, 3, 4), staged=True)  # half-written bits: no serving until repaired
+    assert (st.phase, st.paused) == (Phase.OPEN, True)
+
+
+def test_a_transition_the_phase_does_not_allow_is_refused_naming_the_phase():
+    import pytest
+
+    from dcr_ray.errors import EngineStateError
+
+    st = _ready()
+    with pytest.raises(EngineStateError, match="wrote\\(\\) is not allowed in phase ready"):
+        st.wrote()
+    with pytest.raises(EngineStateError, match="rolled_back\\(\\) is not allowed in phase ready"):
+        st.rolled_back()
+    assert (st.phase, st.version) == (Phase.READY, 3)

@@ -204,7 +204,13 @@ def test_a_staging_engine_keeps_serving_the_old_version_until_flush_and_then_the
             assert torch.equal(staged[n].view(torch.int16), before[n].view(torch.int16))
         keys = [("S", 0, "test", i) for i in range(len(frames))]
         ray.get(eng.flush.remote("S", 0, keys, 30.0))
+        # written, not yet committed: no output may come from these bits before activate
+        with pytest.raises(dcr_ray.DcrError, match="paused"):
+            ray.get(eng.generate.remote(prompts, 4, 1.0))
         ray.get(eng.activate.remote(1, "S"))
+        (pause,) = ray.get(eng.pauses.remote())  # on the engine's own clock: the flush's writes to activate
+        assert (pause["mode"], pause["outcome"], pause["version"]) == ("staged", "activated", 1)
+        assert 0 < pause["apply_s"] <= pause["pause_s"] and pause["blocked_s"] >= 0.9, pause
         got = ray.get(eng.tensors.remote())
         for n in new:
             assert torch.equal(got[n].view(torch.int16), new[n].view(torch.int16))

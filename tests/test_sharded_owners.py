@@ -134,7 +134,7 @@ def test_fsdp2_sharded_moe_ranks_refit_a_vllm_engine_to_exactly_what_a_fresh_eng
             full = ray.get([r.gathered_state.remote() for r in ranks])[0]
             (eng,) = refit.engines().values()
             assert _differ(ray.get(eng.tensors.remote()), full) == []
-            served = ray.get(eng.call_backend.remote("generate", PROMPTS, MAX_TOKENS))
+            served = ray.get(eng.generate.remote(PROMPTS, MAX_TOKENS))["outputs"]
         finally:
             refit.shutdown()
     finally:

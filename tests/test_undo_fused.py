@@ -21,7 +21,7 @@ from dcr_ray.codec.bits import bits_view, np_uint, wire_name
 from dcr_ray.codec.decoded import DecodedFrame, DecodedItem
 from dcr_ray.codec.format import Encoding
 from dcr_ray.codec.undo import FrameUndo, UndoLog
-from dcr_ray.engines.base import EngineBackend
+from dcr_ray.engines.base import TensorBackend
 from dcr_ray.engines.hf import TransformersBackend
 from test_codec_context import _Backend, small_step  # _Backend: inverse frames written back plainly
 from test_codec_packs import experts, pack_of, targets_of
@@ -218,7 +218,7 @@ def test_a_frame_large_enough_for_the_codec_threads_fills_its_record_from_every_
     assert _same(live, old)
 
 
-class _TwoPassBackend(EngineBackend):
+class _TwoPassBackend(TensorBackend):
     """A backend that overrides nothing optional: the engine's default hook reads back, then applies."""
 
     applies_packs = True

@@ -45,7 +45,7 @@ def test_a_refit_whose_commit_fails_after_the_flush_rolls_a_vllm_engine_back_in_
         ray.get(trainer.step.remote(seed=1))
         v = refit.run().version
         committed = ray.get(trainer.rollout_state.remote())
-        before = ray.get(eng.call_backend.remote("generate", PROMPTS, MAX_TOKENS))
+        before = ray.get(eng.generate.remote(PROMPTS, MAX_TOKENS))["outputs"]
         blocker = os.path.join(commit, "commit.json.tmp")
         os.makedirs(blocker)  # the record's temporary file cannot be created: the commit fails after the flush
         try:
@@ -57,12 +57,12 @@ def test_a_refit_whose_commit_fails_after_the_flush_rolls_a_vllm_engine_back_in_
         assert_no_wrong_bits(refit, committed, v)  # read back from the workers' receivers
         assert ray.get(eng.state.remote())["phase"] == "ready" and refit.status()["required"] == ["a/e0"]
         assert ray.get(eng.info.remote())["rollbacks"] >= 1
-        assert ray.get(eng.call_backend.remote("generate", PROMPTS, MAX_TOKENS)) == before  # served, exactly
+        assert ray.get(eng.generate.remote(PROMPTS, MAX_TOKENS))["outputs"] == before  # served, exactly
 
         ray.get(trainer.step.remote(seed=3))
         assert refit.run().version == v + 1
         check_engines(refit, trainer)
-        got = ray.get(eng.call_backend.remote("generate", PROMPTS, MAX_TOKENS))
+        got = ray.get(eng.generate.remote(PROMPTS, MAX_TOKENS))["outputs"]
         state = ray.get(trainer.rollout_state.remote())
     finally:
         refit.shutdown()

@@ -17,7 +17,7 @@ import numpy as np
 from dcr_ray.actors.owner import stable_hash
 from dcr_ray.actors.held_owner import StandaloneOwner
 from benchmarks.refit.settings import PEERS
-from dcr_ray.engines.base import EngineBackend
+from dcr_ray.engines.base import TensorBackend
 from dcr_ray.testing.trainer import TinyTrainer
 
 
@@ -47,20 +47,21 @@ def actor_pid(_self) -> int:
 
 def engine_digests(self) -> dict[str, str]:
     """An engine actor's fingerprints of its tensors (run in it with ``__ray_call__``)."""
-    return _digests(self.backend.tensors())
+    return _digests(self.tensors())
 
 
 def engine_apply_stats(self) -> dict:
     """An engine actor's apply seconds of its last refit (validate + apply + flush, what its ACK reported;
     kept until the next ``prepare``), the backend flush's share of them (after :func:`time_backend_flush`)
     and, for vLLM, its last flush's counts (run in it with ``__ray_call__``)."""
-    return {"apply_s": self._apply_s, "flush_s": getattr(self.backend, "_bench_flush_s", None),
-            "flush": dict(getattr(self.backend, "last_flush", None) or {})}
+    stats = self.stats()
+    return {"apply_s": stats["apply_s"], "flush_s": getattr(self.backend, "bench_flush_s", None),
+            "flush": stats["backend_flush"]}
 
 
 def time_backend_flush(self) -> None:
     """Time the backend's ``flush`` (vLLM: reload of the touched fused groups into the runtime) in an engine
-    actor from now on (run in it with ``__ray_call__``); the time lands in ``backend._bench_flush_s``."""
+    actor from now on (run in it with ``__ray_call__``); the time lands in ``backend.bench_flush_s``."""
     backend = self.backend
     inner = backend.flush
 
@@ -69,7 +70,7 @@ def time_backend_flush(self) -> None:
         try:
             inner()
         finally:
-            backend._bench_flush_s = time.perf_counter() - t
+            backend.bench_flush_s = time.perf_counter() - t
 
     backend.flush = flush
 
@@ -278,7 +279,7 @@ class BenchTrainer(_Probe, TinyTrainer):
     """The real-update owner: :class:`~dcr_ray.testing.trainer.TinyTrainer` plus the benchmark probes."""
 
 
-class SyntheticBackend(EngineBackend):
+class SyntheticBackend(TensorBackend):
     """A light receiver: canonical BF16 tensors applied in place exactly like the transformers backend,
     undo record included (the engine's default in-place rollback keeps the bits each write replaces, in
     the pass that writes them), so the benchmark pays what a ``transformers`` engine pays."""

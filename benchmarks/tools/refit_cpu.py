@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from dcr_ray.testing.probes import engine_cpu_parts
+
 ROLES = ("owners", "relays", "engines")
 
 
@@ -123,40 +125,6 @@ def _gc_watch(_actor=None) -> dict:
     return {"s": list(st["s"]), "n": list(st["n"]), "objects": len(gc.get_objects())}
 
 
-def _engine_parts(actor) -> dict:
-    """Install (once) CPU accounting of an engine actor's payload path: the thread CPU seconds of its
-    payloads' validate-and-apply (``deliver`` after the bytes arrived) and of their open (digest + header),
-    decode and apply; returns the totals so far."""
-    import time as _t
-
-    from dcr_ray.actors import engine as E
-
-    st = getattr(actor, "_bench_parts", None)
-    if st is None:
-        st = actor._bench_parts = {"deliver": 0.0, "open": 0.0, "decode": 0.0, "apply": 0.0, "calls": 0}
-
-        def timed(label, f):
-            def g(*a, **k):
-                t = _t.thread_time()
-                try:
-                    return f(*a, **k)
-                finally:
-                    st[label] += _t.thread_time() - t
-            return g
-
-        E.open_frame = timed("open", E.open_frame)
-        E.decode_frame = timed("decode", E.decode_frame)
-        actor._apply = timed("apply", actor._apply)
-        inner = timed("deliver", actor._deliver_locked)
-
-        def deliver(*a, **k):
-            st["calls"] += 1
-            return inner(*a, **k)
-
-        actor._deliver_locked = deliver  # Ray calls the class's deliver, which calls this
-    return dict(st)
-
-
 def _gc_all(handles) -> dict:
     import ray
 
@@ -190,11 +158,11 @@ def _one(topo, perturb, rate, pids=None) -> dict:
     t0 = _thread_ticks(pids) if pids else {}
     c0 = _proc_counters(pids) if pids else {}
     g0 = _gc_all(_handles(topo))
-    e0 = ray.get([h.__ray_call__.remote(_engine_parts) for h in topo.engines.values()])
+    e0 = ray.get([h.__ray_call__.remote(engine_cpu_parts) for h in topo.engines.values()])
     rep = topo.refit.run()
     ray.get([h.dcr_version.remote() for h in topo.owners.values()])  # every background promote done
     g1 = _gc_all(_handles(topo))
-    e1 = ray.get([h.__ray_call__.remote(_engine_parts) for h in topo.engines.values()])
+    e1 = ray.get([h.__ray_call__.remote(engine_cpu_parts) for h in topo.engines.values()])
     parts = {e: {k: b[k] - a[k] for k in a} for e, a, b in zip(topo.engines, e0, e1)}
     gcs = {a: {"s": [y - x for x, y in zip(g0[a]["s"], g1[a]["s"])], "n": [y - x for x, y in zip(g0[a]["n"], g1[a]["n"])],
                "objects": g1[a]["objects"]} for a in g1}

@@ -23,7 +23,7 @@ import torch
 import dcr_ray
 from dcr_ray.codec import apply_decoded
 from dcr_ray.codec.bits import bits_view
-from dcr_ray.engines.base import EngineBackend
+from dcr_ray.engines.base import TensorBackend
 
 
 class TracingOwner(dcr_ray.StandaloneOwner):
@@ -58,7 +58,12 @@ class TracingOwner(dcr_ray.StandaloneOwner):
         return self.streams
 
 
-class TracingBackend(EngineBackend):
+def _trace(engine) -> list:
+    """(Run in an engine actor.) Its :class:`TracingBackend`'s apply trace."""
+    return engine.backend.trace()
+
+
+class TracingBackend(TensorBackend):
     """BF16 tensors applied in place like the transformers backend (undo in the same pass), stamped."""
 
     applies_packs = True
@@ -145,7 +150,7 @@ def main() -> None:
             ts = [changed(d, a.rate, seed=100 * r + o) for o, d in enumerate(ts)]
             ray.get([o.set_tensors.remote(d) for o, d in zip(owners, ts)])
             n_sends = [len(ray.get(o.trace.remote())) for o in owners]
-            n_applies = {e: len(ray.get(h.call_backend.remote("trace"))) for e, h in refit.engines().items()}
+            n_applies = {e: len(ray.get(h.__ray_call__.remote(_trace))) for e, h in refit.engines().items()}
             report = refit.run()
             streams = [ray.get(o.stream_marks.remote())[-1] for o in owners]
             p = min(t for t, _ in streams)  # the first owner's stream call began
@@ -160,7 +165,7 @@ def main() -> None:
             sends = [s for o, k in zip(owners, n_sends) for s in ray.get(o.trace.remote())[k:]]
             last_send = max(s[2] for s in sends)
             for e, h in refit.engines().items():
-                got = ray.get(h.call_backend.remote("trace"))[n_applies[e]:]
+                got = ray.get(h.__ray_call__.remote(_trace))[n_applies[e]:]
                 fl = [x for x in got if x[3] == "flush"]
                 ap_ = [x for x in got if x[3] != "flush"]
                 before = sum(1 for x in ap_ if x[2] <= last_send)

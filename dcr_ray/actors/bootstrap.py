@@ -65,7 +65,7 @@ class Bootstrap:
             raise
         transport.release(transfer)
         s.progress_total = None
-        s.required |= set(engine_ids)
+        s.standings.require(engine_ids)
         log.info("dcr_ray: bootstrapped %d engines densely at version %d", len(engine_ids), s.version)
         return sum(x["wire_bytes"] for x in sums.values())
 
@@ -89,7 +89,7 @@ class Bootstrap:
             log.warning("dcr_ray: digest check of adopted engines %s failed (%r); bootstrapping densely", adopted, e)
             return engine_ids
         ok = sorted(e for e, j in joined.items() if j)
-        s.required |= set(ok)
+        s.standings.require(ok)
         if ok:
             log.info("dcr_ray: %s already serve version %d (digests match): joined without a dense bootstrap",
                      ok, s.version)

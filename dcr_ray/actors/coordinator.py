@@ -224,7 +224,7 @@ class CoordinatorActor:
                     if len(gone) < len(d.ids):  # an owner died: its data is gone, cannot continue
                         last = RefitError(f"owner actor(s) died: {[x for x in d.ids if x not in gone]}")
                         break
-                    s.required -= set(gone)
+                    s.standings.heal(gone)  # re-created and healed after the commit (after_commit)
                     dropped += gone
                     last = RefitError(f"engines died: {gone}")
                     log.warning("dcr_ray: %s died; retrying without them", gone)
@@ -315,7 +315,6 @@ class CoordinatorActor:
         versions, dead, errors = gather(
             {e: s.engines[e].activate.remote(target, transfer) for e in req}, t, "activate")
         if dead:
-            s.required -= set(dead)
             warnings += self._members.heal_later(dead, "died")
         if errors:
             warnings += self._members.not_activated(errors, target)

@@ -8,8 +8,9 @@ evicted, readmitted), healing (:mod:`~dcr_ray.actors.healing`), recovery
 another part's fields.
 
 Invariants: ``version`` is the version the durable record names (it changes only under ``lock``, at a
-commit or a resume); ``required`` holds the engines that take part in the next refit, each holding
-``version`` settled between refits (changed under ``lock``); ``phase`` and ``progress_total`` are
+commit or a resume); ``standings`` holds every engine's standing (:mod:`~dcr_ray.actors.standings`), and
+``required`` (a read-only view of it) the engines that take part in the next refit, each holding
+``version`` settled between refits (changed under ``lock``, only through ``standings``' methods); ``phase`` and ``progress_total`` are
 written by the thread that holds ``lock``. Inspection reads all of them without the lock.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcr_ray.actors.commit import CommitLog
+from dcr_ray.actors.standings import Standings
 from dcr_ray.actors.topology import Topology
 from dcr_ray.config import RefitConfig
 from dcr_ray.relay.transport import Transport
@@ -42,12 +44,18 @@ class CoordinatorState:
     lock: threading.Lock = field(default_factory=threading.Lock)  #: held by a refit, a start, a heal's join
     version: int = 0  #: the committed version
     epoch: int = 0  #: this incarnation's fencing epoch (the record refuses older ones)
-    required: set[str] = field(default_factory=set)  #: engines holding ``version``, in the next refit
+    standings: Standings = field(default_factory=Standings)  #: every engine's standing (one container)
     history: list[dict] = field(default_factory=list)  #: reports of the committed refits, oldest first
     phase: dict = field(default_factory=_idle)  #: where the refit (or start-up) in flight is
     progress_total: int | None = None  #: bytes the phase in flight delivers, when known
     model_bytes: int = 0  #: canonical bytes of one engine's tensors (0 until known: a resumed coordinator)
     start: StartClock = field(default_factory=StartClock)  #: this incarnation's start-up, phase by phase
+
+    @property
+    def required(self) -> frozenset[str]:
+        """The engines holding ``version`` settled, in the next refit (read-only: standings change only
+        through :class:`~dcr_ray.actors.standings.Standings`' methods)."""
+        return self.standings.required
 
     @property
     def engines(self) -> dict[str, Any]:

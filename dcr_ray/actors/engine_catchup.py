@@ -24,8 +24,9 @@ changed positions, but the payloads are already inside the cluster, so composing
 apply passes over positions that changed in several versions, not link bytes.
 
 The engine stays outside the required set throughout; the coordinator adds it once it holds the
-version the record names. A mixin of :class:`~dcr_ray.actors.engine.EngineActor` (its lock, its
-reader and apply path, and its :class:`~dcr_ray.actors.engine_state.EngineState` transitions).
+version the record names. A part of :class:`~dcr_ray.actors.engine.EngineActor`, handed the engine's
+shared state (:class:`~dcr_ray.actors.engine_context.EngineContext`: its lock, reader, decode and write
+path, state transitions) and the receiver whose abort rolls back a step that fails part way.
 """
 
 from __future__ import annotations
@@ -34,22 +35,28 @@ import time
 
 import ray
 
-from dcr_ray import metrics
 from dcr_ray.actors.attempt import Attempt
+from dcr_ray.actors.engine_context import EngineContext
+from dcr_ray.actors.engine_receive import Receiver
 from dcr_ray.codec import open_frame
 from dcr_ray.errors import EngineStateError, FrameError, RefitError
 
 
 class CatchUp:
-    """``catch_up`` of an engine actor (see the module doc)."""
+    """``catch_up`` of one engine (see the module doc)."""
+
+    def __init__(self, ctx: EngineContext, receiver: Receiver):
+        self._c = ctx
+        self._receiver = receiver
 
     def catch_up(self, steps: list, timeout_s: float) -> dict:
         """Take ``steps`` (:class:`~dcr_ray.relay.window.CommittedStep`, in commit order); returns
         ``{"engine", "version", "steps", "bytes", "seconds"}``. Raises :class:`FrameError` or
         :class:`EngineStateError` before any write when a step does not fit what this engine holds."""
+        c = self._c
         t0 = time.perf_counter()
         if not steps:
-            raise EngineStateError(f"engine {self.engine_id}: nothing to catch up with")
+            raise EngineStateError(f"engine {c.engine_id}: nothing to catch up with")
         self._check_chain(steps)
         decoded, nbytes = [], 0
         for s in steps:  # read and validate everything before any write
@@ -58,61 +65,61 @@ class CatchUp:
             nbytes += sum(len(d) for d in datas)
             frames, keys = [], set()
             for data in datas:
-                header = open_frame(data, key=self.config.codec.key)
+                header = open_frame(data, key=c.config.codec.key)
                 meta = header.meta
                 if (meta.transfer, meta.attempt) != (s.transfer, s.attempt):
-                    raise FrameError(f"engine {self.engine_id}: a kept payload of {s.transfer}/{s.attempt} is a "
+                    raise FrameError(f"engine {c.engine_id}: a kept payload of {s.transfer}/{s.attempt} is a "
                                      f"frame of {meta.transfer}/{meta.attempt}")
                 keys.add(tuple(meta.key))
-                frames.append((data, self._decode(header, cur)))
+                frames.append((data, c.decode(header, cur)))
             want = {tuple(k) for k in s.keys}
             if keys != want or len(frames) != len(want):
-                raise FrameError(f"engine {self.engine_id}: the kept payloads of {s.transfer} are not the "
+                raise FrameError(f"engine {c.engine_id}: the kept payloads of {s.transfer} are not the "
                                  f"committed attempt's ({len(keys & want)} of {len(want)} keys, "
                                  f"{len(keys - want)} others)")
             decoded.append((cur, frames))
-        with self._cv:
+        with c.lock:
             self._check_chain(steps)  # nothing moved while it read
+            c.quiesce()
             for cur, frames in decoded:
                 self._apply_step(cur, frames)
-            self.backend.activate(self.version)
-            self._stats["caught_up"] = self._stats.get("caught_up", 0) + 1
-            metrics.record("engine_version", self.version, tags=self._tags)
-            self._cv.notify_all()
-        return {"engine": self.engine_id, "version": self.version, "steps": len(steps), "bytes": nbytes,
+            c.count("caught_up")
+        return {"engine": c.engine_id, "version": c.state.version, "steps": len(steps), "bytes": nbytes,
                 "seconds": time.perf_counter() - t0}
 
     def _check_chain(self, steps: list) -> None:
-        with self._cv:
-            if self._st.paused or self._st.why is not None:
-                raise EngineStateError(f"engine {self.engine_id} is {self.state()['phase']}: it catches up only "
-                                       f"while it holds a committed version settled")
-            have = (self.version, self.version_id)
+        c = self._c
+        with c.lock:
+            st = c.state
+            if not st.settled:
+                raise EngineStateError(f"engine {c.engine_id} is {st.phase.value}: it catches up only while it "
+                                       f"holds a committed version settled")
+            have = (st.version, st.version_id)
         for s in steps:
             if (s.base, s.base_id) != have:
                 raise EngineStateError(
-                    f"engine {self.engine_id}: step {s.transfer} ({s.base}->{s.target}) is built on v{s.base} "
+                    f"engine {c.engine_id}: step {s.transfer} ({s.base}->{s.target}) is built on v{s.base} "
                     f"({s.base_id}), this engine (or the step before) holds v{have[0]} ({have[1]})")
             have = (s.target, s.transfer)
 
     def _read_all(self, payloads: list, timeout_s: float) -> list[bytes]:
         refs = [i for i, p in enumerate(payloads) if isinstance(p, ray.ObjectRef)]
         got = dict(zip(refs, ray.get([payloads[i] for i in refs], timeout=timeout_s))) if refs else {}
-        return [self.reader.read(got[i] if i in got else p) for i, p in enumerate(payloads)]
+        return [self._c.reader.read(got[i] if i in got else p) for i, p in enumerate(payloads)]
 
     def _apply_step(self, cur: Attempt, frames: list) -> None:
         """One validated step in place, like an attempt of a refit; the engine then holds ``cur.target``."""
-        self._st.open(cur)
-        self._st.wrote()
+        c = self._c
+        c.state.open(cur)
+        c.state.wrote()
         try:
             for data, frame in frames:
-                self._apply(data, frame)
-            self.backend.flush()
+                c.write(data, frame)
+            c.backend.flush()
         except Exception as e:
-            self.abort(cur.transfer, final=True)  # rolls back in place to cur.base, or leaves no version
-            raise RefitError(f"engine {self.engine_id}: catching up with {cur.transfer} ({cur.base}->{cur.target}) "
+            self._receiver.abort(cur.transfer, final=True)  # rolls back in place to cur.base, or leaves no version
+            st = c.state
+            raise RefitError(f"engine {c.engine_id}: catching up with {cur.transfer} ({cur.base}->{cur.target}) "
                              f"failed part way ({e!r}); it holds "
-                             f"{'v%s' % self.version if self._st.why is None else 'no version'}") from e
-        self._st.activate(cur.target, cur.transfer)
-        self._undo.clear()
-        self._applied.clear()
+                             f"{'v%s' % st.version if st.why is None else 'no version'}") from e
+        c.become_ready(cur.target, cur.transfer)

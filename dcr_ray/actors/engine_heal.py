@@ -19,8 +19,8 @@ hand over its canonical tensors. Protocol (driven by the coordinator's healing p
                               does it hold v (else it holds no version and says why)
 
 The engine is outside the required set throughout; the coordinator adds it once it holds the version
-the record names. A mixin of :class:`~dcr_ray.actors.engine.EngineActor` (its lock, its backend and
-its :class:`~dcr_ray.actors.engine_state.EngineState` transitions).
+the record names. A part of :class:`~dcr_ray.actors.engine.EngineActor`, handed the engine's shared state
+(:class:`~dcr_ray.actors.engine_context.EngineContext`: its lock, backend and state transitions).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import time
 
 import ray
 
-from dcr_ray import metrics
+from dcr_ray.actors.engine_context import EngineContext
 from dcr_ray.codec.bits import bits_view, wire_name
+from dcr_ray.engines.base import WireBackend, readable_tensors
 from dcr_ray.errors import EngineStateError
 
 
@@ -47,19 +48,24 @@ def tensor_digests(tensors) -> dict[str, str]:
 
 
 class PeerCopy:
-    """``snapshot`` (the peer's side) and ``heal_from`` (the healing engine's side) of an engine actor."""
+    """``snapshot`` (the peer's side) and ``heal_from`` (the healing engine's side) of one engine."""
+
+    def __init__(self, ctx: EngineContext):
+        self._c = ctx
 
     def snapshot(self, version: int, version_id: str | None) -> dict:
         """This engine's committed bits for a healing peer: ``{"version", "version_id", "specs",
         "digests", "ref": [ObjectRef of {name: tensor}, ...], "bytes"}`` (groups of at most
         :data:`SNAPSHOT_GROUP_BYTES`, in name order); refused unless it holds ``version`` of
         ``version_id`` settled."""
-        with self._cv:
-            if not self._st.settled or self.version != version or self.version_id != version_id:
+        c = self._c
+        with c.lock:
+            st = c.state
+            if not st.settled or st.version != version or st.version_id != version_id:
                 raise EngineStateError(
-                    f"engine {self.engine_id} cannot hand over version {version} ({version_id}): it holds "
-                    f"v{self.version} ({self.version_id}), {self.state()['phase']}")
-            tensors = dict(self.backend.tensors())
+                    f"engine {c.engine_id} cannot hand over version {version} ({version_id}): it holds "
+                    f"v{st.version} ({st.version_id}), {st.phase.value}")
+            tensors = dict(readable_tensors(c.backend))
             refs, group, size = [], {}, 0
             for n in sorted(tensors):  # each group is copied into this node's object store under the lock
                 t = tensors[n]
@@ -79,40 +85,42 @@ class PeerCopy:
         """Take the committed version a peer's :meth:`snapshot` handed over (see the module doc); returns
         ``{"engine", "version", "bytes", "seconds"}``. Raises :class:`EngineStateError` (holding no
         version when bits were written) if the copy does not match the peer's digests."""
+        c = self._c
         t0 = time.perf_counter()
         version, version_id, specs = snap["version"], snap["version_id"], snap["specs"]
-        mine = {n: (dt, tuple(shape)) for n, (dt, shape) in self.specs.items()}
+        mine = {n: (dt, tuple(shape)) for n, (dt, shape) in c.specs.items()}
         bad = sorted(set(specs) ^ set(mine))[:3] or [n for n in specs if tuple(specs[n]) != mine[n]][:3]
         if bad or set(snap["digests"]) != set(specs):  # checked before any write
-            raise EngineStateError(f"engine {self.engine_id}: the peer's tensors do not match this engine's "
+            raise EngineStateError(f"engine {c.engine_id}: the peer's tensors do not match this engine's "
                                    f"(names, dtypes or shapes differ, e.g. {bad})")
-        with self._cv:
-            if self._st.attempt is not None:
-                raise EngineStateError(f"engine {self.engine_id} is inside transfer {self._st.attempt.transfer}; "
+        with c.lock:
+            st = c.state
+            if st.attempt is not None:
+                raise EngineStateError(f"engine {c.engine_id} is inside transfer {st.attempt.transfer}; "
                                        f"it heals between transfers")
-            self._mark_dirty(f"healing from a peer to version {version}")
+            if isinstance(c.backend, WireBackend) and c.backend.read_back() is None:
+                raise EngineStateError(f"engine {c.engine_id} cannot take a peer's copy ({type(c.backend).__name__} "
+                                       f"takes dense bits only as frames of a refit): bootstrap it densely")
+            c.mark_dirty(f"healing from a peer to version {version}")
+            c.quiesce()
             seen = set()
             for ref in snap["ref"]:  # one group in memory at a time
                 group = ray.get(ref, timeout=timeout_s)
                 if any(n not in specs or n in seen or (wire_name(t.dtype), tuple(t.shape)) != tuple(specs[n])
                        for n, t in group.items()):
-                    self._st.dirty("a peer's copy held tensors its manifest did not name")
-                    raise EngineStateError(f"engine {self.engine_id}: {self._st.why}")
-                self.backend.load_dense(group.items())
+                    st.dirty("a peer's copy held tensors its manifest did not name")
+                    raise EngineStateError(f"engine {c.engine_id}: {st.why}")
+                if c.backend.load_dense(group.items()) is False:
+                    raise EngineStateError(f"engine {c.engine_id}: {type(c.backend).__name__} took no dense copy")
                 seen |= set(group)
                 del group
-            self.backend.flush()
-            got = tensor_digests(self.backend.tensors())
+            c.backend.flush()
+            got = tensor_digests(readable_tensors(c.backend))
             differ = sorted(n for n in snap["digests"] if got.get(n) != snap["digests"][n])
             if differ or seen != set(specs):
-                self._st.dirty(f"a copy from a peer did not land exactly ({len(differ)} tensors differ from the "
-                               f"peer's digests, e.g. {differ[:3]}; {len(set(specs) - seen)} never arrived)")
-                raise EngineStateError(f"engine {self.engine_id}: {self._st.why}")
-            self._st.activate(version, version_id)
-            self._applied.clear()
-            self.backend.activate(version)
-            self._stats["healed_from_peer"] = self._stats.get("healed_from_peer", 0) + 1
-            metrics.record("engine_version", version, tags=self._tags)
-            self._cv.notify_all()
-        return {"engine": self.engine_id, "version": version, "bytes": snap["bytes"],
+                st.dirty(f"a copy from a peer did not land exactly ({len(differ)} tensors differ from the "
+                         f"peer's digests, e.g. {differ[:3]}; {len(set(specs) - seen)} never arrived)")
+                raise EngineStateError(f"engine {c.engine_id}: {st.why}")
+            c.become_ready(version, version_id, counter="healed_from_peer")
+        return {"engine": c.engine_id, "version": version, "bytes": snap["bytes"],
                 "seconds": time.perf_counter() - t0}

@@ -1,22 +1,30 @@
 """An engine's lifecycle as one explicit state: its phase, and the data that phase carries.
 
-Phases (:class:`Phase`) and the transitions between them, each one method of :class:`EngineState`
-(the engine actor calls them under its lock; nothing else writes these fields)::
+Phases (:class:`Phase`) are the one vocabulary of an engine's state: ``EngineActor.state()["phase"]``
+reports them, ``dcr-ray status`` prints them. The transitions between them are each one method of
+:class:`EngineState` (the engine's parts call them under the engine's lock; nothing else writes these
+fields); a transition the current phase does not allow raises :class:`~dcr_ray.errors.EngineStateError`
+naming the phase::
 
-    EMPTY / READY / DIRTY --open(attempt)--------------> OPEN       (prepare; a delta only from READY)
-    OPEN  --wrote()------------------------------------> OPEN       (its transfer wrote in place: ``written``)
-    OPEN  --close(transfer)----------------------------> WRITTEN    (it wrote in place: the next attempt repairs)
-                                                      \\-> READY / EMPTY / DIRTY   (it wrote nothing)
-    OPEN / WRITTEN --rolled_back()---------------------> READY      (the undo record restored the bits)
-    any   --activate(v, id)----------------------------> READY(v, id)   (a commit, a digest match, a verified
-                                                                     copy, a replayed delta)
-    any   --dirty(why)---------------------------------> DIRTY(why) (its bits match no version)
+    EMPTY / READY / DIRTY --open(attempt)----------------> OPEN      (prepare, in place; a delta only from READY)
+                          --open(attempt, staged=True)---> STAGING   (prepare, staged: it serves on meanwhile)
+    STAGING --wrote()------------------------------------> OPEN      (the flush writes the staged frames)
+    OPEN    --wrote()------------------------------------> OPEN      (its transfer wrote in place: ``written``)
+    OPEN / STAGING --close(transfer)---------------------> WRITTEN   (it wrote in place: the next attempt repairs)
+                                                       \\-> READY / EMPTY / DIRTY   (it wrote nothing)
+    OPEN / WRITTEN --rolled_back()-----------------------> READY     (the undo record restored the bits)
+    any     --activate(v, id)----------------------------> READY(v, id)  (a commit, a digest match, a verified
+                                                                       copy, a replayed delta)
+    any     --dirty(why)---------------------------------> DIRTY(why) (its bits match no version)
 
-Data: ``version`` / ``version_id`` (what it holds: READY, and beneath an OPEN or WRITTEN transfer; None
-otherwise), ``why`` (its bits match no version: DIRTY, and beneath a dense bootstrap that repairs
-them), ``attempt`` (OPEN only), ``written`` (the transfer that wrote in place: WRITTEN, and OPEN once
-its frames landed), ``flushed`` (the last attempt whose every payload was applied) and ``error`` (the
-first error of the attempt, which fails its flush).
+Generation serves in READY and STAGING (the weights hold the committed version) and waits in OPEN and
+WRITTEN (:attr:`EngineState.paused`); EMPTY and DIRTY refuse it.
+
+Data: ``version`` / ``version_id`` (what it holds: READY, and beneath an OPEN, STAGING or WRITTEN
+transfer; None otherwise), ``why`` (its bits match no version: DIRTY, and beneath a dense bootstrap that
+repairs them), ``attempt`` (OPEN and STAGING), ``written`` (the transfer that wrote in place: WRITTEN,
+and OPEN once its frames landed), ``flushed`` (the last attempt whose every payload was applied) and
+``error`` (the first error of the attempt, which fails its flush).
 """
 
 from __future__ import annotations
@@ -24,13 +32,14 @@ from __future__ import annotations
 import enum
 
 from dcr_ray.actors.attempt import Attempt
-from dcr_ray.errors import DcrError
+from dcr_ray.errors import DcrError, EngineStateError
 
 
 class Phase(enum.Enum):
     EMPTY = "empty"  #: never bootstrapped: holds no version
     READY = "ready"  #: holds ``version`` of content ``version_id``, settled
-    OPEN = "open"  #: inside ``attempt``
+    STAGING = "staging"  #: inside ``attempt``, staging its frames while it serves ``version``
+    OPEN = "open"  #: inside ``attempt``, writing (generation waits)
     WRITTEN = "written"  #: between attempts of ``written``: in-place writes neither committed nor rolled back
     DIRTY = "dirty"  #: its bits match no version (``why``): a dense bootstrap or a verified copy restores it
 
@@ -52,7 +61,8 @@ class EngineState:
 
     def __repr__(self) -> str:
         inner = {Phase.READY: f"v{self.version}", Phase.OPEN: self.attempt and self.attempt.transfer,
-                 Phase.WRITTEN: self.written, Phase.DIRTY: self.why}.get(self.phase)
+                 Phase.STAGING: self.attempt and self.attempt.transfer, Phase.WRITTEN: self.written,
+                 Phase.DIRTY: self.why}.get(self.phase)
         return f"{self.phase.value}({inner})" if inner else self.phase.value
 
     # -- questions --------------------------------------------------------------------------------
@@ -63,7 +73,7 @@ class EngineState:
 
     @property
     def paused(self) -> bool:
-        """A transfer is open or wrote in place between its attempts (in-place generation waits)."""
+        """Generation waits: a transfer writes, or wrote in place between its attempts."""
         return self.phase in (Phase.OPEN, Phase.WRITTEN)
 
     @property
@@ -76,14 +86,25 @@ class EngineState:
         a = self.attempt
         return a is not None and a.transfer == transfer and (attempt is None or a.attempt == attempt)
 
+    def _need(self, what: str, *phases: Phase) -> None:
+        if self.phase not in phases:
+            raise EngineStateError(f"engine state: {what} is not allowed in phase {self.phase.value} "
+                                   f"(only in {', '.join(p.value for p in phases)})")
+
     # -- transitions ------------------------------------------------------------------------------
-    def open(self, attempt: Attempt) -> None:
-        """Enter ``attempt`` (prepare). A new attempt forgets the previous one's error."""
-        self.attempt, self.error, self.phase = attempt, None, Phase.OPEN
+    def open(self, attempt: Attempt, *, staged: bool = False) -> None:
+        """Enter ``attempt`` (prepare): OPEN, or STAGING when its frames are staged while the engine serves
+        (never over in-place writes of the same transfer: those are repaired in place). A new attempt
+        forgets the previous one's error."""
+        self.attempt, self.error = attempt, None
+        self.phase = Phase.STAGING if staged and self.written is None else Phase.OPEN
 
     def wrote(self) -> None:
-        """The open attempt's transfer wrote into the backend in place (its later attempts repair it)."""
+        """The open attempt's transfer writes into the backend in place (its later attempts repair it);
+        a staging engine stops serving from here until activate or rollback."""
+        self._need("wrote()", Phase.OPEN, Phase.STAGING)
         self.written = self.attempt.transfer
+        self.phase = Phase.OPEN
 
     def fail(self, error: DcrError) -> None:
         """Record ``error`` as the attempt's error (the flush raises the latest)."""
@@ -94,6 +115,7 @@ class EngineState:
         self.error = self.error or error
 
     def flushed_now(self) -> None:
+        self._need("flushed_now()", Phase.OPEN, Phase.STAGING)
         self.flushed = (self.attempt.transfer, self.attempt.attempt)
 
     def close(self, transfer: str) -> None:
@@ -104,7 +126,9 @@ class EngineState:
 
     def rolled_back(self) -> None:
         """The in-place writes were undone: it holds what it held before the transfer."""
+        self._need("rolled_back()", Phase.OPEN, Phase.STAGING, Phase.WRITTEN)
         self.written = None
+        self.attempt = None
         self._settle()
 
     def activate(self, version: int, version_id: str | None) -> None:

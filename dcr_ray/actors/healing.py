@@ -96,7 +96,9 @@ class Healing:
 
     # -- what the coordinator calls ----------------------------------------------------------------
     def schedule(self, engine_ids, reason: str, *, respawn: bool) -> None:
-        """Heal ``engine_ids`` in the background (re-created first with ``respawn``: their actors died)."""
+        """Heal ``engine_ids`` in the background (re-created first with ``respawn``: their actors died);
+        they stand HEALING until they join."""
+        self._s.standings.heal(engine_ids)
         with self._guard:
             for e in engine_ids:
                 rec = self._table.get(e)
@@ -125,6 +127,7 @@ class Healing:
 
     def heal_now(self, engine_id: str, reason: str, *, respawn: bool) -> dict:
         """Heal one engine in the caller's thread (``Refit.rejoin``); raises what made it fail."""
+        self._s.standings.heal([engine_id])
         with self._guard:
             self._table[engine_id] = _record(engine_id, reason, respawn)
         return self._heal(engine_id)
@@ -282,7 +285,7 @@ class Healing:
                 if not steps and (peer is None or s.topology.is_adopted(e)):  # no delta, no peer can hand
                     # it over (or it cannot take a copy: an adopted engine's bits are not addressable)
                     self._set(e, phase="bootstrapping", source="owners")
-                    s.required.discard(e)
+                    s.standings.joining([e])
                     sent = self._bootstrap.dense([e])  # joins the required set (an adopted engine by digest if it can)
                     self._took(e, "owners" if sent else "digest", owner_bytes=sent)
                     return {"engine": e, "version": version}
@@ -353,7 +356,7 @@ class Healing:
 
     def _join(self, e: str, version: int) -> dict:
         """``e`` holds the committed ``version``: it joins the required set (under the coordinator's lock)."""
-        self._s.required.add(e)
+        self._s.standings.require([e])
         metrics.record("required_engines", len(self._s.required))
         return {"engine": e, "version": version}
 

@@ -45,14 +45,15 @@ class Inspection:
         return {"phase": phase, "bytes": done, "total": s.progress_total, "engines": engines}
 
     def status(self, detail: bool = False) -> dict:
-        """The committed version and record, the required engines, the refit in flight (``phase``), the
+        """The committed version and record, the required engines and every engine's standing
+        (``standings``: required, joining, evicted, healing, out), the refit in flight (``phase``), the
         engines healing in the background (``healing``, and the last completed heals in ``healed``) and,
         with ``detail``, each engine's state, the relays per cluster and the last refits
         (:mod:`dcr_ray.status` formats it for ``dcr-ray status``)."""
         s = self._s
         rec = s.commits.read()
         out = {"version": s.version, "epoch": s.epoch, "required": sorted(s.required),
-               "engines": sorted(s.engines), "owners": sorted(s.owners),
+               "standings": s.standings.as_dict(), "engines": sorted(s.engines), "owners": sorted(s.owners),
                "clusters": list(s.topology.clusters), "transport": s.transport.kind,
                "commit_record": None if rec is None else asdict(rec), "phase": dict(s.phase),
                **self._healer.status()}
@@ -65,6 +66,8 @@ class Inspection:
                 states[e] = {"engine": e, "phase": "not answering"}
             for e, st in states.items():
                 st["required"] = e in s.required
+                standing = s.standings.of(e)
+                st["standing"] = standing.value if standing is not None else None
                 st.setdefault("cluster", s.topology.engine_cluster.get(e))
             out["engine_states"] = [states[e] for e in sorted(states)]
             relays: dict[str, list[str]] = {}

@@ -13,8 +13,9 @@ version in the background: :mod:`~dcr_ray.actors.healing`). Transitions::
     written by an abandoned refit, no rollback --> dense bootstrap, else out (:meth:`restore`)
     healing  --holds the committed version--------> required        (under the coordinator's lock)
 
-The evicted set and each evicted engine's pending readmission probe belong to this part; the
-required set is shared (:class:`~dcr_ray.actors.coordinator_state.CoordinatorState`).
+Each engine's standing lives in one container (:class:`~dcr_ray.actors.standings.Standings`, in the
+shared :class:`~dcr_ray.actors.coordinator_state.CoordinatorState`), changed only through its methods;
+each evicted engine's pending readmission probe belongs to this part.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dcr_ray.actors.bootstrap import Bootstrap
 from dcr_ray.actors.calls import ActorsDied, NoAnswerError, gather
 from dcr_ray.actors.coordinator_state import CoordinatorState
 from dcr_ray.actors.healing import Healing
+from dcr_ray.actors.standings import Standing
 from dcr_ray.errors import ConfigError
 from dcr_ray.report import RefitReport
 
@@ -38,17 +40,17 @@ READMIT_PROBE_S = 0.0
 
 
 class Membership:
-    """The required and evicted sets' transitions (see the module doc)."""
+    """The standings' transitions that need a decision (see the module doc)."""
 
     def __init__(self, state: CoordinatorState, bootstrap: Bootstrap, healer: Healing):
         self._s = state
         self._bootstrap = bootstrap
         self._healer = healer
-        self._evicted: set[str] = set()  # engines that stopped answering (hung); readmitted when they answer
         self._probes: dict[str, ray.ObjectRef] = {}  # evicted engine -> its pending readmission probe
 
     def evicted(self) -> list[str]:
-        return sorted(self._evicted)
+        """Engines that did not answer a stage in time and have not answered since."""
+        return self._s.standings.with_standing(Standing.EVICTED)
 
     def answers(self, calls: dict, stage: str) -> dict:
         """Results of one engine stage. A dead engine raises :class:`ActorsDied`; an engine that is alive
@@ -65,8 +67,7 @@ class Membership:
         if hung and len(hung) == len(calls):
             raise errors[hung[0]]  # nobody answered: a stalled stage, not one hung engine
         if hung:
-            s.required -= set(hung)
-            self._evicted |= set(hung)
+            s.standings.evict(hung)
             log.warning("dcr_ray: engine(s) %s did not answer '%s' within %.0f s: evicted until they answer again",
                         hung, stage, s.config.commit.timeout_s)
         return out
@@ -93,7 +94,6 @@ class Membership:
     def not_activated(self, errors, target: int) -> list[str]:
         """Engines that are alive but failed to activate committed ``target`` leave the required set and
         heal in the background; the report's warnings."""
-        self._s.required -= set(errors)
         self._healer.schedule(sorted(errors), f"did not activate v{target}", respawn=False)
         return [f"engine(s) {sorted(errors)} did not activate v{target} and left the required set; "
                 f"they heal in the background (Refit.status()['healing'])"]
@@ -109,7 +109,7 @@ class Membership:
         except Exception as e:
             report.warnings.append(f"healing after the commit failed: {e!r}")
         report.warnings += [f"engine {e} did not answer and is evicted; it rejoins when it answers"
-                            for e in sorted(self._evicted)]
+                            for e in self.evicted()]
         return report
 
     def readmit(self, warnings: list[str]) -> None:
@@ -117,7 +117,7 @@ class Membership:
         the record committed (they hung in its flush), else healed in the background (:mod:`healing`);
         one that died meanwhile is re-created and healed."""
         s = self._s
-        for e in sorted(self._evicted):
+        for e in self.evicted():
             # a probe answers once the engine's lock is free; one still pending is kept for the next refit,
             # so a hung engine costs a refit nothing
             if e not in self._probes:
@@ -129,7 +129,6 @@ class Membership:
                 st = ray.get(probe)
             except RayActorError:  # it died while evicted (no prepare reaches it): re-created, healed
                 self._probes.pop(e, None)
-                self._evicted.discard(e)
                 warnings += self.heal_later([e], "died while evicted")
                 continue
             except Exception:
@@ -142,7 +141,7 @@ class Membership:
                 if (rec is not None and st.get("flushed") and st["transfer"] == rec.transfer
                         and st["target"] == rec.version == s.version):
                     ray.get(s.engines[e].activate.remote(rec.version, rec.transfer), timeout=t)
-                    s.required.add(e)
+                    s.standings.require([e])
                     how = ("rejoined at version {v} (it had applied the committed transfer: activated, no dense "
                            "bootstrap)")
                 else:
@@ -152,7 +151,6 @@ class Membership:
                     self._healer.schedule([e], "answered again after it was evicted", respawn=False)
                     how = ("heals to version {v} in the background, by the deltas it missed (its cluster's catch-up "
                            "window) or from a peer of its cluster")
-                self._evicted.discard(e)
                 warnings.append(f"engine {e} answers again and " + how.format(v=s.version))
             except Exception as err:
                 log.warning("dcr_ray: readmitting engine %s failed: %r", e, err)
@@ -164,8 +162,7 @@ class Membership:
         self._known(engine_id)
         t = s.config.commit.timeout_s
         with s.lock:
-            s.required.discard(engine_id)
-            self._evicted.discard(engine_id)
+            s.standings.heal([engine_id])
             try:
                 st = ray.get(s.engines[engine_id].state.remote(), timeout=t)
                 dead = False
@@ -182,8 +179,7 @@ class Membership:
         s = self._s
         self._known(engine_id)
         with s.lock:  # between refits
-            s.required.discard(engine_id)
-            self._evicted.discard(engine_id)
+            s.standings.heal([engine_id])
             ray.get(s.engines[engine_id].invalidate.remote(str(why)), timeout=s.config.commit.timeout_s)
         self._healer.heal_now(engine_id, f"invalidated: {why}", respawn=False)
 
@@ -197,7 +193,7 @@ class Membership:
             log.warning("dcr_ray: re-bootstrapped %s to version %d after an abandoned refit", dirty, s.version)
             return f"; {dirty} were re-bootstrapped densely to it"
         except Exception as e:  # e.g. an owner died: these engines leave until Refit.rejoin
-            s.required -= set(dirty)
+            s.standings.out(dirty)
             log.warning("dcr_ray: could not re-bootstrap %s (%s); they left the required set", dirty, e)
             return (f"; {dirty} hold partially written weights and could not be re-bootstrapped ({e}), so "
                     f"they left the required set: Refit.rejoin(engine_id) restores each")

@@ -89,7 +89,7 @@ class Recovery:
             elif st["transfer"] is not None:
                 ray.get(s.engines[e].abort.remote(st["transfer"], True), timeout=t)
             if ray.get(s.engines[e].get_version.remote(), timeout=t) == rec.version:
-                s.required.add(e)
+                s.standings.require([e])
             else:
                 behind.append(e)
         for e in dead:

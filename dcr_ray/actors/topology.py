@@ -152,5 +152,5 @@ class Topology:
 
     def engine_specs(self, timeout_s: float) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Canonical name -> (wire dtype, shape) the engines hold (asked of one engine)."""
-        specs = ray.get(next(iter(self.engines.values())).call_backend.remote("tensor_specs"), timeout=timeout_s)
+        specs = ray.get(next(iter(self.engines.values())).tensor_specs.remote(), timeout=timeout_s)
         return {n: (s[0], tuple(s[1])) for n, s in specs.items()}

@@ -1,21 +1,32 @@
-"""The engine backend contract: how a receiver exposes canonical tensors and applies frames.
+"""The engine backend contracts: how a receiver exposes canonical tensors and takes validated frames.
 
 A backend describes its weights in *canonical coordinates* (Hugging Face checkpoint names, flat
-element indices) and applies already-validated frames (:class:`~dcr_ray.codec.DecodedFrame`) so that,
-after :meth:`EngineBackend.flush`, the serving runtime holds exactly what a dense load of the same
-canonical tensors through its own loader would give.
+element indices) so that, after :meth:`EngineBackend.flush`, the serving runtime holds exactly what a
+dense load of the same canonical tensors through its own loader would give. There are two kinds, each a
+base class declaring only what it implements:
+
+:class:`TensorBackend`
+    holds the canonical tensors in this process and applies decoded frames into them (a ``transformers``
+    model: its parameters *are* the canonical tensors). It can be read back, digested, copied to a peer,
+    and rolled back from the engine's undo record.
+:class:`WireBackend`
+    forwards the validated frames' wire bytes to a runtime of its own, which validates them again and
+    writes them where it serves from (vLLM workers; adopted engines through vLLM's weight-transfer API).
+    It may keep its own undo record (:meth:`EngineBackend.rollback`) and may be able to read its tensors
+    back (:meth:`WireBackend.read_back`; an adopted engine cannot).
 
 Call order within one transfer (driven by the engine actor)::
 
-    tensor_specs()            # once; frames are validated against it before apply()
-    apply(frame) ...          # in declared payload order; each write in place (apply_with_undo while the
-                              # engine keeps an undo record of the transfer)
+    tensor_specs()            # once; frames are validated against it before they are written
+    apply(frame) ...          # TensorBackend: in declared payload order, each write in place
+                              # (apply_with_undo while the engine keeps an undo record of the transfer)
+    apply_wire(bytes, frame)  # WireBackend: instead of apply
     flush()                   # make writes visible to the runtime (may push through the loader)
     # commit record written -> the engine activates the new version
 
-``load_dense`` bootstraps an engine (joining, or after it fell out of the required set). A backend that
-implements :meth:`EngineBackend.matches_digests` (adopted engines) is first asked whether it already
-serves the committed version; if so it joins without a dense bootstrap.
+A dense bootstrap sends dense frames through the same protocol; :meth:`TensorBackend.load_dense` takes a
+peer's copy. A backend that implements :meth:`EngineBackend.matches_digests` (vLLM engines) is first
+asked whether it already serves the committed version; if so it joins without a dense bootstrap.
 """
 
 from __future__ import annotations
@@ -69,14 +80,64 @@ def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class EngineBackend(ABC):
-    """Base class of receivers. Subclasses implement the abstract methods; see the module docstring."""
+    """What every receiver declares (see the module docstring); subclass :class:`TensorBackend` or
+    :class:`WireBackend`, never this class directly."""
 
-    #: Whether :meth:`apply` takes frames with packs of small tensors (``frame.packs``, written by
+    #: Whether validated frames go to ``apply_wire`` as wire bytes (:class:`WireBackend`) or to ``apply``
+    #: decoded (:class:`TensorBackend`).
+    wants_wire_frames: bool = False
+    #: Whether ``apply`` takes frames with packs of small tensors (``frame.packs``, written by
     #: :func:`~dcr_ray.codec.apply_decoded`); otherwise the engine expands them into per-tensor items.
     applies_packs: bool = False
-    #: Whether validated frames go to :meth:`apply_wire` as wire bytes instead of :meth:`apply` decoded:
-    #: a backend that forwards them to an engine of its own, which validates them again (adopted engines).
-    wants_wire_frames: bool = False
+
+    @abstractmethod
+    def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Canonical name -> (wire dtype, shape): what every frame is validated against."""
+
+    def flush(self) -> None:
+        """Make every write since the last flush visible to the serving runtime (default: nothing)."""
+
+    def activate(self, version: int) -> None:
+        """The engine now holds committed ``version`` (its record is durable): a backend that tags its
+        outputs with a version moves the tag here (default: nothing)."""
+
+    def abandon(self) -> None:
+        """Close an update this backend holds open of its own, without applying it: the engine's transfer
+        was abandoned (default: nothing)."""
+
+    def rollback(self) -> bool:
+        """Undo, in place, every write of the transfer the engine abandons, from an undo record this
+        backend keeps itself (the engine asks when it kept none of its own): True when the runtime serves
+        the committed version again; False (the default) when it cannot, and the engine is then
+        bootstrapped densely."""
+        return False
+
+    def matches_digests(self, version: int, digests: Mapping[tuple, str]) -> bool | None:
+        """Whether this engine already serves committed ``version``, shown by digest (optional).
+
+        ``digests``: ``{(name, start, stop): hex}``, the owners' committed box digests
+        (:mod:`dcr_ray.sharding.digest`). True: every box matches, the engine joins at ``version`` without
+        a dense bootstrap. False: it does not (or cannot show it): bootstrap densely. None (the default):
+        this backend does not check, so joining engines are bootstrapped densely.
+        """
+        return None
+
+    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8, sampling=None) -> list[dict]:
+        """Continuations per prompt ``{"token_ids", "logprobs"}``: greedy by default, else as ``sampling``
+        (:class:`~dcr_ray.engines.sampling.Sampling`) says. A backend that serves overrides it; the
+        default says this one does not."""
+        from dcr_ray.errors import BackendError
+
+        raise BackendError(f"{type(self).__name__} does not generate")
+
+    def close(self) -> None:
+        """Release the runtime (default: nothing)."""
+
+
+class TensorBackend(EngineBackend):
+    """A receiver that holds the canonical tensors in this process and applies decoded frames into them."""
+
+    wants_wire_frames = False
 
     @abstractmethod
     def tensors(self) -> Mapping[str, torch.Tensor]:
@@ -87,7 +148,6 @@ class EngineBackend(ABC):
         """
 
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """Canonical name -> (wire dtype, shape)."""
         return {n: (wire_name(t.dtype), tuple(t.shape)) for n, t in self.tensors().items()}
 
     @abstractmethod
@@ -108,53 +168,48 @@ class EngineBackend(ABC):
         undo.read_back(frame, self.undo_tensors())
         self.apply(frame)
 
-    def apply_wire(self, data: bytes, frame: DecodedFrame) -> None:
-        """Forward one validated frame as its wire bytes (``frame``: the same frame decoded, for its
-        meta); only called when :attr:`wants_wire_frames`."""
-        raise NotImplementedError(f"{type(self).__name__} takes decoded frames (apply), not wire frames")
-
-    def flush(self) -> None:
-        """Make every write since the last flush visible to the serving runtime (default: nothing)."""
-
-    def activate(self, version: int) -> None:
-        """The engine now holds committed ``version`` (its record is durable): a backend that tags its
-        outputs with a version moves the tag here (default: nothing)."""
-
-    def abandon(self) -> None:
-        """Close an update this backend holds open of its own, without applying it: the engine's transfer
-        was abandoned and its weights are about to be declared dirty (default: nothing)."""
-
     def undo_tensors(self) -> Mapping[str, torch.Tensor] | None:
         """The tensors :meth:`apply` writes, readable at any position, for the engine's undo record
         (in-place rollback of an abandoned transfer); None when reading them is not cheap or not
         possible (then an abandoned transfer leaves the engine dirty, to be re-bootstrapped densely)."""
         return None
 
-    def rollback(self) -> bool:
-        """Undo, in place, every write of the transfer the engine abandons, from an undo record this
-        backend keeps itself (the engine asks when it kept none through :meth:`undo_tensors`): True when
-        the runtime serves the committed version again; False (the default) when it cannot, and the
-        engine is then bootstrapped densely."""
-        return False
-
     @abstractmethod
     def load_dense(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the named tensors' bits completely (bootstrap)."""
+        """Replace the named tensors' bits completely (a peer's copy)."""
 
-    def matches_digests(self, version: int, digests: Mapping[tuple, str]) -> bool | None:
-        """Whether this engine already serves committed ``version``, shown by digest (optional).
 
-        ``digests``: ``{(name, start, stop): hex}``, the owners' committed box digests
-        (:mod:`dcr_ray.sharding.digest`). True: every box matches, the engine joins at ``version`` without
-        a dense bootstrap. False: it does not (or cannot show it): bootstrap densely. None (the default):
-        this backend does not check, so joining engines are bootstrapped densely.
-        """
+class WireBackend(EngineBackend):
+    """A receiver that forwards validated wire frames to a runtime of its own, which validates them again."""
+
+    wants_wire_frames = True
+
+    @abstractmethod
+    def apply_wire(self, data: bytes, frame: DecodedFrame) -> None:
+        """Forward one validated frame as its wire bytes (``frame``: the same frame decoded, for its meta)."""
+
+    def read_back(self) -> Mapping[str, torch.Tensor] | None:
+        """The canonical tensors the runtime serves, read back (for checks, digests and a peer's copy), or
+        None (the default) when this backend cannot read them (an adopted engine: vLLM's public calls do
+        not return weights; compare its outputs and ``get_weight_version()`` instead)."""
         return None
 
-    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8, sampling=None) -> list[dict]:
-        """Continuations per prompt ``{"token_ids", "logprobs"}``: greedy by default, else as ``sampling``
-        (:class:`~dcr_ray.engines.sampling.Sampling`) says (optional for a backend)."""
-        raise NotImplementedError(f"{type(self).__name__} does not generate")
+    def load_dense(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> bool:
+        """Replace the named tensors' bits completely (a peer's copy), through the runtime: True when done;
+        False (the default) when this backend takes dense bits only as frames of a refit (a dense
+        bootstrap through the protocol), so a peer's copy cannot reach it."""
+        return False
 
-    def close(self) -> None:
-        """Release the runtime (default: nothing)."""
+
+def readable_tensors(backend: EngineBackend) -> Mapping[str, torch.Tensor]:
+    """The canonical tensors ``backend`` holds or can read back; :class:`~dcr_ray.errors.BackendError` for a
+    backend that cannot show them."""
+    from dcr_ray.errors import BackendError
+
+    if isinstance(backend, TensorBackend):
+        return backend.tensors()
+    got = backend.read_back() if isinstance(backend, WireBackend) else None
+    if got is None:
+        raise BackendError(f"{type(backend).__name__} cannot read the weights it serves back (e.g. an adopted "
+                           f"vLLM engine); compare its outputs and get_weight_version() instead")
+    return got

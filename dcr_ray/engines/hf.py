@@ -15,12 +15,12 @@ import torch
 from dcr_ray.codec.bits import bits_view
 from dcr_ray.codec import DecodedFrame, apply_decoded
 from dcr_ray.codec.undo import FrameUndo
-from dcr_ray.engines.base import EngineBackend, canonical_state_dict
+from dcr_ray.engines.base import EngineBackend, TensorBackend, canonical_state_dict
 from dcr_ray.engines.sampling import Sampling
 from dcr_ray.errors import ConfigError
 
 
-class TransformersBackend(EngineBackend):
+class TransformersBackend(TensorBackend):
     """Wraps a ``transformers`` model (or any ``nn.Module``) built by ``model_factory()`` on CPU."""
 
     applies_packs = True  # apply_decoded writes packs straight into the parameters

@@ -26,7 +26,7 @@ by killing an actor from outside.
 from __future__ import annotations
 
 from dcr_ray.codec import DecodedFrame
-from dcr_ray.engines.base import EngineBackend
+from dcr_ray.engines.base import EngineBackend, TensorBackend
 from dcr_ray.errors import BaselineError, FrameError
 from dcr_ray.testing.trainer import TinyTrainer
 
@@ -35,8 +35,12 @@ class InjectedFault(FrameError):
     """The fault a :class:`FlakyEngine` injects."""
 
 
-class _FlakyBackend(EngineBackend):
+class _FlakyBackend(TensorBackend):
+    """A :class:`TensorBackend` around another (every hook forwarded) whose apply fails once."""
+
     def __init__(self, inner: EngineBackend, fail_after: int):
+        if not isinstance(inner, TensorBackend):
+            raise TypeError(f"fault injection wraps a TensorBackend (e.g. HFEngine's), got {type(inner).__name__}")
         self.inner = inner
         self.fail_after = fail_after
         self.applied = 0
@@ -75,11 +79,17 @@ class _FlakyBackend(EngineBackend):
 
     # the optional hooks go to the wrapped backend (the base class's defaults would shadow them)
     @property
-    def wants_wire_frames(self) -> bool:
-        return self.inner.wants_wire_frames
+    def applies_packs(self) -> bool:
+        return self.inner.applies_packs
 
-    def apply_wire(self, data: bytes, frame: DecodedFrame) -> None:
-        self.inner.apply_wire(data, frame)
+    def tensor_specs(self):
+        return self.inner.tensor_specs()
+
+    def generate(self, *args, **kwargs):
+        return self.inner.generate(*args, **kwargs)
+
+    def rollback(self) -> bool:
+        return self.inner.rollback()
 
     def activate(self, version: int) -> None:
         self.inner.activate(version)
@@ -224,3 +234,17 @@ class TrainerThatKillsTheCoordinatorAtPromote(TinyTrainer):
             self._killed = True
             ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE), no_restart=self._for_good)
         return super().dcr_promote(version)
+
+
+def mislabel_engine(engine, version: int, version_id: str | None) -> None:
+    """(Run in an engine actor with ``__ray_call__``.) Make the engine claim it holds ``version`` of
+    ``version_id`` whatever its bits are: a lie that a later frame's validation must catch."""
+    with engine._c.lock:
+        engine._c.state.activate(version, version_id)
+
+
+def leave_required(coordinator, engine_id: str) -> None:
+    """(Run in the coordinator with ``__ray_call__``.) Take ``engine_id`` out of the refits with nothing
+    scheduled, as if it had been left behind: it misses refits until ``Refit.rejoin`` brings it back."""
+    with coordinator._s.lock:
+        coordinator._s.standings.out([engine_id])

@@ -31,8 +31,9 @@ canonical tensors they serve, box by box, against the owners' committed digests 
 ``update_weights({"verify": ...})`` call that writes nothing. An engine started from the committed
 checkpoint joins without a single dense frame; any other is refit densely.
 
-What the proxy cannot do is read the served weights back (it sees only vLLM's public calls), so its
-``tensors()`` refuses: check an adopted engine by its outputs and ``get_weight_version()``.
+What the proxy cannot do is read the served weights back (it sees only vLLM's public calls): its
+``read_back()`` is None, so the engine actor's ``tensors()`` says so; check an adopted engine by its
+outputs and ``get_weight_version()``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import logging
 from typing import Any, Mapping, Sequence
 
 from dcr_ray.codec import DecodedFrame
-from dcr_ray.engines.base import EngineBackend
+from dcr_ray.engines.base import WireBackend
 from dcr_ray.engines.vllm.checkpoint import checkpoint_specs
 from dcr_ray.engines.vllm.sync import WeightSyncCalls, check_urls, make_calls
 from dcr_ray.errors import BackendError, ConfigError
@@ -54,7 +55,7 @@ class OutOfStepError(BackendError):
     (a worker raised inside a tensor-parallel call), so no later answer can be trusted; restart it."""
 
 
-class WeightSyncBackend(EngineBackend):
+class WeightSyncBackend(WireBackend):
     """The proxy's backend: forwards validated wire frames through vLLM's weight-transfer calls.
 
     ``calls`` is how the calls reach the engine (:mod:`~dcr_ray.engines.vllm.sync`: Ray actor handles or
@@ -62,7 +63,6 @@ class WeightSyncBackend(EngineBackend):
     worker's status (:meth:`_checked`), so each worker's reason is known whether or not the call raised.
     """
 
-    wants_wire_frames = True
     #: what the engine is called in messages (followed by where it is)
     engine_kind = "adopted vLLM engine"
 
@@ -154,13 +154,6 @@ class WeightSyncBackend(EngineBackend):
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return dict(self._specs)
 
-    def tensors(self):
-        raise BackendError("an adopted vLLM engine's weights cannot be read back through vLLM's weight-transfer "
-                           "API; compare its outputs and get_weight_version() instead")
-
-    def apply(self, frame: DecodedFrame) -> None:
-        raise BackendError("an adopted vLLM engine takes wire frames (apply_wire), not decoded ones")
-
     def apply_wire(self, data: bytes, frame: DecodedFrame) -> None:
         """Forward one validated frame to every replica of this engine."""
         self.send_frames([data], frame.meta.base, frame.meta.target)
@@ -235,9 +228,6 @@ class WeightSyncBackend(EngineBackend):
         self._reset_prefix_cache()
         self.version = version
         return True
-
-    def load_dense(self, tensors) -> None:
-        raise BackendError("adopted engines are bootstrapped with dense frames through the refit protocol")
 
     def activate(self, version: int) -> None:
         self.version = version

@@ -11,7 +11,7 @@ the start-up reload self-check). What only an engine dcr_ray started has on top:
 - ``keep_undo``: the workers keep a finished update's undo record until :meth:`VllmBackend.activate`
   commits it, so :meth:`VllmBackend.rollback` returns an abandoned transfer in place (the engine actor
   asks it when a transfer is abandoned), even after its flush;
-- read-back: :meth:`VllmBackend.tensors` reads the canonical tensors the workers serve (peer healing,
+- read-back: :meth:`VllmBackend.read_back` reads the canonical tensors the workers serve (peer healing,
   digests, checks) through ``collective_rpc`` (:func:`~dcr_ray.engines.vllm.transfer.worker_query`);
 - :meth:`VllmBackend.load_dense` loads named tensors densely, as dense frames of the bootstrap base;
 - :meth:`VllmBackend.generate`, under the lock :meth:`VllmBackend.flush` takes (no request sees a
@@ -143,16 +143,16 @@ class VllmBackend(WeightSyncBackend):
         self._checked("finish", self.calls.finish_weight_update)
 
     # -- contract ----------------------------------------------------------------------------------
-    def tensors(self) -> Mapping[str, Any]:
+    def read_back(self) -> Mapping[str, Any]:
         """The canonical tensors the engine serves, read back from rank 0's receiver: its host mirror
         (the start-up self-check proved it is what the worker serves; in this process, the mirror's
         own tensors), and on the capture path copies read from live storage (costly; for checks)."""
         with self._lock:
             return self._query("tensors")[0]
 
-    def apply(self, frame: DecodedFrame) -> None:
-        raise BackendError("VllmBackend takes wire frames (apply_wire, apply_bytes), not decoded ones: its "
-                           "workers validate every frame again before writing")
+    def tensors(self) -> Mapping[str, Any]:
+        """:meth:`read_back` (for code that holds a :class:`VllmBackend` itself)."""
+        return self.read_back()
 
     def apply_wire(self, data: bytes, frame: DecodedFrame) -> None:
         """Forward one validated frame to the workers (the first frame of an update opens it)."""
@@ -182,7 +182,7 @@ class VllmBackend(WeightSyncBackend):
                 self._kept = self._update is not None and self._update[0] != BOOTSTRAP_BASE
             self.last_flush = stats
 
-    def load_dense(self, tensors: Iterable[tuple[str, Any]]) -> None:
+    def load_dense(self, tensors: Iterable[tuple[str, Any]]) -> bool:
         """Replace the named tensors completely and make them visible now (bootstrap, peer healing): dense
         frames of the bootstrap base, checked against the checkpoint's tensors before any is sent."""
         with self._lock:
@@ -196,13 +196,14 @@ class VllmBackend(WeightSyncBackend):
                                               f"holds {dt}{list(shape)}")
                 deltas.append(full_delta(name, t.detach().cpu().contiguous()))
             if not deltas:
-                return
+                return True
             meta = FrameMeta(transfer="load_dense", attempt=0, producer="VllmBackend", payload=0,
                              base=BOOTSTRAP_BASE, target=self.version)
             self._update, self._kept = None, False  # a bootstrap has no undo: the workers drop the kept one
             for data in encode_frames(deltas, meta, bucket_bytes=_DENSE_FRAME_BYTES):
                 self.send_frames([data], BOOTSTRAP_BASE, self.version)
             self.flush()
+            return True
 
     def activate(self, version: int) -> None:
         """The engine now holds committed ``version`` (after its commit record): the workers drop the
