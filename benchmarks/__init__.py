@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 
 #: Benchmark modules (under ``benchmarks``) that add a ``dcr-ray bench <name>`` subcommand.
-MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal", "peers", "markdown")
+MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal", "peers", "live", "markdown")
 
 
 def add_parsers(subparsers) -> None:

@@ -18,8 +18,10 @@ class RefitReport:
     ``stream`` (wall: first diff to last engine ACK; construct, transport and apply overlap in it),
     ``transport`` (``stream`` minus the non-overlapped construct tail, an upper bound on link time),
     ``commit`` (record + promote + activate, also split as ``commit_record``, ``promote`` and
-    ``activate``), ``prepare`` and ``total`` (from the call's arrival: it includes waiting for a refit
-    or a heal step that held the coordinator)."""
+    ``activate``), ``prepare``, ``release`` (from the call's arrival until every owner's diff had read
+    the last of the trainer's tensors: from then on the owners hold the changes themselves, so its next
+    optimizer step may start while frames still travel) and ``total``
+    (from the call's arrival: it includes waiting for a refit or a heal step that held the coordinator)."""
     payloads: int = 0
     """Payload frames sent (per attempt that committed)."""
     wire_bytes: int = 0
@@ -84,6 +86,8 @@ class RefitReport:
                    "apply": max(a["apply_s"] for a in acks.values()), "commit": m["end"] - m["flushed"],
                    "commit_record": m["record"] - m["flushed"], "promote": m["promoted"] - m["record"],
                    "activate": m["activated"] - m["promoted"], "total": m["end"] - m["start"]}
+        if "released" in m:
+            seconds["release"] = m["released"] - m["start"]
         return cls(version=version, transfer=transfer, attempts=attempts, seconds=seconds,
                    payloads=sum(len(s["payloads"]) for s in sums.values()),
                    wire_bytes=sum(s["wire_bytes"] for s in sums.values()), link_bytes=link_bytes,

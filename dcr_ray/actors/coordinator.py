@@ -288,6 +288,8 @@ class CoordinatorActor:
         s.set_phase("stream", transfer, attempt, target)
         sums = get_all({o: h.dcr_stream.remote(transfer, attempt, base, target, sink, base_id=base_id,
                                                 coding=choice.coding) for o, h in s.owners.items()}, t, "stream")
+        # the owners read the trainer's tensors no more from here: its next optimizer step may run
+        t_released = t1 + max((x.get("released_s", 0.0) for x in sums.values()), default=0.0)
         keys = [k for x in sums.values() for k in x["payloads"]]
         s.set_phase("flush", transfer, attempt, target)
         acks = self._members.answers({e: s.engines[e].flush.remote(transfer, attempt, keys, t) for e in req},
@@ -331,8 +333,8 @@ class CoordinatorActor:
         report = RefitReport.from_stages(
             version=target, transfer=transfer, attempts=attempt + 1, sums=sums, acks=acks, link_bytes=link,
             engine_versions=versions, warnings=warnings, coding=choice,
-            marks={"start": t_start, "prepare": t0, "stream": t1, "flushed": t2, "record": t_rec,
-                   "promoted": t_pro, "activated": t_act, "end": time.perf_counter()}, cpu_seconds=clock.stop())
+            marks={"start": t_start, "prepare": t0, "stream": t1, "released": t_released, "flushed": t2,
+                   "record": t_rec, "promoted": t_pro, "activated": t_act, "end": time.perf_counter()}, cpu_seconds=clock.stop())
         s.history.append({**report.to_dict(), "request": request})
         metrics.record("refit_seconds", report.seconds["total"])
         metrics.record("refit_wire", report.wire_bytes)

@@ -61,6 +61,7 @@ class EngineContext:
     stats: dict = field(default_factory=_counters)
     pause: PauseClock = field(default_factory=PauseClock)  #: when generation could not serve, per refit
     serving: int = 0  #: generate calls reading the weights now (no write starts while > 0)
+    held: str | None = None  #: generation held for an operation outside the refit protocol (its label)
 
     @property
     def tags(self) -> dict[str, str]:

@@ -184,7 +184,9 @@ class Receiver:
             else:
                 c.quiesce()  # no generation reads the weights while they change
                 st.wrote()
+                t_w = time.perf_counter()
                 c.write(data, frame)
+                c.pause.applied(time.perf_counter() - t_w)
         except FrameError as e:
             st.fail(e)
             return "rejected"

@@ -32,13 +32,14 @@ class Serving:
         """Generation with the backend, greedy unless ``sampling`` (a :class:`Sampling` or a dict of its
         fields) says otherwise; returns ``{"engine", "version", "outputs"}`` (outputs prompt-major, ``n``
         per prompt). Waits while the engine is paused for a refit (past ``timeout_s``, default the stage
-        timeout: :class:`RefitTimeoutError`); refuses while it holds no version."""
+        timeout: :class:`RefitTimeoutError`); refuses while it holds no version. ``t_start`` / ``t_end``:
+        when it was admitted and answered, on the engine's clock (``time.time()``)."""
         c = self._c
         sampling = None if sampling is None else Sampling.of(sampling)
         deadline = time.monotonic() + (timeout_s or c.config.commit.timeout_s)
         with c.lock:
             t_wait = time.perf_counter()
-            while c.state.paused:
+            while c.state.paused or c.held is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     c.pause.blocked(time.perf_counter() - t_wait)
@@ -53,6 +54,7 @@ class Serving:
                                        f"Refit.rejoin({c.engine_id!r}) restores it")
             version = c.state.version
             c.serving += 1
+        t_start = time.time()
         try:
             outputs = (c.backend.generate(prompt_token_ids, max_tokens) if sampling is None
                        else c.backend.generate(prompt_token_ids, max_tokens, sampling=sampling))
@@ -60,7 +62,29 @@ class Serving:
             with c.lock:
                 c.serving -= 1
                 c.lock.notify_all()
-        return {"engine": c.engine_id, "version": version, "outputs": outputs}
+        return {"engine": c.engine_id, "version": version, "outputs": outputs, "t_start": t_start,
+                "t_end": time.time()}
+
+    def hold(self, label: str) -> None:
+        """Stop admitting generation for an operation outside the refit protocol (``label``: what it is,
+        e.g. a weight load another system makes), once the calls in flight finished; its pause is kept
+        like a refit's (mode ``label``). :meth:`release` ends it."""
+        c = self._c
+        with c.lock:
+            if c.held is not None:
+                raise EngineStateError(f"engine {c.engine_id} is already held for {c.held!r}")
+            c.held = label
+            c.pause.begin(label, label)
+            c.quiesce()
+
+    def release(self, label: str) -> None:
+        """End the hold ``label``: generation is admitted again."""
+        c = self._c
+        with c.lock:
+            if c.held == label:
+                c.held = None
+                c.pause.end(label, "resumed", c.state.version)
+                c.lock.notify_all()
 
     def pauses(self, since: float = 0.0) -> list[dict]:
         """This engine's serving pauses that began at or after ``since`` (``time.time()``), oldest first:

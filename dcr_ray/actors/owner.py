@@ -161,14 +161,16 @@ class DeltaOwner:
         t0 = time.perf_counter()
         fresh = self._pending_transfer != transfer or self.store.pending_version != target
         mode = "mixed" if (attempt == 0 and self.config.codec.encodings == "mixed") else "overwrite"
+        read = {"at": t0}  # when the diff last read the trainer's tensors (a retry reads none of them)
         if fresh:
             self.store.begin(target)
             self._pending_transfer = transfer
-            deltas = self._diff_all(tensors, coding)
+            deltas = _noting_end(self._diff_all(tensors, coding), read)
         else:
             deltas = iter(self.store.pending())
         summary = self._send(deltas, transfer=transfer, attempt=attempt, base=base, target=target,
                              mode=mode, sink=sink, t0=t0, base_id=base_id, coding=coding)
+        summary["released_s"] = read["at"] - t0  # from here the trainer may change its tensors again
         summary["key"] = key
         summary["numel"] = self._numel_total
         self._last_summary = summary
@@ -318,3 +320,11 @@ class DeltaOwner:
     def version(self) -> int:
         self.settle()
         return self.store.version
+
+
+def _noting_end(deltas, read: dict):
+    """``deltas`` passed through; ``read["at"]`` becomes the time the last one was taken (the diff then has
+    read every tensor of the trainer's: the pending set holds the changes, the frames may still be
+    encoding and sending)."""
+    yield from deltas
+    read["at"] = time.perf_counter()
