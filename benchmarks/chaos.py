@@ -149,10 +149,11 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
     work = tempfile.mkdtemp(prefix="dcr_chaos_")
     config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(key=KEY, bucket_bytes=1 << 17, chunk_elems=1 << 13),
                                  commit=dcr_ray.CommitConfig(dir=os.path.join(work, "commit"),
-                                                             timeout_s=STAGE_TIMEOUT_S))
+                                                             timeout_s=STAGE_TIMEOUT_S),
+                                 actor_options={"coordinator": {"resources": {"train": 0.01}}})
     # signal files armed per refit: all "nodes" of this cluster share this machine's file system
     payload_signal, stall_signal = os.path.join(work, "payload_fault"), os.path.join(work, "stall")
-    refit = dcr_ray.launch(owners=owners, clusters=clusters, config=config, coordinator_resources={"train": 0.01},
+    refit = dcr_ray.launch(owners=owners, clusters=clusters, config=config,
                            engine=StallOnSignal(dcr_ray.HFEngine(spec), stall_signal, STALL_S),
                            transport=payload_faults.PayloadFaults(config, payload_signal))
     configured = sum(c.engines for c in clusters)

@@ -92,10 +92,10 @@ def run(quick: bool = False, progress=None) -> dict:
     trainer = ray.remote(num_cpus=0, resources={"train": 0.01})(TinyTrainer).remote(spec, lr=1e-3)
     clusters = [dcr_ray.ClusterSpec(name=c, engines=2, fanout=2, resources={f"cluster-{c}": 0.01}) for c in "ab"]
     config = dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(dir=os.path.join(work, "commit"),
-                                                             timeout_s=STAGE_TIMEOUT_S))
+                                                             timeout_s=STAGE_TIMEOUT_S),
+                                 actor_options={"coordinator": {"resources": {"train": 0.01}}})
     lag_stall_s = STAGE_TIMEOUT_S + (6.0 if quick else 30.0)  # hung through the eviction and two refits
     refit = dcr_ray.launch(owners=[trainer], clusters=clusters, config=config,
-                           coordinator_resources={"train": 0.01},
                            engine=StallOnSignal(dcr_ray.HFEngine(spec), stall, lag_stall_s))
     steps = [0]
 

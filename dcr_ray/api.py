@@ -18,12 +18,11 @@
 <dcr_ray.config.RefitConfig.namespace>`, :data:`~dcr_ray.options.NAMESPACE` by default), so
 ``Refit.get(namespace=...)`` finds it from any driver, and the Ray dashboard shows it with its owners,
 relays and engines. Two topologies share one Ray cluster under two namespaces
-(``launch(..., namespace="reward")``).
+(``RefitConfig(namespace="reward")``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -77,7 +76,7 @@ class Refit:
             if commit_dir is not None:
                 raise coordinator_gone(namespace, commit_dir) from None
             raise ConfigError(f"no dcr_ray topology runs in namespace {namespace!r} of this Ray cluster: start one "
-                              f"with dcr_ray.launch(..., namespace={namespace!r})") from None
+                              f"with dcr_ray.launch(..., config=RefitConfig(namespace={namespace!r}))") from None
         return cls(actor, namespace, commit_dir)
 
     def remote(self) -> ray.ObjectRef:
@@ -203,12 +202,8 @@ def launch(
     owners: Mapping[str, object] | list | None = None,
     owner_tensors: list[Mapping[str, torch.Tensor]] | None = None,
     config: RefitConfig | None = None,
-    coordinator_resources: dict | None = None,
     transport: Transport | None = None,
     resume: bool = False,
-    timeout_s: float | None = None,
-    namespace: str | None = None,
-    actor_options: dict | None = None,
 ) -> Refit:
     """Start a topology: coordinator, engines per cluster, the transport; attach owners; bootstrap.
 
@@ -220,119 +215,120 @@ def launch(
     ``transport`` replaces the one ``config.transport`` names (e.g. a wrapped one that emulates slow links in
     benchmarks).
 
+    Every other setting has one home, ``config`` (:class:`~dcr_ray.config.RefitConfig`): the Ray namespace
+    of the topology (``RefitConfig.namespace``: one topology per namespace; a second one, a reward model
+    or another experiment, shares the Ray cluster under another namespace, and ``Refit.get(namespace=...)``
+    reaches each), Ray actor options per kind of actor, the coordinator's resources among them
+    (``RefitConfig.actor_options={"coordinator": {"resources": {...}}}``), and the bound on the whole
+    launch (``CommitConfig.start_timeout_s``: placement, start-up, attach, dense bootstrap).
+
     Everything is checked before any actor is spawned: a bad set-up raises :class:`ConfigError` and
-    leaves nothing behind.
+    leaves nothing behind; a launch that fails or runs past its bound removes everything it created and
+    raises (:class:`~dcr_ray.errors.RefitTimeoutError` for the bound).
 
     ``resume=True`` carries on with a topology whose coordinator died for good (killed, or its node
     lost): give the same clusters, engine, owners and ``CommitConfig.dir``; the new coordinator reads
     the commit record, finds the live engines and relays by name, settles the open transition and
     continues at the committed version. (A coordinator that merely crashed is restarted by Ray and
     resumes by itself.)
-
-    ``namespace`` (default ``config.namespace``, ``"dcr_ray"``) is the Ray namespace of every actor of
-    the topology: launch a second topology in the same Ray cluster under another one, and reach each
-    with ``Refit.get(namespace=...)``.
-
-    ``actor_options`` (default ``config.actor_options``) adds Ray actor options per kind of actor, e.g.
-    ``{"engine": {"runtime_env": {"env_vars": {...}}}, "coordinator": {"resources": {"head": 0.01}}}``;
-    options dcr_ray sets itself are refused with the setting to use instead.
-
-    ``timeout_s`` bounds the whole launch (placement, start-up, attach, dense bootstrap); default
-    ``config.commit.start_timeout_s``. Past it, or on any failure, launch removes everything it
-    created and raises (:class:`~dcr_ray.errors.RefitTimeoutError` for the timeout).
     """
+    config, owners = _checked(clusters, engine, owners, owner_tensors, config, resume)
+    ns = config.namespace
+    foreign = _named(_TOPOLOGY_PREFIXES, ns)  # a failed launch must not sweep another topology's actors
+    if owner_tensors is not None:
+        owners = _standalone_owners(owner_tensors, config)
+    refit = _start_coordinator(config, clusters, engine, owners, transport)
+    answers_ready = warm.remote(ns)  # a worker for refit.remote()'s calls, ready while the topology starts
+    try:
+        _wait_started(refit, resume, config.commit.start_timeout_s)
+    except BaseException:
+        _undo(refit, resume, foreign)
+        raise
+    remember_topology(ns, config.commit.dir)
+    del answers_ready
+    return refit
+
+
+def _checked(clusters, engine, owners, owner_tensors, config, resume) -> tuple[RefitConfig, dict | None]:
+    """Every check of a launch, before anything is spawned: ``(validated config, owners by id)``."""
     if not ray.is_initialized():
         raise ConfigError("call ray.init() first (dcr_ray runs in your Ray cluster)")
-    if owners is None and owner_tensors is None:
-        raise ConfigError("give owners=[actor handles] or owner_tensors=[{name: tensor}, ...]")
-    if owners is not None and owner_tensors is not None:
-        raise ConfigError("give either owners or owner_tensors, not both")
+    if (owners is None) == (owner_tensors is None):
+        raise ConfigError("give owners=[actor handles] or owner_tensors=[{name: tensor}, ...] (one of them)")
     if isinstance(owners, (list, tuple)):
         owners = {f"owner{i}": h for i, h in enumerate(owners)}
     if resume and (config is None or config.commit.dir is None or owner_tensors is not None):
         raise ConfigError("resume=True needs the running owners (owners=...) and the commit directory of the "
                           "topology to resume: RefitConfig(commit=CommitConfig(dir=...))")
-    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
-        raise ConfigError(f"launch(timeout_s=...) must be a positive number of seconds, got {timeout_s!r}")
     planned = owners if owners is not None else {f"owner{i}": StandaloneOwner for i in range(len(owner_tensors))}
-    config = config or RefitConfig()
-    if namespace is not None:
-        if not isinstance(config, RefitConfig):
-            raise ConfigError(f"config must be a dcr_ray.RefitConfig, got {type(config).__name__}")
-        if config.namespace not in (NAMESPACE, namespace):
-            raise ConfigError(f"launch(namespace={namespace!r}) and RefitConfig.namespace={config.namespace!r} "
-                              f"differ: give one of them")
-        config = dataclasses.replace(config, namespace=namespace)
-    if actor_options is not None:
-        if not isinstance(config, RefitConfig):
-            raise ConfigError(f"config must be a dcr_ray.RefitConfig, got {type(config).__name__}")
-        if config.actor_options and config.actor_options != actor_options:
-            raise ConfigError("launch(actor_options=...) and RefitConfig.actor_options differ: give one of them")
-        config = dataclasses.replace(config, actor_options=actor_options)  # checked by RefitConfig
-    config = validate(config, clusters, planned, engine)
-    if owners is not None:
-        for oid, h in owners.items():
-            check_owner(oid, h, config.commit.timeout_s)
+    config = validate(config or RefitConfig(), clusters, planned, engine)
+    for oid, h in (owners or {}).items():
+        check_owner(oid, h, config.commit.timeout_s)
     ns = config.namespace
-    user_res = config.actor_options.get("coordinator", {}).get("resources", {})
-    _check_placeable({**(coordinator_resources or {}), **user_res})
+    _check_placeable(config.actor_options.get("coordinator", {}).get("resources", {}))
     if _coordinator_exists(ns):
         raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in namespace {ns!r} of this "
                           f"Ray cluster; use dcr_ray.Refit.get(namespace={ns!r}) to reach it, or its shutdown() "
-                          f"first, or launch this topology in another namespace (launch(..., namespace=...))")
+                          f"first, or launch this topology in another namespace (RefitConfig(namespace=...))")
     if owner_tensors is not None and _named((OWNER_PREFIX,), ns):
         raise ConfigError(f"owner actors {sorted(_named((OWNER_PREFIX,), ns))} of an earlier "
                           f"launch(owner_tensors=...) still run in namespace {ns!r} without a coordinator: kill "
                           f"them (ray.kill(ray.get_actor(name, namespace={ns!r}))) or resume that topology "
                           f"with launch(owners=..., resume=True)")
-    foreign = _named(_TOPOLOGY_PREFIXES, ns)  # a failed launch must not sweep another topology's actors
-    own_owners = owner_tensors is not None
-    if own_owners:
-        # detached and named, like engines and relays: they outlive this driver's handles and a coordinator
-        # restart (a restarted coordinator reaches them through the handles it was constructed with)
-        Owner = ray.remote(StandaloneOwner)
-        owners = {f"owner{i}": Owner.options(**ray_options("owner", f"{OWNER_PREFIX}owner{i}", detached=True,
-                                                             namespace=ns, user=config.actor_options)).remote(t)
-                  for i, t in enumerate(owner_tensors)}
-    Coordinator = ray.remote(CoordinatorActor)
-    # detached and restarted by Ray when its process dies: it resumes from the commit record. It is built
-    # from what write_inputs keeps beside the record, so a restart needs nothing from the object store
+    return config, owners
+
+
+def _standalone_owners(owner_tensors, config: RefitConfig) -> dict:
+    """Owner actors holding ``owner_tensors``: detached and named, like engines and relays, so they outlive
+    the driver's handles and a coordinator restart."""
+    Owner = ray.remote(StandaloneOwner)
+    return {f"owner{i}": Owner.options(**ray_options("owner", f"{OWNER_PREFIX}owner{i}", detached=True,
+                                                       namespace=config.namespace,
+                                                       user=config.actor_options)).remote(t)
+            for i, t in enumerate(owner_tensors)}
+
+
+def _start_coordinator(config: RefitConfig, clusters, engine, owners, transport) -> "Refit":
+    """The coordinator actor, detached and restarted by Ray when its process dies (it resumes from the
+    commit record). It is built from what ``write_inputs`` keeps beside the record, so a restart needs
+    nothing from the object store."""
     write_inputs(config.commit.dir, config=config, clusters=clusters, backend_factory=engine, owners=owners,
                  transport=transport)
-    actor = Coordinator.options(**ray_options("coordinator", COORDINATOR_NAME, resources=coordinator_resources,
-                                                detached=True, max_restarts=-1, namespace=ns,
-                                                user=config.actor_options)).remote(config.commit.dir)
-    answers_ready = warm.remote(ns)  # a worker for refit.remote()'s calls, ready while the topology starts
-    n_eng = sum(c.started + len(c.adopt) for c in clusters)
-    log.info("starting %d engines in %d clusters, %d owners, transport=%s; dense bootstrap...", n_eng,
-             len(clusters), len(owners), config.transport.kind)
-    refit = Refit(actor, ns, config.commit.dir)
-    limit = timeout_s if timeout_s is not None else config.commit.start_timeout_s
+    Coordinator = ray.remote(CoordinatorActor)
+    actor = Coordinator.options(**ray_options("coordinator", COORDINATOR_NAME, detached=True, max_restarts=-1,
+                                                namespace=config.namespace, user=config.actor_options)).remote(
+        config.commit.dir)
+    log.info("starting %d engines in %d clusters, %d owners, transport=%s; dense bootstrap...",
+             sum(c.started + len(c.adopt) for c in clusters), len(clusters), len(owners), config.transport.kind)
+    return Refit(actor, config.namespace, config.commit.dir)
+
+
+def _wait_started(refit: "Refit", resume: bool, limit: float) -> None:
+    """Start (or resume) the topology, with a progress bar; :class:`RefitTimeoutError` past ``limit``."""
+    actor = refit.actor
     try:
-        try:
-            progress.wait(actor.start.remote(resume), actor, desc="dcr_ray launch", timeout=limit)
-        except ray.exceptions.GetTimeoutError:
-            raise RefitTimeoutError(
-                f"launch did not finish within {limit:.0f} s (placement, start-up and dense bootstrap; "
-                f"{_where(actor)}); everything it created was removed. Check that the cluster can place the "
-                f"coordinator, engines and relays (`ray status`), or raise launch(timeout_s=...) / "
-                f"CommitConfig.start_timeout_s for a large model") from None
-    except BaseException:
-        if resume:  # the topology keeps running as it was; only this coordinator goes
-            ray.kill(actor, no_restart=True)
-            raise
-        # A failed start leaves nothing behind: the name is free again for the next launch(). A start cut
-        # off by the timeout may still create engines or relays until the coordinator is dead: sweep
-        # their names once more after it is (detached actors claim their names when created).
-        refit._shutdown(keep=foreign)
-        deadline = time.monotonic() + _SWEEP_WAIT_S
-        while _coordinator_exists(ns) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        _kill_named(_TOPOLOGY_PREFIXES, keep=foreign, namespace=ns)
-        raise
-    remember_topology(ns, config.commit.dir)
-    del answers_ready
-    return refit
+        progress.wait(actor.start.remote(resume), actor, desc="dcr_ray launch", timeout=limit)
+    except ray.exceptions.GetTimeoutError:
+        raise RefitTimeoutError(
+            f"launch did not finish within {limit:.0f} s (placement, start-up and dense bootstrap; "
+            f"{_where(actor)}); everything it created was removed. Check that the cluster can place the "
+            f"coordinator, engines and relays (`ray status`), or raise CommitConfig.start_timeout_s for a "
+            f"large model") from None
+
+
+def _undo(refit: "Refit", resume: bool, foreign: set[str]) -> None:
+    """A launch that failed leaves nothing behind (a resume leaves the topology as it was, without this
+    coordinator). A start cut off by its bound may still create engines or relays until the coordinator
+    is dead: their names are swept once more after it is (detached actors claim their names when created)."""
+    if resume:
+        ray.kill(refit.actor, no_restart=True)
+        return
+    ns = refit.namespace
+    refit._shutdown(keep=foreign)
+    deadline = time.monotonic() + _SWEEP_WAIT_S
+    while _coordinator_exists(ns) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _kill_named(_TOPOLOGY_PREFIXES, keep=foreign, namespace=ns)
 
 
 def _where(actor) -> str:
@@ -405,8 +401,9 @@ def _check_placeable(resources: dict | None) -> None:
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     if not any(all(r.get(k, 0) >= v for k, v in resources.items()) for r in nodes):
         have = sorted({k for r in nodes for k in r if not k.startswith("node:")})
-        raise ConfigError(f"no alive node offers coordinator_resources={resources} (resources in this cluster: "
-                          f"{have}); give resources a node has, or start a node with them")
+        raise ConfigError(f"no alive node offers the coordinator's resources {resources} (RefitConfig.actor_options"
+                          f"['coordinator']['resources']; resources in this cluster: {have}); give resources a "
+                          f"node has, or start a node with them")
 
 
 def _coordinator_exists(namespace: str = NAMESPACE) -> bool:

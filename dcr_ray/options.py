@@ -27,7 +27,7 @@ ACTOR_KINDS = ("coordinator", "owner", "relay", "engine")
 #: rest itself, and each of those is refused with the reason (and the setting to use instead).
 RESERVED_OPTIONS = {
     "name": "dcr_ray names every actor so that a restarted coordinator finds it again",
-    "namespace": "give launch(namespace=...) or RefitConfig.namespace",
+    "namespace": "give RefitConfig.namespace",
     "lifetime": "dcr_ray's actors are detached so that they outlive the driver and a coordinator restart",
     "get_if_exists": "a second topology under the same names is refused, not joined",
     "max_concurrency": "the refit protocol needs actors that answer while a long call runs",

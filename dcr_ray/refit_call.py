@@ -59,9 +59,9 @@ def coordinator_gone(namespace: str, commit_dir: str | None, request: str | None
             rec = CommitLog(commit_dir).read()
         except (OSError, ValueError, TypeError):
             rec = None
-    resume = (f"dcr_ray.launch(owners=..., clusters=..., engine=..., resume=True, namespace={namespace!r}, "
-              f"config=RefitConfig(commit=CommitConfig(dir={commit_dir!r}), ...)) with the clusters, engine and "
-              f"owners it was launched with")
+    resume = (f"dcr_ray.launch(owners=..., clusters=..., engine=..., resume=True, config=RefitConfig("
+              f"namespace={namespace!r}, commit=CommitConfig(dir={commit_dir!r}), ...)) with the clusters, "
+              f"engine and owners it was launched with")
     if rec is None:
         known = (f"its commit record in {commit_dir!r} cannot be read" if commit_dir
                  else "no commit directory is known for it")

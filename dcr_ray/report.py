@@ -106,11 +106,6 @@ class RefitReport:
     def retries(self) -> int:
         return self.attempts - 1
 
-    @property
-    def cpu_role_seconds(self) -> dict[str, float]:
-        """CPU seconds per role, summed over its actors (``{"owners": s, "relays": s, "engines": s}``)."""
-        return {role: sum(per.values()) for role, per in self.cpu_seconds.items()}
-
     def to_dict(self) -> dict:
         d = asdict(self)
         d["change_rate"] = self.change_rate

@@ -1,4 +1,4 @@
-"""``launch(actor_options=...)``: Ray actor options a user adds per kind of actor (runtime_env, resources...).
+"""``RefitConfig(actor_options=...)``: Ray actor options a user adds per kind of actor (runtime_env, resources...).
 
 Options dcr_ray sets itself (names, lifetime, concurrency, restarts, an engine's CPUs/GPUs/placement) are
 refused with the setting to use instead, before anything is spawned; the rest reach every actor of the kind,
@@ -54,10 +54,7 @@ def test_a_resource_set_both_by_the_cluster_and_by_actor_options_is_refused_befo
     with pytest.raises(ConfigError, match="set each resource in one place"):
         dcr_ray.launch(owner_tensors=[{}], engine=dcr_ray.HFEngine(SPEC),
                        clusters=[dcr_ray.ClusterSpec(name="a", engines=1, resources={"cluster-a": 0.01})],
-                       actor_options={"engine": {"resources": {"cluster-a": 0.01}}})
-    with pytest.raises(ConfigError, match="differ"):
-        dcr_ray.launch(owner_tensors=[{}], engine=dcr_ray.HFEngine(SPEC), clusters=[dcr_ray.ClusterSpec(name="a")],
-                       config=dcr_ray.RefitConfig(actor_options={"relay": {}}), actor_options={"engine": {}})
+                       config=dcr_ray.RefitConfig(actor_options={"engine": {"resources": {"cluster-a": 0.01}}}))
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "dcr_ray"]
 
 
@@ -66,7 +63,8 @@ def test_every_kind_of_actor_runs_with_the_options_given_for_it_and_refits_exact
     kinds = ("coordinator", "relay", "engine")
     refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=1)],
                            engine=dcr_ray.HFEngine(SPEC),
-                           actor_options={k: {"runtime_env": {"env_vars": {MARK: k}}} for k in kinds})
+                           config=dcr_ray.RefitConfig(
+                               actor_options={k: {"runtime_env": {"env_vars": {MARK: k}}} for k in kinds}))
     try:
         ns = refit.namespace
         seen = {}

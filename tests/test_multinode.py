@@ -47,8 +47,8 @@ def test_each_payload_enters_each_cluster_exactly_once_and_engines_stay_bit_exac
         dcr_ray.ClusterSpec(name="eu", engines=3, fanout=2, resources={"cluster-eu": 0.01}),
     ]
     refit = dcr_ray.launch(owners=trainers, clusters=clusters, engine=dcr_ray.HFEngine(spec.with_seed(9)),
-                           config=dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(bucket_bytes=1 << 20, chunk_elems=1 << 16)),
-                           coordinator_resources={"train": 0.01})
+                           config=dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(bucket_bytes=1 << 20, chunk_elems=1 << 16),
+                                                      actor_options={"coordinator": {"resources": {"train": 0.01}}}))
     try:
         node_ids = {c: {n.node_id for n in ns} for c, ns in nodes.items()}
         for eid, eng in refit.engines().items():

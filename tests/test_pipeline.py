@@ -271,10 +271,9 @@ def test_bad_set_ups_are_refused_before_any_actor_is_spawned(local_ray):
         (dict(owner_tensors=[], clusters=[dcr_ray.ClusterSpec(name="a")]), "at least one owner"),
         (dict(owners=[], clusters=[dcr_ray.ClusterSpec(name="a")]), "at least one owner"),
         (dict(owners=[plain], clusters=[dcr_ray.ClusterSpec(name="a")]), "mix in dcr_ray.OwnerMixin"),
-        (dict(owner_tensors=[sd], clusters=[dcr_ray.ClusterSpec(name="a")], coordinator_resources={"TPU": 1}),
-         r"no alive node offers coordinator_resources=\{'TPU': 1\}"),
-        (dict(owner_tensors=[sd], clusters=[dcr_ray.ClusterSpec(name="a")], timeout_s=float("nan")),
-         "positive number of seconds"),
+        (dict(owner_tensors=[sd], clusters=[dcr_ray.ClusterSpec(name="a")],
+              config=dcr_ray.RefitConfig(actor_options={"coordinator": {"resources": {"TPU": 1}}})),
+         r"no alive node offers the coordinator's resources \{'TPU': 1\}"),
     ]
     for kw, msg in bad:
         with pytest.raises(dcr_ray.errors.ConfigError, match=msg):
@@ -336,7 +335,7 @@ def test_a_launch_that_outlasts_its_timeout_removes_everything_it_created_and_a_
                        match=r"launch did not finish within 2 s \(.*; (the coordinator had not begun to start the "
                              r"topology|the coordinator was in phase '[a-z ]+' for \d+ s)\)"):
         dcr_ray.launch(owners=trainers, clusters=clusters, engine=SlowStartEngine(dcr_ray.HFEngine(SPEC), 60),
-                       timeout_s=2)
+                       config=dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(start_timeout_s=2)))
     assert _alive(*LAUNCH_NAMES) == set()
     refit = dcr_ray.launch(owners=trainers, clusters=clusters, engine=dcr_ray.HFEngine(SPEC.with_seed(3)))
     try:

@@ -69,7 +69,9 @@ def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step)
     Loop = ray.remote(num_cpus=0, max_concurrency=2)(load.GenerationLoop)
     loops = [Loop.remote(e, [1, 7, 42, 99, 5], s.tokens) for e in engines]
     running = [lp.run.remote() for lp in loops]
-    time.sleep(0.5)  # the loops reach a steady state
+    deadline = time.time() + 120
+    while time.time() < deadline and min(len(r) for r in ray.get([lp.snapshot.remote() for lp in loops])) < 3:
+        time.sleep(0.2)  # every loop answered a few times (an engine's first requests warm it up)
     t_q0 = time.time()
     time.sleep(s.quiet_s)
     t_q1 = time.time()
@@ -107,7 +109,7 @@ def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step)
                 "tokens_per_second": load.tokens_per_second(snap, t_call, t_done), "t_call": t_call,
                 "t_done": t_done, "pauses": pauses})
             windows.append((method, t_call, t_done))
-        exact = _exact(topo) if method == "dcr" else _exact(topo)
+        exact = _exact(topo)
         quiet = [r for lp in loops for r in ray.get(lp.snapshot.remote())]
         cases.append({
             "method": method, "mode": mode if method == "dcr" else "n/a", "receiver": receiver, "data": data,

@@ -62,6 +62,7 @@ class Bootstrap:
             for e in engine_ids:
                 engines[e].abort.remote(transfer, True)
             transport.release(transfer)
+            s.progress_total = None  # no bar counts toward a phase that is over
             raise
         transport.release(transfer)
         s.progress_total = None

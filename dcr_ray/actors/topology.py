@@ -10,7 +10,8 @@ URLs); their bootstrap first checks by digest whether they already serve the com
 
 Engines, relays and placement groups are *detached*: they do not share the coordinator's fate. A
 coordinator that resumes finds them again by name (:meth:`Topology.reconnect`), and an engine that
-died is re-created in its place (:meth:`Topology.respawn`) to rejoin by dense bootstrap.
+died is re-created in its place (:meth:`Topology.respawn`) and heals in the background (from a peer of its
+cluster where one holds the committed version: :mod:`~dcr_ray.actors.healing`).
 """
 
 from __future__ import annotations

@@ -21,11 +21,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from dcr_ray.codec import locations, ptrkernels
+from dcr_ray.codec import ptrkernels
 from dcr_ray.codec.arena import address
 from dcr_ray.codec.bits import bits_view, wire_name
-from dcr_ray.codec.diff import ChunkDelta, TensorDelta
-from dcr_ray.codec.packed import pack_offsets, per_tensor
+from dcr_ray.codec.packed import pack_offsets
 from dcr_ray.codec.scan import changed_positions
 
 
@@ -48,15 +47,6 @@ class PackDelta:
     @property
     def nbytes(self) -> int:
         return self.positions.nbytes + self.xor.nbytes + self.new.nbytes + self.offsets.nbytes
-
-    def tensor_deltas(self) -> list[TensorDelta]:
-        """The same changes as one sparse :class:`~dcr_ray.codec.diff.TensorDelta` per tensor."""
-        out = []
-        for t, s, rel in per_tensor(self.positions, self.offsets):
-            numel = int(self.offsets[t + 1] - self.offsets[t])
-            ch = ChunkDelta(0, numel, len(rel), loc=locations.encode(rel, 0), xor=self.xor[s], new=self.new[s])
-            out.append(TensorDelta(self.names[t], self.dtype, self.shapes[t], numel, [ch]))
-        return out
 
 
 def diff_pack(names: Sequence[str], shapes: Sequence[tuple[int, ...]], old: Sequence[np.ndarray],

@@ -274,9 +274,4 @@ def _grid_chunks(pos: np.ndarray, xor: np.ndarray | None, new: np.ndarray, chunk
         yield ChunkDelta(lo, hi, b - a, loc=loc, xor=None if xor is None else xor[a:b], new=new[a:b])
 
 
-def canonical_numel(spec: ShardSpec) -> int:
-    """Elements of the local tensor that have a canonical home (padding excluded)."""
-    return sum(math.prod(ext) for _, _, ext, t in spec.cell_boxes() if t is not None)
-
-
-__all__ = ["canonical_numel", "contiguous_strides", "project", "project_all"]
+__all__ = ["contiguous_strides", "project", "project_all"]
