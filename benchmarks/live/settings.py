@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=2, help="engines in the rollout cluster")
     p.add_argument("--link-mbps", type=float, default=DEFAULT_LINK_MBPS, help="emulated cluster link")
     p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS)
-    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the adamw steps")
+    p.add_argument("--lr", type=float, default=1e-6,
+                   help="AdamW learning rate of the adamw steps (1e-6: about 1-2%% of BF16 elements change per step)")
     p.add_argument("--tokens", type=int, default=4, help="tokens per generate call of the load")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the run (cases, raw samples, commit) here; PNG beside it")

@@ -305,7 +305,10 @@ class CoordinatorActor:
         s.version = target
         warnings = list(s.commits.warnings)
         s.set_phase("promote", transfer, attempt, target)
-        _, dead, errors = gather({o: h.dcr_promote.remote(target) for o, h in s.owners.items()}, t, "promote")
+        promoting = {o: h.dcr_promote.remote(target) for o, h in s.owners.items()}
+        # the engines serve v+1 from now, beside the owners' promote: their pause ends at the record
+        activating = {e: s.engines[e].activate.remote(target, transfer) for e in req}
+        _, dead, errors = gather(promoting, t, "promote")
         if dead or errors:
             bad = sorted({*dead, *errors})
             why = "; ".join(f"{o}: {e}" for o, e in errors.items()) or "actor died"
@@ -314,8 +317,7 @@ class CoordinatorActor:
                             f"Refit.replace_owner(owner_id, handle) (or relaunch the topology)")
         t_pro = time.perf_counter()
         s.set_phase("activate", transfer, attempt, target)
-        versions, dead, errors = gather(
-            {e: s.engines[e].activate.remote(target, transfer) for e in req}, t, "activate")
+        versions, dead, errors = gather(activating, t, "activate")
         if dead:
             warnings += self._members.heal_later(dead, "died")
         if errors:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ from dcr_ray.actors.attempt import Attempt
 from dcr_ray.actors.engine_pause import PauseClock
 from dcr_ray.actors.engine_state import EngineState
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
-from dcr_ray.codec import PayloadKey, decode_frame
+from dcr_ray.codec import PayloadKey, context, decode_frame
 from dcr_ray.codec.undo import UndoLog
 from dcr_ray.config import RefitConfig
 from dcr_ray.engines.base import EngineBackend, TensorBackend, WireBackend
@@ -119,15 +120,48 @@ class EngineContext:
             return
         assert isinstance(backend, TensorBackend)
         cur = self.state.attempt
-        if (self.config.engines.rollback == "in_place" and cur is not None and cur.base != BOOTSTRAP_BASE
-                and backend.undo_tensors() is not None):
+        if cur is not None and self.keeps_undo(cur):
             # the inverse is in the record before the first write, and covers each write as it lands
             backend.apply_with_undo(frame, self.undo.open(cur.transfer, frame))
             return
         backend.apply(frame)
 
+    def keeps_undo(self, attempt: Attempt) -> bool:
+        """Whether writes of ``attempt`` keep the bits they replace (in-place rollback of a delta into a
+        backend that can read its tensors)."""
+        backend = self.backend
+        return (self.config.engines.rollback == "in_place" and attempt.base != BOOTSTRAP_BASE
+                and isinstance(backend, TensorBackend) and backend.undo_tensors() is not None)
+
+    def prepare_ahead(self, frame) -> list:
+        """What of a staged frame's write only reads, done outside the lock while the engine serves the
+        bits it will replace (nothing writes them before the commit): its class-order positions. Their
+        class counts are renewed after the write, outside the pause: the items that need it are returned
+        (their ranks set aside, so the write itself does not renew them) for :meth:`renew_counts`."""
+        if not isinstance(self.backend, TensorBackend):
+            return []
+        context.resolve(frame.items, self.backend.tensors())
+        renew = [(it, it.ranks) for it in frame.items if it.ranks is not None]
+        for it, _ in renew:
+            it.ranks = None
+        return renew
+
+    def renew_counts(self, renew: list) -> None:
+        """The kept class counts of staged class-order items, from the bits now written (a hint for the
+        next refit's walk, never trusted: called after the pause, without the lock)."""
+        if not renew or not isinstance(self.backend, TensorBackend):
+            return
+        for it, ranks in renew:
+            it.ranks = ranks
+        context.written([it for it, _ in renew], self.backend.tensors())
+
     def quiesce(self) -> None:
         """Wait until no generate call reads the weights (new ones wait while the engine is paused). Call
-        with ``lock`` held; it is released while waiting."""
+        with ``lock`` held; it is released while waiting. The wait is serving (those calls answer from the old
+        bits), not pause: an open pause keeps it apart."""
+        if not self.serving:
+            return
+        t = time.perf_counter()
         while self.serving:
             self.lock.wait(1.0)
+        self.pause.inflight(time.perf_counter() - t)

@@ -8,9 +8,11 @@ A pause opens when generation must stop serving the committed version and closes
   engine served) to ``activate``. Generation must not run between the write and the commit record: a
   refit that then fails rolls the weights back, and outputs would name a policy that was never committed.
 
-Each closed pause keeps its seconds split into where they went (``apply``: the writes and the backend's
-flush; ``commit``: waiting for the commit record and activation), and the seconds ``generate`` calls
-actually waited (``blocked``). :meth:`PauseClock.recent` is what ``EngineActor.pauses()`` returns, read by
+Generation calls already running when a pause opens finish first (their answers come from the old
+version); that time is serving, not pause, so it is kept apart (``inflight``) and left out of
+``pause_s``. Each closed pause keeps its seconds split into where they went (``apply``: the writes and
+the backend's flush; ``commit``: waiting for the commit record and activation), and the seconds
+``generate`` calls actually waited (``blocked``). :meth:`PauseClock.recent` is what ``EngineActor.pauses()`` returns, read by
 the GRPO example and ``dcr-ray bench live``.
 """
 
@@ -37,13 +39,19 @@ class PauseClock:
         with self._lock:
             if self._open is None or self._open["transfer"] != transfer:
                 self._open = {"transfer": transfer, "mode": mode, "t0": time.perf_counter(), "at": time.time(),
-                              "apply_s": 0.0, "blocked_s": 0.0}
+                              "apply_s": 0.0, "blocked_s": 0.0, "inflight_s": 0.0}
 
     def applied(self, seconds: float) -> None:
         """The open pause spent ``seconds`` writing (and flushing the backend)."""
         with self._lock:
             if self._open is not None:
                 self._open["apply_s"] += seconds
+
+    def inflight(self, seconds: float) -> None:
+        """The open pause waited ``seconds`` for generation calls that were running when it opened."""
+        with self._lock:
+            if self._open is not None:
+                self._open["inflight_s"] += seconds
 
     def blocked(self, seconds: float) -> None:
         """A ``generate`` call waited ``seconds`` for the open pause (or for a pause that just closed)."""
@@ -60,9 +68,9 @@ class PauseClock:
             if p is None or p["transfer"] != transfer:
                 return
             self._open = None
-            secs = time.perf_counter() - p.pop("t0")
-            self._closed.append({**p, "pause_s": secs, "commit_s": max(0.0, secs - p["apply_s"]),
-                                 "outcome": outcome, "version": version})
+            secs = time.perf_counter() - p.pop("t0") - p["inflight_s"]
+            self._closed.append({**p, "at": p["at"] + p["inflight_s"], "pause_s": secs,
+                                 "commit_s": max(0.0, secs - p["apply_s"]), "outcome": outcome, "version": version})
 
     def recent(self, since: float = 0.0) -> list[dict]:
         """Closed pauses that began at or after ``since`` (``time.time()`` scale), oldest first."""

@@ -8,10 +8,11 @@ One transfer (version v -> v+1) as the engine sees it::
                                         in place: written now (the first write waits for generation
                                         to stop reading the weights); staged: kept decoded, the engine
                                         serves v meanwhile; journaled by payload key
-    flush(T, a, expected keys)          every expected payload applied or staged; staged frames are
-                                        written now (the serving pause: writes and the backend's flush);
-                                        acknowledge
-    activate(v+1)                       after the commit record: the engine holds v+1, serving resumes
+    flush(T, a, expected keys)          every expected payload applied (in place: the backend's flush
+                                        makes the writes visible) or staged; acknowledge
+    activate(v+1)                       after the commit record: staged frames are written now (the
+                                        serving pause: the writes and the backend's flush only); the
+                                        engine holds v+1, serving resumes
     abort(T, final)                     leave the attempt; final: roll back in place (the undo record),
                                         else hold no version
 
@@ -21,10 +22,13 @@ the same digest is a duplicate (Ray may deliver a call twice), with other bytes 
 
 Staging (``EngineConfig(apply="staged")``): a delivered frame is validated and decoded *outside* the
 engine's lock, so generation and other deliveries go on beside it, and kept decoded (positions and
-values, bounded by ``staging_budget_bytes``); the flush only scatters. The weights do not change until
-the flush, so class-order frames decode against the bits the engine serves. A backend that forwards wire
-frames to a runtime of its own (vLLM workers, adopted engines) gets them at once: they land in the
-runtime's staging copy, not in what it serves, and its flush (vLLM's reload) is the pause.
+values, class-order positions resolved against the bits the engine serves, which nothing writes before
+the commit; bounded by ``staging_budget_bytes``). The flush acknowledges that everything is staged; the
+frames are written at ``activate``, once the commit record is durable, so the pause holds only the
+scatter and the backend's flush, and a transfer abandoned before its commit wrote nothing (no undo
+record, no rollback). A backend that forwards wire frames to a runtime of its own (vLLM workers, adopted
+engines) gets them at once: they land in the runtime's staging copy, not in what it serves, and its
+flush (vLLM's reload), at activate, is the pause.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ class Receiver:
 
     def __init__(self, ctx: EngineContext):
         self._c = ctx
-        self._staged: list[tuple[PayloadKey, bytes, object]] = []  # (key, wire bytes, decoded frame or None)
+        #: (key, decoded frame, class counts to renew after its write), written at activate
+        self._staged: list[tuple[PayloadKey, object, list]] = []
         self._staged_bytes = 0
         self._forwarded: str | None = None  # staged transfer whose frames a wire backend already holds
         self._apply_s = 0.0
@@ -122,13 +127,15 @@ class Receiver:
         t0 = time.perf_counter()
         try:
             frame = c.decode(header, cur)
+            renew = c.prepare_ahead(frame)
             error = None
         except FrameError as e:
             frame, error = None, e
         except Exception as e:  # a decoder failure must fail the attempt now, not time out its flush
             frame, error = None, RefitError(f"engine {c.engine_id}: decoding payload {header.meta.key} failed: {e!r}")
         with c.lock:
-            return self._counted(self._stage(data, header, cur, frame, error, time.perf_counter() - t0))
+            return self._counted(self._stage(data, header, cur, (frame, renew) if error is None else None, error,
+                                             time.perf_counter() - t0))
 
     def _counted(self, status: str) -> str:
         c = self._c
@@ -196,8 +203,9 @@ class Receiver:
         self._took(key, data, frame, time.perf_counter() - t0)
         return "applied"
 
-    def _stage(self, data: bytes, header, cur: Attempt, frame, error, seconds: float) -> str:
-        """Under the lock: keep a frame decoded outside it, if its attempt is still open."""
+    def _stage(self, data: bytes, header, cur: Attempt, prepared, error, seconds: float) -> str:
+        """Under the lock: keep a frame decoded (and its class-order positions resolved) outside it, if its
+        attempt is still open. ``prepared``: ``(frame, class counts to renew after its write)``."""
         c = self._c
         st = c.state
         key = header.meta.key
@@ -208,6 +216,7 @@ class Receiver:
             return "rejected"
         if key in c.applied:  # the same payload delivered twice, both decoded at once
             return "duplicate"
+        frame, renew = prepared
         size = _decoded_bytes(frame)
         budget = c.config.engines.staging_budget_bytes
         if self._staged_bytes + size > budget:
@@ -216,7 +225,7 @@ class Receiver:
                 f"{self._staged_bytes + size} bytes, over EngineConfig.staging_budget_bytes={budget}: raise the "
                 f"budget or use EngineConfig(apply='in_place')"))
             return "rejected"
-        self._staged.append((key, bytes(data), frame))
+        self._staged.append((key, frame, renew))
         self._staged_bytes += size
         self._took(key, data, frame, seconds)
         return "applied"
@@ -250,16 +259,9 @@ class Receiver:
                         f"within {timeout_s:.0f} s, e.g. {sorted(missing)[:3]}")
                 c.lock.wait(min(left, 1.0))
             t0 = time.perf_counter()
-            if self._staged or self._forwarded == transfer:
-                c.pause.begin(transfer, "staged")  # generation waits from the first write to activate
-                st.wrote()
-                c.quiesce()
-            for _key, _data, frame in sorted(self._staged, key=lambda kdf: kdf[0]):
-                c.write(_data, frame)
-            self._staged, self._staged_bytes = [], 0
-            c.backend.flush()
-            st.flushed_now()
-            c.pause.applied(time.perf_counter() - t0)
+            if not (self._staged or self._forwarded == transfer):
+                c.backend.flush()  # in place: the writes are visible to the runtime now
+            st.flushed_now()  # staged: every frame validated and decoded, written at activate
             self._apply_s += time.perf_counter() - t0
             metrics.record("engine_apply_seconds", self._apply_s, tags=c.tags)
             return {"engine": c.engine_id, "cluster": c.cluster, "applied": len(want),
@@ -271,13 +273,45 @@ class Receiver:
         ``version_id`` names its content (the commit record's ``transfer``); it defaults to ``transfer``,
         which is right for a delta transfer (a dense bootstrap passes the record's id)."""
         c = self._c
+        renew = []
         with c.lock:
             if transfer is None or c.state.is_in(transfer):
+                if transfer is not None and (self._staged or self._forwarded == transfer):
+                    renew = self._write_staged(transfer)
                 self._forwarded = None
                 c.become_ready(version, version_id if version_id is not None else transfer)
                 if transfer is not None:
                     c.pause.end(transfer, "activated", version)
-            return c.state.version
+            held = c.state.version
+        c.renew_counts(renew)  # serving again: the counts are a hint for the next refit's walk
+        return held
+
+    def _write_staged(self, transfer: str) -> list:
+        """The staged frames of the committed ``transfer`` into the weights: the serving pause holds only
+        these writes and the backend's flush (a wire backend's runtime reloads what its frames touched).
+        They are written only once committed, so they keep no undo record; a write that fails leaves the
+        engine holding no version (it heals, as an engine that failed to activate does)."""
+        c = self._c
+        c.pause.begin(transfer, "staged")
+        c.state.wrote()  # generation waits from here to the end of activate
+        c.quiesce()
+        t0 = time.perf_counter()
+        renew = []
+        try:
+            for _key, frame, counts in sorted(self._staged, key=lambda kfr: kfr[0]):
+                c.backend.apply(frame)
+                renew += counts
+            c.backend.flush()
+        except Exception as e:
+            self._staged, self._staged_bytes = [], 0
+            c.mark_dirty(f"writing the staged frames of the committed transfer {transfer} failed ({e!r})")
+            c.pause.end(transfer, "abandoned", None)
+            raise EngineStateError(f"engine {c.engine_id}: {c.state.why}") from e
+        self._staged, self._staged_bytes = [], 0
+        seconds = time.perf_counter() - t0
+        c.pause.applied(seconds)
+        self._apply_s += seconds
+        return renew
 
     def abort(self, transfer: str, final: bool = False) -> dict:
         """Leave the open attempt of ``transfer``; its next attempt re-prepares.
