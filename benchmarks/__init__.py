@@ -14,6 +14,10 @@ matplotlib) inside the functions that run, so ``dcr-ray --help`` stays fast.
 - :mod:`~benchmarks.heal`  healing a dead, lagging or lost engine: bytes across the link, owner bytes, refit stall
 - :mod:`~benchmarks.peers`  the peers side by side on the same steps (SkyRL's own code where installed, vLLM
   sparse_nccl, XOR + zstd, and the compact AReaL-DTE- and slime-style encodings the other benchmarks count)
+- :mod:`~benchmarks.live`  while engines serve: serving pause, trainer stall, freshness, tokens/s, beside a
+  dense sync and a fetch-then-reload on the same engines
+- :mod:`~benchmarks.startup`  where a topology's start-up goes (per actor), the first refits, an engine's
+  re-creation
 - :mod:`~benchmarks.markdown`  a run's tables (BENCHMARKS.md) rendered from its JSON alone
 - :mod:`~benchmarks.chaos`  ``dcr-ray chaos``: seeded faults against a multi-node topology, every refit checked
 - :mod:`~benchmarks.cuda`  scripts for a GPU (``cuda_ext/check_gpu.sh`` runs them): the CuPy kernels vs the
@@ -25,7 +29,7 @@ from __future__ import annotations
 import importlib
 
 #: Benchmark modules (under ``benchmarks``) that add a ``dcr-ray bench <name>`` subcommand.
-MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal", "peers", "live", "markdown")
+MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal", "peers", "live", "startup", "markdown")
 
 
 def add_parsers(subparsers) -> None:

@@ -261,12 +261,14 @@ class EngineConfig:
 
     apply: ApplyMode = "in_place"
     """``"in_place"`` (synchronous RL, the default): payloads are applied as they arrive and generation
-    pauses until the new version is active. ``"staged"`` (async RL): engines validate and keep arriving
-    payloads (compressed, in host RAM) while they serve the current version, and apply them all at flush."""
+    pauses from the refit's start until the new version is active. ``"staged"`` (async RL): engines
+    validate and decode arriving payloads while they serve the current version, and write them all once
+    the commit record is durable: generation pauses only for those writes (``EngineActor.pauses()``,
+    ``dcr-ray bench live``)."""
     staging_budget_bytes: int = 4 << 30
-    """Most payload bytes one engine holds staged (``apply="staged"``) for one attempt; a refit that
-    needs more fails at once with ``StagingBudgetError`` and changes nothing. In-place engines keep no
-    payload after applying it."""
+    """Most bytes one engine holds staged (``apply="staged"``) for one attempt: the decoded positions and
+    values of its frames; a refit that needs more fails at once with ``StagingBudgetError`` and changes
+    nothing. In-place engines keep no payload after applying it."""
     rollback: RollbackMode = "in_place"
     """An engine that applied part of an abandoned transfer: ``"in_place"`` returns it to the committed
     version from its own undo record (the bits each write replaced; memory proportional to the changes,

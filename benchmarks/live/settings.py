@@ -35,6 +35,7 @@ class LiveSettings:
     quiet_s: float  #: seconds of generation measured before the refits, with nothing else running
     tokens: int  #: tokens per generate call of the closed-loop load
     seed: int = 0
+    gpus_per_engine: float = 0  #: a GPU machine: engines on GPUs (vLLM then takes the CUDA capture path)
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "LiveSettings":
@@ -43,7 +44,7 @@ class LiveSettings:
                    modes=tuple(a.modes.split(",")), data=tuple(a.data.split(",")),
                    methods=tuple(a.methods.split(",")), engines=a.engines, link_mbps=a.link_mbps,
                    latency_s=a.latency_ms / 1e3, lr=a.lr, quiet_s=2.0 if a.quick else 4.0, tokens=a.tokens,
-                   seed=a.seed)
+                   seed=a.seed, gpus_per_engine=a.gpus_per_engine)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,4 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="AdamW learning rate of the adamw steps (1e-6: about 1-2%% of BF16 elements change per step)")
     p.add_argument("--tokens", type=int, default=4, help="tokens per generate call of the load")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpus-per-engine", type=float, default=0,
+                   help="GPUs per engine (a GPU machine: vLLM engines take the CUDA loader-capture path)")
     p.add_argument("--json", default=None, help="write the run (cases, raw samples, commit) here; PNG beside it")

@@ -67,7 +67,7 @@ def launch(s, receiver: str, mode: str, data: str):
 
         def step(i: int) -> None:
             ray.get([h.perturb.remote(0.03, 1000 + i) for h in owners.values()])
-    clusters = [dcr_ray.ClusterSpec(name="rollout", engines=s.engines)]
+    clusters = [dcr_ray.ClusterSpec(name="rollout", engines=s.engines, gpus_per_engine=s.gpus_per_engine)]
     config = dcr_ray.RefitConfig(engines=dcr_ray.EngineConfig(apply=mode),
                                  transport=dcr_ray.TransportConfig(kind="relay"),
                                  commit=dcr_ray.CommitConfig(timeout_s=900.0))

@@ -1,0 +1,127 @@
+"""``dcr-ray bench startup``: where a topology's start-up goes, and what the first refits cost.
+
+It starts the quickstart's topology (a tiny Qwen2-style model, two data-parallel trainer replicas that are
+the owners, two clusters of two ``transformers`` engines behind relays) in a fresh local Ray and reports,
+measured:
+
+- ``ray_init_s``, ``owners_s`` (the trainer actors built) and ``launch_s`` (``dcr_ray.launch`` until every
+  engine holds version 0), and ``topology_up_s`` (from ``ray.init`` until the topology is up: what the
+  quickstart prints);
+- per actor, from :mod:`dcr_ray.start_clock` (``status(detail=True)["startup"]``): ``worker`` (the Ray
+  worker process, its imports and unpickling its arguments), ``backend`` (the engine's model built),
+  ``kernels`` (numba kernels loaded, on a thread beside), and the coordinator's phases (spawn, attach
+  owners, engines up, bootstrap);
+- the CPU seconds each kind of actor spent starting (its process's user + system time when it answered:
+  the floor a machine with this many cores puts under ``topology_up_s``);
+- ``refit_s``: the driver's wall time of the first five refits (``ray.get(refit.remote())``);
+- ``recreate_s``: an engine killed and re-created: from its re-creation until it answers (ready to heal),
+  and the whole heal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("startup", help="where a topology's start-up goes; first refits; engine re-creation",
+                              description=__doc__.split("\n\n")[1])
+    p.add_argument("--json", default=None, help="write the run here")
+    p.set_defaults(func=_run)
+    return p
+
+
+def _cpu(_actor) -> float:
+    """(Run in an actor.) CPU seconds its process has spent (user + system)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def run() -> dict:
+    import ray
+
+    import dcr_ray
+    from benchmarks.provenance import git_commit, loadavg
+    from dcr_ray.testing.models import ModelSpec
+    from dcr_ray.testing.trainer import TinyTrainer
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    out = {"bench": "startup", "git": git_commit(), "loadavg_start": loadavg()}
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    t_ray = time.perf_counter()
+    spec = ModelSpec(arch="qwen2", size="tiny", seed=0)
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainers = [Trainer.remote(spec, lr=1e-5, rank=r, world=2) for r in range(2)]
+    ray.get([t.__ray_call__.remote(_cpu) for t in trainers])
+    t_owners = time.perf_counter()
+    refit = dcr_ray.launch(owners=trainers, engine=dcr_ray.HFEngine(spec.with_seed(123)),
+                           clusters=[dcr_ray.ClusterSpec(name="us-east", engines=2),
+                                     dcr_ray.ClusterSpec(name="eu-west", engines=2)])
+    t_up = time.perf_counter()
+    try:
+        st = refit.status(detail=True)
+        handles = ray.get(refit.actor.handles.remote())
+        cpu = {"owners": ray.get([t.__ray_call__.remote(_cpu) for t in trainers]),
+               "engines": ray.get([h.__ray_call__.remote(_cpu) for h in handles["engines"].values()]),
+               "relays": ray.get([h.__ray_call__.remote(_cpu) for h in handles["relays"].values()]),
+               "coordinator": [ray.get(refit.actor.__ray_call__.remote(_cpu))]}
+        out.update(ray_init_s=t_ray - t0, owners_s=t_owners - t_ray, launch_s=t_up - t_owners,
+                   topology_up_s=t_up - t0, startup=st["startup"],
+                   cpu_seconds={k: {"sum": sum(v), "each": v} for k, v in cpu.items()})
+        walls = []
+        for step in range(5):
+            ray.get([t.step.remote(seed=step) for t in trainers])
+            a = time.perf_counter()
+            report = ray.get(refit.remote())
+            walls.append({"driver_s": time.perf_counter() - a, "coordinator_s": report.seconds["total"]})
+        out["refit_s"] = walls
+        victim = "us-east/e1"
+        ray.kill(refit.engines()[victim])
+        ray.get([t.step.remote(seed=9) for t in trainers])
+        refit.run()
+        healed = [h for h in refit.wait_healed(timeout=300)["healed"] if h["engine"] == victim][-1]
+        out["recreate_s"] = {"ready_to_heal_s": healed["start_seconds"], "heal_s": healed["seconds"],
+                             "source": healed["source"]}
+    finally:
+        refit.shutdown()
+        ray.shutdown()
+    out["loadavg_end"] = loadavg()
+    out["cores"] = os.cpu_count()
+    return out
+
+
+def format_table(r: dict) -> str:
+    lines = [f"topology up {r['topology_up_s']:.1f} s (ray.init {r['ray_init_s']:.1f}, trainers {r['owners_s']:.1f}, "
+             f"launch {r['launch_s']:.1f}) on {r['cores']} cores", "",
+             "| actor | worker start + imports (s) | backend (s) | kernels (s) |", "|---|---|---|---|"]
+    su = r["startup"]
+    for kind in ("engines", "relays"):
+        for name, v in sorted((su.get(kind) or {}).items()):
+            sec = (v or {}).get("seconds", {})
+            cells = [f"{sec[k]:.2f}" if k in sec else "-" for k in ("worker", "backend", "kernels")]
+            lines.append(f"| {kind[:-1]} {name} | " + " | ".join(cells) + " |")
+    coord = su.get("coordinator", {}).get("seconds", {})
+    lines += ["", "coordinator: " + ", ".join(f"{k} {v:.2f} s" for k, v in coord.items()), "",
+              "CPU seconds spent starting, per kind of actor: " + ", ".join(
+                  f"{k} {v['sum']:.1f}" for k, v in r["cpu_seconds"].items()),
+              "", "refits (driver / coordinator s): " + ", ".join(
+                  f"{w['driver_s']:.3f}/{w['coordinator_s']:.3f}" for w in r["refit_s"]),
+              f"engine re-created -> ready to heal {r['recreate_s']['ready_to_heal_s']:.2f} s, healed in "
+              f"{r['recreate_s']['heal_s']:.2f} s from {r['recreate_s']['source']}"]
+    return "\n".join(lines)
+
+
+def _run(args) -> int:
+    import json
+
+    r = run()
+    print(format_table(r))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1, default=str)
+    return 0
