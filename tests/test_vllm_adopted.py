@@ -32,9 +32,11 @@ from dcr_ray.testing.trainer import TinyTrainer  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-# tied and untied heads, an MoE (with Qwen3's q/k norms) and tensor parallelism; plain Qwen3 adds nothing
-# these do not cover and costs the suite half a minute
-@pytest.mark.parametrize("arch,tied,tp", [("qwen2", True, 1), ("qwen3_moe", False, 1), ("qwen2", False, 2)])
+# tied and untied heads and an MoE (with Qwen3's q/k norms). Tensor parallelism is left to
+# test_vllm_failures.py's TP=2 test (the same WeightSyncBackend the proxy runs, refits to what a fresh TP=2
+# engine serves); a TP=2 case here cost the suite 70 s and proved nothing that one does not; plain Qwen3
+# adds nothing these do not cover either
+@pytest.mark.parametrize("arch,tied,tp", [("qwen2", True, 1), ("qwen3_moe", False, 1)])
 def test_an_adopted_engine_refit_over_adamw_steps_serves_what_a_fresh_engine_serves(local_ray, tmp_path, arch, tied,
                                                                                     tp):
     spec = ModelSpec(arch=arch, tie_word_embeddings=tied, seed=11)

@@ -27,6 +27,15 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(result: dict) -> str:
+    """The table and the targets, met or unmet with their numbers (BENCHMARKS.md)."""
+    s = result.get("settings", {})
+    head = (f"{s.get('size')} model, {s.get('engines')} engines behind a {s.get('link_mbps'):g} Mbit/s link "
+            f"({1e3 * s.get('latency_s', 0):.0f} ms), relay transport, {s.get('refits')} refits per case (medians), "
+            f"AdamW lr {s.get('lr'):g}; each engine serves a closed loop of {s.get('tokens')}-token requests.\n\n")
+    return head + format_table(result) + "\n"
+
+
 def plot(result: dict, path: str) -> None:
     """Tokens per second of every engine over time, per case, refit windows shaded and pauses marked."""
     import matplotlib

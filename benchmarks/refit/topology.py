@@ -171,7 +171,8 @@ def launch_stress(s: Settings, transport: str, shapes: dict | None = None, kind:
 
 
 def launch_adamw(s: Settings, transport: str, receiver: str = "hf") -> Topology:
-    """One real trainer of the ``small`` model (AdamW) as owner; ``s.engines`` engines of ``receiver``:
+    """One real trainer of the ``small`` model (``tiny`` with ``--size tiny``; AdamW) as owner; ``s.engines``
+    engines of ``receiver``:
     ``hf`` (:class:`~dcr_ray.HFEngine`) or ``vllm`` (:class:`~dcr_ray.engines.vllm.VllmEngine` started by
     dcr_ray from a checkpoint of another random init; the dense bootstrap replaces its bits)."""
     import ray
@@ -180,8 +181,9 @@ def launch_adamw(s: Settings, transport: str, receiver: str = "hf") -> Topology:
     from dcr_ray.options import actor_options
     from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint
 
-    spec = ModelSpec(size="small", seed=s.seed)
-    log(f"[{transport}] real-update topology: small model, AdamW lr={s.real_lr:g}, {s.engines} "
+    size = "tiny" if s.size == "tiny" else "small"  # --size tiny: the smoke test's seconds-long run
+    spec = ModelSpec(size=size, seed=s.seed)
+    log(f"[{transport}] real-update topology: {size} model, AdamW lr={s.real_lr:g}, {s.engines} "
         f"{'vLLM (CPU)' if receiver == 'vllm' else 'HF'} engines")
     cleanup = []
     if receiver == "vllm":
@@ -208,7 +210,7 @@ def launch_adamw(s: Settings, transport: str, receiver: str = "hf") -> Topology:
     sizes = ray.get(trainer.__ray_call__.remote(lambda self: [t.numel() for t in self.dcr_tensors().values()]))
     numel = sum(sizes)
     log(f"  up in {time.perf_counter() - t:.1f}s ({numel / 1e6:.1f} M parameters)")
-    topo = _finish_launch("adamw", transport, refit, owners, 2 * numel, numel, "small", s, 2 * numel)
+    topo = _finish_launch("adamw", transport, refit, owners, 2 * numel, numel, size, s, 2 * numel)
     topo.engine_kind, topo.spec, topo.cleanup, topo.tensors = receiver, spec, cleanup, len(sizes)
     ray.get([e.__ray_call__.remote(time_backend_flush) for e in topo.engines.values()])
     return topo
