@@ -15,7 +15,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``markdown`` to the ``bench`` subcommands."""
     p = subparsers.add_parser("markdown", help="print a benchmark run's tables (Markdown) from its JSON",
                               description=__doc__.split("\n\n")[1])
-    p.add_argument("json", nargs="+", help="JSON written by dcr-ray bench codec/refit/peers --json")
+    p.add_argument("json", nargs="+", help="JSON written by dcr-ray bench codec/refit/peers/live --json")
     p.set_defaults(func=_run)
     return p
 
@@ -31,7 +31,7 @@ def render(result: dict, path: str = "") -> str:
     elif result.get("bench") == "live":
         from benchmarks.live.report import markdown
     else:
-        raise ValueError(f"{path or 'result'}: not the JSON of dcr-ray bench codec or refit or peers "
+        raise ValueError(f"{path or 'result'}: not the JSON of dcr-ray bench codec, refit, peers or live "
                          f"(bench={result.get('bench')!r})")
     git = result.get("git") or {}
     m = result.get("machine") or {"loadavg_start": result.get("loadavg_start"),

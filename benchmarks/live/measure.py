@@ -113,6 +113,7 @@ def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step)
         quiet = [r for lp in loops for r in ray.get(lp.snapshot.remote())]
         cases.append({
             "method": method, "mode": mode if method == "dcr" else "n/a", "receiver": receiver, "data": data,
+            "size": s.vllm_size if receiver == "vllm" else s.size,
             "pause_seconds": _median(x["pause_s"] for x in samples),
             "pause_apply_seconds": _median(x["pause_apply_s"] for x in samples),
             "gap_seconds": _median(x["gap_s"] for x in samples),

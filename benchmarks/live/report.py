@@ -10,11 +10,11 @@ def _f(x, unit="s") -> str:
 
 
 def format_table(result: dict) -> str:
-    rows = ["| receiver | data | method | mode | pause (ms) | apply in pause (ms) | longest gap (ms) | trainer "
+    rows = ["| receiver | model | data | method | mode | pause (ms) | apply in pause (ms) | longest gap (ms) | trainer "
             "stall (s) | construct (s) | freshness (s) | refit (s) | tok/s quiet | tok/s refit | bit-exact |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in result["cases"]:
-        rows.append(f"| {c['receiver']} | {c['data']} | {c['method']} | {c['mode']} | "
+        rows.append(f"| {c['receiver']} | {c.get('size', '-')} | {c['data']} | {c['method']} | {c['mode']} | "
                     f"{_f(c['pause_seconds'], 'ms')} | {_f(c['pause_apply_seconds'], 'ms')} | "
                     f"{_f(c['gap_seconds'], 'ms')} | {_f(c['trainer_stall_seconds'])} | "
                     f"{_f(c['construct_seconds'])} | {_f(c['freshness_seconds'])} | {_f(c['refit_seconds'])} | "
@@ -30,7 +30,8 @@ def format_table(result: dict) -> str:
 def markdown(result: dict) -> str:
     """The table and the targets, met or unmet with their numbers (BENCHMARKS.md)."""
     s = result.get("settings", {})
-    head = (f"{s.get('size')} model, {s.get('engines')} engines behind a {s.get('link_mbps'):g} Mbit/s link "
+    head = (f"HF engines: {s.get('size')} model, vLLM engines: {s.get('vllm_size', s.get('size'))} model; "
+            f"{s.get('engines')} engines behind a {s.get('link_mbps'):g} Mbit/s link "
             f"({1e3 * s.get('latency_s', 0):.0f} ms), relay transport, {s.get('refits')} refits per case (medians), "
             f"AdamW lr {s.get('lr'):g}; each engine serves a closed loop of {s.get('tokens')}-token requests.\n\n")
     return head + format_table(result) + "\n"

@@ -41,7 +41,8 @@ def launch(s, receiver: str, mode: str, data: str):
     from dcr_ray.testing.links import EmulatedLinks
     from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint
 
-    spec = ModelSpec(size=s.size, seed=s.seed)
+    size = s.vllm_size if receiver == "vllm" else s.size
+    spec = ModelSpec(size=size, seed=s.seed)
     cleanup = []
     if receiver == "vllm":
         from dcr_ray.engines.vllm import VllmEngine
@@ -60,7 +61,7 @@ def launch(s, receiver: str, mode: str, data: str):
         def step(i: int) -> None:
             ray.get(trainer.step.remote(seed=1000 + i))
     else:
-        shapes = canonical_shapes(s.size)
+        shapes = canonical_shapes(size)
         Owner = ray.remote(BenchOwner)
         owners = {f"owner{r}": Owner.options(**actor_options("owner", f"dcr_live_owner{r}")).remote(
             {n: shapes[n] for n in dcr_ray.owned_names(list(shapes), r, 2)}, s.seed) for r in range(2)}
@@ -72,7 +73,7 @@ def launch(s, receiver: str, mode: str, data: str):
                                  transport=dcr_ray.TransportConfig(kind="relay"),
                                  commit=dcr_ray.CommitConfig(timeout_s=900.0))
     config = dcr_ray.config.validate(config, clusters, owners, engine)
-    log(f"[live] {receiver} engines x{s.engines}, {s.size} model, {mode}, {data}: launching")
+    log(f"[live] {receiver} engines x{s.engines}, {size} model, {mode}, {data}: launching")
     t = time.perf_counter()
     try:
         refit = dcr_ray.launch(owners=owners, clusters=clusters, engine=engine, config=config,
