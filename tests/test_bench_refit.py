@@ -323,8 +323,7 @@ def test_the_bench_receiver_keeps_the_engines_undo_record_in_the_applying_pass_a
     assert R.SyntheticBackend.apply_with_undo is not TensorBackend.apply_with_undo
     old = _model(21)
     new = {n: small_step(t, seed=210 + i, rate=0.05) for i, (n, t) in enumerate(old.items())}
-    b = R.SyntheticBackend({n: tuple(t.shape) for n, t in old.items()})
-    b._tensors = _clone(old)
+    b = R.SyntheticBackend({n: tuple(t.shape) for n, t in old.items()}, tensors=_clone(old))
     assert b.undo_tensors() is b.tensors()
     log = UndoLog()
     for f in _frames(old, new, coding="context"):

@@ -39,7 +39,7 @@ def test_a_chunk_diffed_with_gathered_values_matches_the_scan(itemsize):
     new = old.copy()
     idx = rng.choice(n, n // 40, replace=False)
     new[idx] ^= rng.integers(1, np.iinfo(dt).max, len(idx), dtype=dt, endpoint=True)
-    c = diff._diff_chunk(old, new, 0, diff.DEFAULT_DENSE_CROSSOVER, 1)
+    c = diff.diff_chunk(old, new, 0, diff.DEFAULT_DENSE_CROSSOVER, 1)
     pos, xor, nv = scan.changes(old, new, 1)
     assert np.array_equal(c.positions(), pos) and np.array_equal(c.xor, xor) and np.array_equal(c.new, nv)
     assert c.loc == locations.encode(pos, 0)

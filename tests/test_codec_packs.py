@@ -196,8 +196,7 @@ def test_an_undo_log_returns_pack_writes_to_the_committed_bits(kernels):
     from dcr_ray.engines.hf import TransformersBackend
 
     old, new = experts(40, rate=0.1, dtype=torch.float32)
-    backend = TransformersBackend(lambda: torch.nn.Module())
-    backend._tensors = targets_of(old, new)
+    backend = TransformersBackend.from_tensors(targets_of(old, new))
     log = UndoLog()
     for kw in (dict(coding="context"), dict(mode="overwrite")):  # an ADD/XOR attempt, then a retry on top
         for f in encode_frames([pack_of(old, new)], META, **kw):

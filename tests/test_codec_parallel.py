@@ -213,8 +213,7 @@ def test_an_undo_log_of_a_frame_large_enough_for_the_codec_threads_restores_the_
     pairs = {f"w{i}": _bf16_pair(200_000 + i, 0.2, 10 + i) for i in range(3)}
     deltas = [diff_tensor(n, bits_view(o).copy(), w) for n, (o, w) in pairs.items()]
     assert sum(d.changed for d in deltas) >= apply.APPLY_PARALLEL_MIN
-    backend = TransformersBackend(lambda: torch.nn.Module())
-    backend._tensors = {n: o.clone() for n, (o, _) in pairs.items()}
+    backend = TransformersBackend.from_tensors({n: o.clone() for n, (o, _) in pairs.items()})
     log = UndoLog()
     for f in encode_frames(deltas, META, coding="plain"):
         d = read_frame(f, backend.tensors())

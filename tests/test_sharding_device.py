@@ -95,7 +95,7 @@ def _owner_refits(device) -> None:
     if device == "cpu":  # the device path, driven with CPU tensors
         for n, t in ts.items():
             owner.device.add(n, t)
-    assert set(owner.device._bits) == set(ts)
+    assert set(owner.device.names()) == set(ts)
     engine = {n: t.cpu().clone() for n, t in ts.items()}
     for v in range(1, 4):
         ts = {n: t.to(device) for n, t in _change({n: t.cpu() for n, t in ts.items()}, v, 0.02).items()}

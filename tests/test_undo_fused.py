@@ -141,7 +141,7 @@ def test_frames_applied_with_a_one_pass_record_match_two_passes_and_roll_back_ex
         apply_decoded(d, twice)
     assert _same(fused, new) and _same(twice, new)
     assert log_fused.nbytes == log_twice.nbytes > 0
-    for a, b in zip(log_fused._inverse, log_twice._inverse):
+    for a, b in zip(log_fused.records, log_twice.records):
         key = lambda it: (it.name, it.lo)  # the codec threads add items in any order
         for x, y in zip(sorted(a.items, key=key), sorted(b.items, key=key)):
             assert (x.name, x.encoding, x.lo, x.hi) == (y.name, y.encoding, y.lo, y.hi)
@@ -196,7 +196,7 @@ def test_an_apply_that_fails_part_way_leaves_a_record_of_exactly_what_it_wrote(j
     assert len(d.items) >= 3
     with pytest.raises(RuntimeError, match="mid-frame"):
         apply_decoded(d, live, undo=log.open("t", d))
-    assert len(log._inverse[-1].items) == 2  # the two items written, and nothing for the rest
+    assert len(log.records[-1].items) == 2  # the two items written, and nothing for the rest
     assert not _same(live, old)
     assert log.rollback(_Backend(live)) == half + 1
     assert _same(live, old)
@@ -224,21 +224,21 @@ class _TwoPassBackend(TensorBackend):
     applies_packs = True
 
     def __init__(self, tensors, fail_after_items: int | None = None):
-        self._tensors = tensors
+        self.held = tensors
         self.fail_after_items = fail_after_items
 
     def tensors(self):
-        return self._tensors
+        return self.held
 
     def undo_tensors(self):
-        return self._tensors
+        return self.held
 
     def apply(self, frame: DecodedFrame) -> None:
         if self.fail_after_items is None:
-            apply_decoded(frame, self._tensors)
+            apply_decoded(frame, self.held)
             return
         for it in frame.items[:self.fail_after_items]:  # a backend that writes some items, then dies
-            write_item(bits_view(self._tensors[it.name]), it)
+            write_item(bits_view(self.held[it.name]), it)
         raise RuntimeError("injected: died after some items")
 
     def load_dense(self, tensors) -> None:
@@ -250,8 +250,7 @@ def test_each_backends_apply_with_undo_rolls_back_to_exactly_the_committed_bits(
     old = _model(11)
     new = {n: small_step(t, seed=110 + i, rate=0.05) for i, (n, t) in enumerate(old.items())}
     if backend == "transformers":
-        b = TransformersBackend(lambda: torch.nn.Module())
-        b._tensors = _clone(old)
+        b = TransformersBackend.from_tensors(_clone(old))
     else:
         b = _TwoPassBackend(_clone(old))
     shapes = b.tensor_specs()
@@ -275,10 +274,10 @@ def test_the_default_hook_covers_a_backend_that_dies_half_way_through_a_frame():
     assert len(d.items) > 2
     with pytest.raises(RuntimeError, match="died after some items"):
         b.apply_with_undo(d, log.open("t", d))
-    assert not _same(b._tensors, old)
+    assert not _same(b.held, old)
     b.fail_after_items = None
     log.rollback(b)
-    assert _same(b._tensors, old)
+    assert _same(b.held, old)
 
 
 def test_a_record_opened_for_another_transfer_starts_a_new_log():
@@ -290,8 +289,8 @@ def test_a_record_opened_for_another_transfer_starts_a_new_log():
     first = log.open("t1", d)
     assert isinstance(first, FrameUndo) and log.transfer == "t1"
     log.open("t2", d)
-    assert log.transfer == "t2" and len(log._inverse) == 1
-    assert (log._inverse[0].meta.base, log._inverse[0].meta.target) == (META.target, META.base)
+    assert log.transfer == "t2" and len(log.records) == 1
+    assert (log.records[0].meta.base, log.records[0].meta.target) == (META.target, META.base)
 
 
 def test_a_threaded_apply_that_fails_on_one_thread_is_still_undone_whole(jit, monkeypatch):

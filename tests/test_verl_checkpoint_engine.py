@@ -121,7 +121,7 @@ def _manager(replicas):
     config = CheckpointEngineConfig(backend="dcr", custom_backend_module="dcr_ray.integrations.verl",
                                     engine_kwargs={"dcr": {"checkpoint": "/ckpt"}})
     manager = DcrCheckpointEngineManager(config, SimpleNamespace(world_size=1), replicas)
-    manager._clusters("/ckpt")  # names each replica's adopted engine
+    manager.clusters("/ckpt")  # names each replica's adopted engine
     return manager
 
 
@@ -136,9 +136,9 @@ def test_the_manager_checks_exactly_the_replicas_whose_sleep_or_kv_release_may_d
                   replica(2, RolloutMode.STANDALONE), replica(3, RolloutMode.HYBRID, free=False)])
     # HYBRID sleeps at level 2 and releases with a level-2 sleep; COLOCATED sleeps at level 1 (weights kept)
     # and skips the release; STANDALONE skips the sleep; without free_cache_engine nothing sleeps
-    assert m._dropped(slept=True, released=False) == ["rollout/a0"]
-    assert m._dropped(slept=False, released=True) == ["rollout/a0", "rollout/a2"]
-    assert m._dropped(slept=False, released=False) == []
+    assert m.dropped_engines(slept=True, released=False) == ["rollout/a0"]
+    assert m.dropped_engines(slept=False, released=True) == ["rollout/a0", "rollout/a2"]
+    assert m.dropped_engines(slept=False, released=False) == []
 
 
 def test_the_kv_cache_release_setting_must_be_a_boolean():

@@ -18,7 +18,7 @@ from vllmtools import MAX_TOKENS, PROMPTS, Trainer, bits_identical, refit, write
 from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames, full_delta, read_frame  # noqa: E402
 from dcr_ray.engines.vllm import VllmBackend  # noqa: E402
 from dcr_ray.engines.vllm.capture import LoaderCapture  # noqa: E402
-from dcr_ray.engines.vllm.checkpoint import iter_checkpoint  # noqa: E402
+from dcr_ray.engines.vllm.checkpoint import checkpoint_files, iter_checkpoint  # noqa: E402
 from dcr_ray.engines.vllm.storage import int_view  # noqa: E402
 from dcr_ray.errors import BaseVersionMismatchError, DcrError, TargetMismatchError  # noqa: E402
 from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
@@ -177,7 +177,8 @@ def test_captured_vllm_loader_copies_replay_deltas_bit_exactly_on_an_unpacked_cp
         back = {n: bool(torch.equal(int_view(cap.readback(n)), int_view(final[n]))) for n in final}
         return cap.summary(), same, back
 
-    summary, same, back = engine.llm.collective_rpc(run, args=(engine._files, item_batches, state))[0]
+    files = checkpoint_files(engine.model_dir)
+    summary, same, back = engine.llm.collective_rpc(run, args=(files, item_batches, state))[0]
     assert {k for k, _ in summary.values()} == {"affine"}, {n: s for n, s in summary.items() if s[0] != "affine"}
     assert same and all(same.values()), [n for n, ok in same.items() if not ok]
     assert all(back.values()), [n for n, ok in back.items() if not ok]

@@ -11,7 +11,6 @@ in ``test_vllm_failures.py``.
 from __future__ import annotations
 
 import threading
-import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -110,7 +109,7 @@ def _agreeing_pair():
     for rank in range(2):
         engine = _engine(2)
         worker = _Worker(rank)
-        engine._worker, engine._ranks = weakref.ref(worker), group.ranks(rank)
+        engine.bind(worker, group.ranks(rank))
         engine.receiver = SimpleNamespace(target=None, version=0, reset=lambda: None, invalidate=lambda: None)
         pair.append((engine, worker))
     return pair
@@ -141,7 +140,7 @@ def test_when_one_rank_refuses_every_rank_resets_and_closes_its_session_and_only
         engine.receiver.reset = lambda rank=rank: resets.append(rank)
 
     def update(engine):
-        if engine._ranks.rank == 0:  # rank 0's frame is refused, rank 1's is fine
+        if engine.agreement().rank == 0:  # rank 0's frame is refused, rank 1's is fine
             engine.receive_weights = lambda info: (_ for _ in ()).throw(ConfigError("bad frame on rank 0"))
         else:
             engine.receive_weights = lambda info: None
@@ -165,16 +164,25 @@ def test_when_every_rank_accepts_nothing_is_raised_and_the_sessions_stay_open():
     assert [e.transfer_status()["ok"] for e, _ in pair] == [True, True]
 
 
-def test_a_refused_init_on_one_rank_installs_no_receiver_on_any_rank():
+def test_a_refused_init_on_one_rank_installs_no_receiver_on_any_rank(monkeypatch):
+    from dcr_ray.engines.vllm import transfer
+
+    class Receiver:
+        """Stands in for the mirror receiver: rank 1's checkpoint does not match what it serves."""
+
+        def __init__(self, model, *args, **kwargs):
+            if model == "rank 1":
+                raise ConfigError("wrong checkpoint on rank 1")
+
+        def check_reload_is_a_fresh_load(self):
+            pass
+
+    monkeypatch.setattr(transfer, "MirrorReceiver", Receiver)
     pair = _agreeing_pair()
-    for engine, _ in pair:
-        engine.receiver = None
+    for rank, (engine, _) in enumerate(pair):
+        engine.receiver, engine.model = None, f"rank {rank}"
 
     def init(engine):
-        if engine._ranks.rank == 1:
-            engine._init = lambda info: (_ for _ in ()).throw(ConfigError("wrong checkpoint on rank 1"))
-        else:
-            engine._init = lambda info: "a receiver"
         engine.init_transfer_engine(DcrInitInfo(checkpoint="/ckpt"))
 
     raised = _both(pair, init)

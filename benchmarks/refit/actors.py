@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from dcr_ray.actors.owner import stable_hash
-from dcr_ray.actors.held_owner import StandaloneOwner
+from dcr_ray.actors.held_owner import OwnerMixin
 from benchmarks.refit.settings import PEERS
 from dcr_ray.engines.base import TensorBackend
 from dcr_ray.testing.trainer import TinyTrainer
@@ -78,18 +78,18 @@ def time_backend_flush(self) -> None:
 class _Probe:
     """Benchmark methods mixed into the owner actors (they run in the owner's process)."""
 
-    _bench_baseline = "memory"
+    bench_baseline = "memory"
     _bench_saved_level: int | None = None
 
     def bench_set_baseline(self, kind: str) -> None:
         """``"memory"``: the baseline in memory (the library's default); ``"mmap"``: memory-mapped files in
         the temporary directory (what ``OwnerConfig.baseline_dir`` gives)."""
-        self._bench_baseline = kind
+        self.bench_baseline = kind
 
     def dcr_attach(self, owner_id, config, baseline_dir=None, in_memory=False):
         import tempfile
 
-        if self._bench_baseline == "mmap" and baseline_dir is None:
+        if self.bench_baseline == "mmap" and baseline_dir is None:
             baseline_dir = tempfile.gettempdir()
         return super().dcr_attach(owner_id, config, baseline_dir, in_memory)
 
@@ -101,7 +101,7 @@ class _Probe:
         full-checkpoint reference sends the canonical bytes themselves (see :mod:`.reference`)."""
         import dataclasses
 
-        owner = self._dcr_owner()
+        owner = self.dcr_delta_owner()
         codec = owner.config.codec
         if on and self._bench_saved_level is None:
             self._bench_saved_level = codec.zstd_level
@@ -117,26 +117,26 @@ class _Probe:
         record what this refit's promote writes (:mod:`.pages`)."""
         from benchmarks.refit.pages import write_back
 
-        owner = self._dcr_owner()
+        owner = self.dcr_delta_owner()
         owner.settle()
         store = owner.store
-        if getattr(store, "_bench_inner_promote", None) is None:
-            store._bench_inner_promote = store.promote
+        if getattr(store, "bench_inner_promote", None) is None:
+            store.bench_inner_promote = store.promote
             store.promote = lambda version: _timed_promote(store, version)
         write_back({id(a): a for a in (_mapping_of(store.bits(n)) for n in store.names())}.values())
-        store._bench_promote_s = None
-        store._bench_changes = []
+        store.bench_promote_s = None
+        store.bench_changes = []
 
     def bench_after_refit(self) -> dict:
         """What the last promote did: its seconds, the pages that held a change, the pages it dirtied
         (None for in-memory baselines) and the tensors it touched."""
         from benchmarks.refit.pages import count_pages, dirty_pages
 
-        owner = self._dcr_owner()
+        owner = self.dcr_delta_owner()
         owner.settle()
         store = owner.store
-        changes = getattr(store, "_bench_changes", None) or []
-        return {"promote_s": getattr(store, "_bench_promote_s", None),
+        changes = getattr(store, "bench_changes", None) or []
+        return {"promote_s": getattr(store, "bench_promote_s", None),
                 "changed_pages": count_pages(changes),
                 "dirty_pages": None if store.in_memory else dirty_pages(store.directory),
                 "tensors": len({name for name, _, _ in changes if name is not None}),
@@ -162,7 +162,7 @@ class _Probe:
         from benchmarks import peers
         from dcr_ray.codec.bits import bits_view
 
-        store = self._dcr_owner().store
+        store = self.dcr_delta_owner().store
         cur = self.dcr_tensors()
         out = {p: {"construct_s": 0.0, "apply_s": 0.0, "bytes": 0, "exact": True} for p in PEERS}
         for name in store.names():
@@ -224,23 +224,26 @@ def _timed_promote(store, version: int) -> int:
         every = np.concatenate(pack_pages)
         changes.append((None, 1, lambda: np.unique(every)))  # pages of every pack; no tensor of its own
     t = time.perf_counter()
-    n = store._bench_inner_promote(version)
-    store._bench_promote_s = time.perf_counter() - t
-    store._bench_changes = changes
+    n = store.bench_inner_promote(version)
+    store.bench_promote_s = time.perf_counter() - t
+    store.bench_changes = changes
     return n
 
 
-class BenchOwner(_Probe, StandaloneOwner):
-    """A standalone owner that makes its own synthetic BF16 tensors and perturbs them in place."""
+class BenchOwner(_Probe, OwnerMixin):
+    """An owner actor that makes its own synthetic BF16 tensors and perturbs them in place."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0):
         import torch
 
-        super().__init__(None)
         torch.set_num_threads(1)
+        self.held: dict[str, torch.Tensor] = {}
         for name, shape in shapes.items():
             g = torch.Generator().manual_seed((seed * 1_000_003 + stable_hash(name)) % (1 << 62))
-            self._tensors[name] = torch.randn(shape, generator=g).mul_(0.02).to(torch.bfloat16)
+            self.held[name] = torch.randn(shape, generator=g).mul_(0.02).to(torch.bfloat16)
+
+    def dcr_tensors(self):
+        return self.held
 
     def perturb(self, rate: float, seed: int) -> dict:
         """Change a uniform ``rate`` of every tensor's elements by a relative ``1e-2 * randn``.
@@ -255,7 +258,7 @@ class BenchOwner(_Probe, StandaloneOwner):
 
         t0 = time.perf_counter()
         changed = numel = 0
-        for name, t in self._tensors.items():
+        for name, t in self.held.items():
             n = t.numel()
             rng = np.random.default_rng([seed, stable_hash(name) % (1 << 32)])
             gaps = rng.geometric(rate, size=int(n * rate + 6 * math.sqrt(n * rate) + 16))
@@ -286,10 +289,12 @@ class SyntheticBackend(TensorBackend):
 
     applies_packs = True
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], tensors: dict | None = None):
+        """BF16 zeros of ``shapes``, or ``tensors`` themselves (held, not copied) where given."""
         import torch
 
-        self._tensors = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+        self._tensors = tensors if tensors is not None else {
+            n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
 
     def tensors(self):
         return self._tensors

@@ -96,7 +96,9 @@ class OwnerMixin:
             self._dcr = Owner(self.dcr_tensors)
         return self._dcr
 
-    def _dcr_owner(self) -> DeltaOwner:
+    def dcr_delta_owner(self) -> DeltaOwner:
+        """The :class:`~dcr_ray.owner.DeltaOwner` behind this actor (its committed store, its config), for
+        inspection from inside the actor by tests and benchmarks; only the coordinator's calls change it."""
         return self._dcr_held().delta
 
     def dcr_attach(self, owner_id: str, config: RefitConfig, baseline_dir: str | None = None,

@@ -109,8 +109,8 @@ class TensorDelta:
 NARROW_SPAN = 1 << 31
 
 
-def _diff_chunk(o: np.ndarray, w: np.ndarray, lo: int, dense_crossover: float,
-                threads: int | None, wire_dtype: str | None = None) -> ChunkDelta | None:
+def diff_chunk(o: np.ndarray, w: np.ndarray, lo: int, dense_crossover: float,
+               threads: int | None, wire_dtype: str | None = None) -> ChunkDelta | None:
     """The :class:`ChunkDelta` of chunk ``[lo, lo + len(o))``, or None when it did not change.
 
     Working set besides the result: the chunk's positions once (int32 where the span allows) and one
@@ -161,13 +161,13 @@ def diff_arrays(
     if n_threads > 1 and len(bounds) > 1 and n >= PARALLEL_MIN_ELEMS:
         for a in range(0, len(bounds), n_threads):
             window = bounds[a:a + n_threads]
-            done = run_all([lambda lo=lo, hi=hi: _diff_chunk(old[lo:hi], new[lo:hi], lo, dense_crossover, 1,
-                                                             wire_dtype)
+            done = run_all([lambda lo=lo, hi=hi: diff_chunk(old[lo:hi], new[lo:hi], lo, dense_crossover, 1,
+                                                            wire_dtype)
                             for lo, hi in window])
             yield from (c for c in done if c is not None)
         return
     for lo, hi in bounds:
-        c = _diff_chunk(old[lo:hi], new[lo:hi], lo, dense_crossover, None, wire_dtype)
+        c = diff_chunk(old[lo:hi], new[lo:hi], lo, dense_crossover, None, wire_dtype)
         if c is not None:
             yield c
 

@@ -125,6 +125,11 @@ class UndoLog:
         self.open(transfer, frame).read_back(frame, tensors)
 
     @property
+    def records(self) -> tuple[FrameUndo, ...]:
+        """The inverse frames held, oldest first (read-only view: for inspection)."""
+        return tuple(self._inverse)
+
+    @property
     def nbytes(self) -> int:
         """Bytes the log holds (positions and old bits)."""
         return sum(inv.nbytes for inv in self._inverse)

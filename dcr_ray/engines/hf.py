@@ -30,6 +30,15 @@ class TransformersBackend(TensorBackend):
         self.model.eval()
         self._tensors = canonical_state_dict(self.model)
 
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "TransformersBackend":
+        """A backend over ``tensors`` themselves (held, not copied) with an empty model: the apply, undo
+        and dense-load paths of a transformers engine without building one (tests, tools). It cannot
+        generate."""
+        backend = cls(torch.nn.Module)
+        backend._tensors = tensors
+        return backend
+
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self._tensors
 

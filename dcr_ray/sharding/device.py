@@ -49,6 +49,10 @@ class DeviceBaseline:
     def __contains__(self, name: str) -> bool:
         return name in self._bits
 
+    def names(self) -> list[str]:
+        """The local tensors whose committed bits are held here."""
+        return list(self._bits)
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bits.values())

@@ -10,6 +10,9 @@ The peers' ways of loading a policy, on the same engine (``dcr-ray bench live``)
 :func:`release` stop and resume its generation (its own pause, measured like a refit's), :func:`load_dense`
 puts every tensor through the backend's load path, :func:`write_checkpoint` / :func:`reload_checkpoint`
 keep a local safetensors checkpoint beside the engine and reload it under a hold (SkyRL's shape).
+
+:func:`dense_refit` (run in the coordinator actor) sends every engine the committed version densely: the
+dense reference ``dcr-ray bench refit`` measures.
 """
 
 from __future__ import annotations
@@ -88,3 +91,9 @@ def reload_checkpoint(engine, directory: str, label: str = "fetch_reload") -> No
         load_dense(engine, load_file(os.path.join(directory, "model.safetensors")))
     finally:
         release(engine, label)
+
+
+def dense_refit(coordinator) -> int:
+    """Run in the coordinator (``refit.actor.__ray_call__.remote(dense_refit)``): a dense bootstrap of every
+    engine to the committed version, through the same path a joining engine takes; returns frames sent."""
+    return coordinator._bootstrap(sorted(coordinator.engines))

@@ -193,7 +193,7 @@ class ShardedTrainer(OwnerMixin):
 
     def baseline_numel(self) -> int:
         """Elements in this rank's committed baseline (after attach): its shard, not the model."""
-        owner = self._dcr_owner()
+        owner = self.dcr_delta_owner()
         return sum(owner.store.tensor(n).numel() for n in owner.store.names())
 
     def placements(self) -> dict[str, str]:

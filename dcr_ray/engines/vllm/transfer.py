@@ -70,6 +70,7 @@ tree, commit record and retries work for engines dcr_ray did not start; the engi
 from __future__ import annotations
 
 import base64
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,7 +193,14 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         return {**self._status, "version": r.version if r is not None else None,
                 "open": r is not None and r.target is not None, "world_size": self.world_size}
 
-    def _agreement(self) -> EngineRanks | None:
+    def bind(self, worker: Any, ranks: EngineRanks | None) -> None:
+        """Tie this engine to its vLLM ``worker`` (held weakly: its update session is closed here after a
+        refusal) and the ``ranks`` it agrees with. Found on their own otherwise (:func:`find_worker` at
+        construction, :func:`vllm_ranks` at the first call); an embedder or a test with stand-ins passes them."""
+        self._worker = weakref.ref(worker) if worker is not None else None
+        self._ranks = ranks
+
+    def agreement(self) -> EngineRanks | None:
         """The workers to agree with (:mod:`~dcr_ray.engines.vllm.ranks`), or None: one worker, or no way
         to keep vLLM's sessions in step (then a "no" is only recorded, for a driver that reads the status)."""
         if self.world_size > 1 and self._ranks is None and self._worker is not None:
@@ -215,7 +223,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             if self.receiver is not None:
                 self.receiver.reset()
             raise
-        ranks = self._agreement()
+        ranks = self.agreement()
         failed = [] if error is None else [(0, error)]
         if ranks is not None:
             failed = [(r, e) for r, e in enumerate(ranks.gather(error)) if e is not None]

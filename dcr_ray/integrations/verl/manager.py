@@ -102,7 +102,7 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
                               "checkpoint to the directory the vLLM servers were started from")
         return ckpt
 
-    def _clusters(self, checkpoint: str) -> list[dcr_ray.ClusterSpec]:
+    def clusters(self, checkpoint: str) -> list[dcr_ray.ClusterSpec]:
         from dcr_ray.engines.vllm import AdoptedVllmServer
 
         by_rank = {int(getattr(r, "replica_rank", i)): r for i, r in enumerate(self.replicas)}
@@ -174,7 +174,7 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
         await super().wake_up_replicas()
         self._asleep = False
 
-    def _dropped(self, slept: bool, released: bool) -> list[str]:
+    def dropped_engines(self, slept: bool, released: bool) -> list[str]:
         """Engine ids of the replicas whose served weights the sleep / KV release may have discarded, by what
         veRL 0.9.1's vLLM servers do: nothing without ``free_cache_engine``; COLOCATED sleeps at level 1
         (weights offloaded, kept) and skips the release; HYBRID sleeps and releases at level 2 (weights
@@ -228,7 +228,7 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
         from dcr_ray.config import RefitConfig, TransportConfig
 
         config = RefitConfig(transport=TransportConfig(kind=self.settings.transport), codec=self.settings.codec())
-        self.refit = dcr_ray.launch(owners=self.owners, clusters=self._clusters(self._checkpoint()), config=config,
+        self.refit = dcr_ray.launch(owners=self.owners, clusters=self.clusters(self._checkpoint()), config=config,
                                     timeout_s=self.settings.timeout_s)
         self._stale = False
         return None
@@ -257,7 +257,7 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
                 status = self.refit.status()
                 return {"checkpoint_engine/dcr_version": float(status.get("version", 0)),
                         "checkpoint_engine/dcr_launched": 1.0, **_sum(sent)}
-            dropped = self._dropped(slept, released)
+            dropped = self.dropped_engines(slept, released)
             repaired = await asyncio.to_thread(self._verify, dropped)
             report = await asyncio.wait_for(self.refit.remote(), timeout=self.settings.timeout_s)
             return {**_sum(sent), **report_metrics(report), "checkpoint_engine/dcr_verified": float(len(dropped)),
