@@ -2,7 +2,7 @@
 
 BENCHMARKS.md shows these tables as this prints them: every table comes from the JSON of one run (named
 under it with the run's git commit and load average), and every target of that run is listed, met or
-unmet. Works for the JSON of ``dcr-ray bench codec``, ``refit``, ``peers`` and ``live``.
+unmet. Works for the JSON of ``dcr-ray bench codec``, ``refit``, ``peers``, ``live`` and ``startup``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``markdown`` to the ``bench`` subcommands."""
     p = subparsers.add_parser("markdown", help="print a benchmark run's tables (Markdown) from its JSON",
                               description=__doc__.split("\n\n")[1])
-    p.add_argument("json", nargs="+", help="JSON written by dcr-ray bench codec/refit/peers/live --json")
+    p.add_argument("json", nargs="+", help="JSON written by dcr-ray bench codec/refit/peers/live/startup --json")
     p.set_defaults(func=_run)
     return p
 
@@ -30,8 +30,10 @@ def render(result: dict, path: str = "") -> str:
         from benchmarks.peers.report import markdown
     elif result.get("bench") == "live":
         from benchmarks.live.report import markdown
+    elif result.get("bench") == "startup":
+        from benchmarks.startup import markdown
     else:
-        raise ValueError(f"{path or 'result'}: not the JSON of dcr-ray bench codec, refit, peers or live "
+        raise ValueError(f"{path or 'result'}: not the JSON of dcr-ray bench codec, refit, peers, live or startup "
                          f"(bench={result.get('bench')!r})")
     git = result.get("git") or {}
     m = result.get("machine") or {"loadavg_start": result.get("loadavg_start"),

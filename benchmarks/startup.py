@@ -91,7 +91,21 @@ def run() -> dict:
         ray.shutdown()
     out["loadavg_end"] = loadavg()
     out["cores"] = os.cpu_count()
+    out["seconds"] = time.perf_counter() - t0
+    out["targets"] = targets(out)
     return out
+
+
+def targets(r: dict) -> list[dict]:
+    """Issue 32's start-up targets, each met or unmet with its number."""
+    first, fifth = r["refit_s"][0]["driver_s"], r["refit_s"][-1]["driver_s"]
+    return [{"target": "quickstart topology up <= 8 s", "value": r["topology_up_s"],
+             "met": r["topology_up_s"] <= 8.0},
+            {"target": "engine re-created -> ready to heal <= 3 s", "value": r["recreate_s"]["ready_to_heal_s"],
+             "met": r["recreate_s"]["ready_to_heal_s"] <= 3.0},
+            {"target": "(reported) first refit / fifth refit (driver seconds)", "value": first / fifth, "met": None},
+            {"target": "(reported) CPU seconds all actors spent starting / cores: the floor under topology up",
+             "value": sum(v["sum"] for v in r["cpu_seconds"].values()) / r["cores"], "met": None}]
 
 
 def format_table(r: dict) -> str:
@@ -115,13 +129,56 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(r: dict) -> str:
+    """The table and the targets (BENCHMARKS.md)."""
+    lines = [format_table(r), ""]
+    for t in r.get("targets", []):
+        met = {True: "met", False: "unmet", None: "reported"}[t["met"]]
+        lines.append(f"- {t['target']}: {t['value']:.2f} ({met})")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: str) -> None:
+    """Each actor's start-up on one time axis (from the coordinator's birth): its phases as bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    su = r["startup"]
+    t0 = su["coordinator"]["born"]
+    rows = [("coordinator", su["coordinator"])] + [
+        (f"{kind[:-1]} {name}", v) for kind in ("engines", "relays") for name, v in sorted(su.get(kind, {}).items())]
+    colors = {"worker": "tab:gray", "backend": "tab:blue", "kernels": "tab:purple", "spawn": "tab:olive",
+              "attach owners": "tab:cyan", "engines up": "tab:orange", "bootstrap": "tab:green"}
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.2))
+    seen = set()
+    for y, (label, v) in enumerate(rows):
+        at = v["born"] - t0
+        for phase, sec in v["seconds"].items():
+            if phase == "kernels":  # on a thread beside the backend: drawn from the worker's end
+                start = v["born"] - t0 + v["seconds"].get("worker", 0.0)
+            else:
+                start, at = at, at + sec
+            ax.barh(y, sec, left=start, color=colors.get(phase, "tab:red"), height=0.6 if phase != "kernels" else 0.25,
+                    label=None if phase in seen else phase)
+            seen.add(phase)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the coordinator's process started")
+    ax.set_title(f"start-up of the quickstart's topology on {r['cores']} cores: up {r['topology_up_s']:.1f} s "
+                 f"after ray.init began", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _run(args) -> int:
-    import json
+    from benchmarks import write_json_and_plot
 
     r = run()
-    print(format_table(r))
+    print(markdown(r))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1, default=str)
+        write_json_and_plot(r, args.json, plot)
     return 0
