@@ -21,7 +21,7 @@ RELAY_CONCURRENCY = 16
 OWNER_CONCURRENCY = 4
 
 
-#: The kinds of actor a topology runs; ``launch(actor_options={kind: {...}})`` adds Ray options per kind.
+#: The kinds of actor a topology runs; ``RefitConfig(actor_options={kind: {...}})`` adds Ray options per kind.
 ACTOR_KINDS = ("coordinator", "owner", "relay", "engine")
 #: Ray actor options a user may add (``runtime_env``, ``num_cpus``, ``resources``, ...); dcr_ray sets the
 #: rest itself, and each of those is refused with the reason (and the setting to use instead).
@@ -43,7 +43,7 @@ _ENGINE_FROM_CLUSTER = {"num_cpus": "ClusterSpec.cpus_per_engine", "num_gpus": "
 
 
 def check_user_options(user) -> dict[str, dict]:
-    """``launch(actor_options=...)`` checked and copied: ``{kind: {ray option: value}}`` with ``kind`` one of
+    """``RefitConfig(actor_options=...)`` checked and copied: ``{kind: {ray option: value}}`` with ``kind`` one of
     :data:`ACTOR_KINDS`. Raises :class:`~dcr_ray.errors.ConfigError` naming the fix, before anything starts."""
     from dcr_ray.errors import ConfigError
 
@@ -83,7 +83,7 @@ def actor_options(kind: str, name: str | None = None, *, resources: dict | None 
                   user: dict | None = None, **extra) -> dict:
     """Ray ``.options(...)`` for an actor of ``kind`` (coordinator, owner, relay, engine) in ``namespace``.
 
-    ``user`` is the checked ``launch(actor_options=...)`` of every kind (see :func:`check_user_options`):
+    ``user`` is the checked ``RefitConfig(actor_options=...)`` of every kind (see :func:`check_user_options`):
     its options for ``kind`` are added last, its ``resources`` merged into the ones dcr_ray pins."""
     conc = {"coordinator": COORDINATOR_CONCURRENCY, "engine": ENGINE_CONCURRENCY,
             "relay": RELAY_CONCURRENCY, "owner": OWNER_CONCURRENCY}[kind]

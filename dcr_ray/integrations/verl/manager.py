@@ -225,11 +225,12 @@ class DcrCheckpointEngineManager(CheckpointEngineManager):
 
     # -- one sync ------------------------------------------------------------------------------------
     def _launch(self) -> dcr_ray.RefitReport | None:
-        from dcr_ray.config import RefitConfig, TransportConfig
+        from dcr_ray.config import CommitConfig, RefitConfig, TransportConfig
 
-        config = RefitConfig(transport=TransportConfig(kind=self.settings.transport), codec=self.settings.codec())
-        self.refit = dcr_ray.launch(owners=self.owners, clusters=self.clusters(self._checkpoint()), config=config,
-                                    timeout_s=self.settings.timeout_s)
+        config = RefitConfig(transport=TransportConfig(kind=self.settings.transport), codec=self.settings.codec(),
+                             commit=CommitConfig(timeout_s=self.settings.timeout_s,
+                                                 start_timeout_s=self.settings.timeout_s))
+        self.refit = dcr_ray.launch(owners=self.owners, clusters=self.clusters(self._checkpoint()), config=config)
         self._stale = False
         return None
 
