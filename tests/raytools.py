@@ -41,6 +41,22 @@ def local_ray():
     ray.shutdown()
 
 
+def kill_and_wait(actor, timeout_s: float = 60.0) -> None:
+    """``ray.kill`` the actor and return once a call to it fails: the kill reaches the actor asynchronously,
+    so a call made right after ``ray.kill`` may still be answered."""
+    import time
+
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"actor still answers {timeout_s} s after ray.kill")
+
+
 def check_engines(refit, trainer, engines=None) -> None:
     """The wrong-bits sweep after a committed refit: every engine of ``refit`` (or those in ``engines``)
     holds the committed version, tagged with it, bit for bit equal to ``trainer``'s rollout bits (int16

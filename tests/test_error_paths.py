@@ -13,7 +13,7 @@ import random
 import shutil
 
 import raytools  # noqa: F401
-from raytools import assert_no_wrong_bits, check_engines, half_written, local_ray  # noqa: F401
+from raytools import assert_no_wrong_bits, check_engines, half_written, kill_and_wait, local_ray  # noqa: F401
 
 import pytest
 import ray
@@ -108,9 +108,7 @@ def test_the_chaos_harness_aims_hostile_frames_only_at_engines_alive_now_found_b
     from benchmarks.chaos import _live_engine
 
     victim = refit.engines()["a/e0"]
-    ray.kill(victim)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(victim.get_version.remote(), timeout=60)
+    kill_and_wait(victim)
     assert _live_engine(random.Random(0), ["a/e0"]) is None  # no frame aimed at a dead handle
     eng, name, shape = _live_engine(random.Random(0), ["a/e0", "a/e1"])
     assert ray.get(eng.info.remote())["engine"] == "a/e1" and name and shape
