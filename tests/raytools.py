@@ -33,12 +33,41 @@ def kill_topology() -> None:
         pass  # none running, or it died while we looked it up
 
 
+def sweep_named_actors() -> None:
+    """Stop what a module left in the shared Ray: every topology (its coordinator shut down, its record of a
+    commit directory forgotten) and every other named actor, in every namespace."""
+    import dcr_ray
+    from dcr_ray.options import COORDINATOR_NAME, NAMESPACE
+    from dcr_ray.refit_call import forget_topology
+
+    named = ray.util.list_named_actors(all_namespaces=True)
+    for ns in {NAMESPACE} | {a["namespace"] for a in named if a["name"] == COORDINATOR_NAME}:
+        try:
+            dcr_ray.Refit.get(namespace=ns).shutdown()
+        except (ValueError, ray.exceptions.RayActorError):
+            pass  # none running there, or it died while we looked
+        forget_topology(ns)
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        try:
+            ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+        except (ValueError, ray.exceptions.RayActorError):
+            pass
+
+
 @pytest.fixture(scope="module")
 def local_ray():
-    """A fresh single-node Ray for one test module (import it into the module to use it)."""
-    init_local_ray()
+    """A single-node Ray for the module (import it into the module to use it).
+
+    One Ray serves every module that asks for it in a run: starting and stopping a local Ray costs about
+    4 s, paid once instead of once per module. A module that starts a Ray of its own (a multi-node
+    ``Cluster``) shuts this one down, and the next module that asks starts a fresh one. After each module
+    the topologies and named actors it left are stopped, so modules see the same empty Ray they would see
+    if it were fresh (unnamed actors go when their handles do)."""
+    if not ray.is_initialized() or sum(n["Alive"] for n in ray.nodes()) != 1:
+        init_local_ray()  # none yet, or a multi-node cluster a module left behind
     yield
-    ray.shutdown()
+    if ray.is_initialized():
+        sweep_named_actors()
 
 
 def kill_and_wait(actor, timeout_s: float = 60.0) -> None:

@@ -20,6 +20,7 @@ from dcr_ray.testing.trainer import TinyTrainer
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(size="tiny", seed=0)
+SHARED_NS = "dcr_pipeline_shared"
 
 
 def _launch(config: dcr_ray.RefitConfig, world: int = 2, engines=(2, 1)):
@@ -43,6 +44,23 @@ def _assert_engines_hold(refit, trainers):
         for n in want:
             assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), (eid, n)
             assert torch.equal(got[n].view(torch.int16), dense_sd[n].view(torch.int16)), (eid, n)
+
+
+@pytest.fixture(scope="module")
+def shared(local_ray):
+    """One default topology (2 owner ranks, clusters c0 with 2 engines and c1 with 1) for the tests that
+    refit it or drive one engine's protocol by hand and leave it serving the committed version: each
+    works relative to the version it finds. Both trainer ranks always take the same steps. It runs in a
+    namespace of its own, beside the topologies the other tests of this module launch in the default one."""
+    refit, trainers = _launch(dcr_ray.RefitConfig(namespace=SHARED_NS))
+    yield refit, trainers
+    refit.shutdown()
+
+
+def _step_all(trainers, seed: int) -> dict:
+    """Both ranks take the same optimizer step; returns the new rollout state."""
+    ray.get([t.step.remote(seed=seed) for t in trainers])
+    return ray.get(trainers[0].rollout_state.remote())
 
 
 # both transports and every coding, each once (the codec tests pin every coding on each transport's frames);
@@ -86,81 +104,78 @@ def test_engines_are_bit_identical_to_the_trainer_and_a_dense_reload_after_sever
         refit.shutdown()
 
 
-def test_a_refit_with_no_change_commits_an_empty_version(local_ray):
-    refit, trainers = _launch(dcr_ray.RefitConfig())
-    try:
-        report = refit.run()
-        assert report.version == 1 and report.changed == 0 and report.payloads == 0
-        _assert_engines_hold(refit, trainers)
-    finally:
-        refit.shutdown()
+def test_a_refit_with_no_change_commits_an_empty_version(shared):
+    refit, trainers = shared
+    v = refit.run().version  # whatever an earlier test left uncommitted, committed now
+    report = refit.run()
+    assert report.version == v + 1 and report.changed == 0 and report.payloads == 0
+    _assert_engines_hold(refit, trainers)
 
 
-def _frames_for(trainer_state: dict, base: int, target: int, transfer: str, attempt: int = 0):
-    """Frames turning the tiny model at ``seed=0`` into ``trainer_state``."""
+def _frames_for(committed: dict, new: dict, base: int, target: int, transfer: str, attempt: int = 0):
+    """Frames turning ``committed`` into ``new``, labelled as the transfer ``base`` -> ``target``."""
     store = BaselineStore(in_memory=True)
-    init = canonical_state_dict(build_model(SPEC))
-    for n, t in init.items():
+    for n, t in committed.items():
         store.add(n, t)
-    deltas = [store.diff(n, trainer_state[n]) for n in init]
+    deltas = [store.diff(n, new[n]) for n in committed]
     meta = FrameMeta(transfer=transfer, attempt=attempt, producer="test", payload=0, base=base, target=target)
     return list(encode_frames([d for d in deltas if d.chunks], meta))
 
 
-def test_a_duplicate_delivery_is_applied_once_and_a_wrong_base_version_is_rejected(local_ray):
-    refit, trainers = _launch(dcr_ray.RefitConfig(), engines=(1, 1))
-    try:
-        eng = refit.engines()["c0/e0"]
-        before = ray.get(eng.tensors.remote())
-        ray.get(trainers[0].step.remote(seed=5))
-        new = ray.get(trainers[0].rollout_state.remote())
-        # an engine at version 0 opens transfer T; a frame for T built on base 0 applies once
-        ray.get(eng.prepare.remote("T", 0, 0, 1))
-        frames = _frames_for(new, base=0, target=1, transfer="T")
-        assert frames
-        assert ray.get(eng.deliver.remote(frames[0])) == "applied"
-        after_once = ray.get(eng.tensors.remote())
-        assert ray.get(eng.deliver.remote(frames[0])) == "duplicate"
-        after_twice = ray.get(eng.tensors.remote())
-        for n in before:
-            assert torch.equal(after_once[n].view(torch.int16), after_twice[n].view(torch.int16))
-        # T is abandoned (rolled back in place: no transfer opens over another's writes); a frame of the
-        # next transfer built on base 7 is rejected and writes nothing
-        assert ray.get(eng.abort.remote("T", True))["rolled_back"]
-        ray.get(eng.prepare.remote("T2", 0, 0, 1))
-        snapshot = ray.get(eng.tensors.remote())
-        bad = _frames_for(new, base=7, target=8, transfer="T2")
-        assert ray.get(eng.deliver.remote(bad[0])) == "rejected"
-        untouched = ray.get(eng.tensors.remote())
-        for n in snapshot:
-            assert torch.equal(snapshot[n].view(torch.int16), untouched[n].view(torch.int16))
-        with pytest.raises(dcr_ray.DcrError, match="built on version 7"):
-            ray.get(eng.flush.remote("T2", 0, [("T2", 0, "test", 0)], 5.0))
-        # restore: the engine re-joins by dense bootstrap, then refits work again
-        ray.get(eng.abort.remote("T2"))
-        refit.rejoin("c0/e0")
-        ray.get(trainers[1].step.remote(seed=5))
-        refit.run()
-        _assert_engines_hold(refit, trainers)
-    finally:
-        refit.shutdown()
+def _committed(refit, trainers) -> tuple[dict, int]:
+    """Commit what the trainers hold now; returns (those bits, the version)."""
+    return ray.get(trainers[0].rollout_state.remote()), refit.run().version
 
 
-def test_an_engine_that_was_not_prepared_rejects_payloads_and_writes_nothing(local_ray):
-    refit, trainers = _launch(dcr_ray.RefitConfig(), world=1, engines=(1, 1))
-    try:
-        eng = refit.engines()["c1/e0"]
-        ray.get(trainers[0].step.remote(seed=1))
-        frames = _frames_for(ray.get(trainers[0].rollout_state.remote()), base=0, target=1, transfer="X")
-        before = ray.get(eng.tensors.remote())
-        assert ray.get(eng.deliver.remote(frames[0])) == "rejected"
-        after = ray.get(eng.tensors.remote())
-        for n in before:
-            assert torch.equal(before[n].view(torch.int16), after[n].view(torch.int16))
-        assert ray.get(eng.info.remote())["rejected"] == 1
-        assert BOOTSTRAP_BASE == -1
-    finally:
-        refit.shutdown()
+def test_a_duplicate_delivery_is_applied_once_and_a_wrong_base_version_is_rejected(shared):
+    refit, trainers = shared
+    committed, v = _committed(refit, trainers)
+    eng = refit.engines()["c0/e0"]
+    before = ray.get(eng.tensors.remote())
+    new = _step_all(trainers, seed=5)
+    # an engine at version v opens transfer T; a frame for T built on base v applies once
+    ray.get(eng.prepare.remote("T", 0, v, v + 1))
+    frames = _frames_for(committed, new, base=v, target=v + 1, transfer="T")
+    assert frames
+    assert ray.get(eng.deliver.remote(frames[0])) == "applied"
+    after_once = ray.get(eng.tensors.remote())
+    assert ray.get(eng.deliver.remote(frames[0])) == "duplicate"
+    after_twice = ray.get(eng.tensors.remote())
+    for n in before:
+        assert torch.equal(after_once[n].view(torch.int16), after_twice[n].view(torch.int16))
+    # T is abandoned (rolled back in place: no transfer opens over another's writes); a frame of the
+    # next transfer built on base v + 7 is rejected and writes nothing
+    assert ray.get(eng.abort.remote("T", True))["rolled_back"]
+    ray.get(eng.prepare.remote("T2", 0, v, v + 1))
+    snapshot = ray.get(eng.tensors.remote())
+    bad = _frames_for(committed, new, base=v + 7, target=v + 8, transfer="T2")
+    assert ray.get(eng.deliver.remote(bad[0])) == "rejected"
+    untouched = ray.get(eng.tensors.remote())
+    for n in snapshot:
+        assert torch.equal(snapshot[n].view(torch.int16), untouched[n].view(torch.int16))
+    with pytest.raises(dcr_ray.DcrError, match=f"built on version {v + 7}"):
+        ray.get(eng.flush.remote("T2", 0, [("T2", 0, "test", 0)], 5.0))
+    # restore: the engine re-joins at the committed version, then refits work again
+    ray.get(eng.abort.remote("T2"))
+    refit.rejoin("c0/e0")
+    assert refit.run().version == v + 1
+    _assert_engines_hold(refit, trainers)
+
+
+def test_an_engine_that_was_not_prepared_rejects_payloads_and_writes_nothing(shared):
+    refit, trainers = shared
+    committed, v = _committed(refit, trainers)
+    eng = refit.engines()["c1/e0"]
+    frames = _frames_for(committed, _step_all(trainers, seed=1), base=v, target=v + 1, transfer="X")
+    before, rejected = ray.get(eng.tensors.remote()), ray.get(eng.info.remote())["rejected"]
+    assert ray.get(eng.deliver.remote(frames[0])) == "rejected"
+    after = ray.get(eng.tensors.remote())
+    for n in before:
+        assert torch.equal(before[n].view(torch.int16), after[n].view(torch.int16))
+    assert ray.get(eng.info.remote())["rejected"] == rejected + 1
+    assert BOOTSTRAP_BASE == -1
+    assert refit.run().version == v + 1
+    _assert_engines_hold(refit, trainers)
 
 
 def test_owners_that_do_not_cover_the_engines_tensors_are_refused_with_a_clear_error(local_ray):
@@ -191,10 +206,11 @@ def test_a_staging_engine_keeps_serving_the_old_version_until_flush_and_then_the
         served0 = ray.get(eng.generate.remote(prompts, 4))
         assert served0["version"] == 0
         before = ray.get(eng.tensors.remote())
+        committed = ray.get(trainers[0].rollout_state.remote())
         ray.get(trainers[0].step.remote(seed=3))
         new = ray.get(trainers[0].rollout_state.remote())
         ray.get(eng.prepare.remote("S", 0, 0, 1))
-        frames = _frames_for(new, base=0, target=1, transfer="S")
+        frames = _frames_for(committed, new, base=0, target=1, transfer="S")
         for f in frames:
             assert ray.get(eng.deliver.remote(f)) == "applied"
         during = ray.get(eng.generate.remote(prompts, 4))  # still serving v0, bit for bit
@@ -221,25 +237,23 @@ def test_a_staging_engine_keeps_serving_the_old_version_until_flush_and_then_the
         refit.shutdown()
 
 
-def test_an_in_place_engine_pauses_generation_while_a_transfer_is_open(local_ray):
-    refit, _ = _launch(dcr_ray.RefitConfig(), world=1, engines=(1, 1))
-    try:
-        eng = refit.engines()["c1/e0"]
-        ray.get(eng.prepare.remote("P", 0, 0, 1))
-        with pytest.raises(dcr_ray.DcrError, match="paused"):
-            ray.get(eng.generate.remote([[1, 2]], 2, 1.0))
-        ray.get(eng.abort.remote("P"))
-        assert ray.get(eng.generate.remote([[1, 2]], 2))["version"] == 0
-    finally:
-        refit.shutdown()
+def test_an_in_place_engine_pauses_generation_while_a_transfer_is_open(shared):
+    refit, trainers = shared
+    _, v = _committed(refit, trainers)
+    eng = refit.engines()["c1/e0"]
+    ray.get(eng.prepare.remote("P", 0, v, v + 1))
+    with pytest.raises(dcr_ray.DcrError, match="paused"):
+        ray.get(eng.generate.remote([[1, 2]], 2, 1.0))
+    ray.get(eng.abort.remote("P"))
+    assert ray.get(eng.generate.remote([[1, 2]], 2))["version"] == v
 
 
-def _alive(*names: str) -> set[str]:
-    """Which of these named dcr_ray actors exist."""
+def _alive(*names: str, namespace: str = dcr_ray.options.NAMESPACE) -> set[str]:
+    """Which of these named dcr_ray actors exist in ``namespace``."""
     out = set()
     for n in names:
         try:
-            ray.get_actor(n, namespace=dcr_ray.options.NAMESPACE)
+            ray.get_actor(n, namespace=namespace)
             out.add(n)
         except ValueError:
             pass
@@ -250,16 +264,16 @@ LAUNCH_NAMES = ("dcr_coordinator", "dcr_owner:owner0", "dcr_engine:a/e0", "dcr_e
                 "dcr_relay:a/head", "dcr_relay:other/head")
 
 
-def test_a_second_launch_in_the_same_ray_cluster_fails_with_a_clear_error_and_leaves_the_first_running(local_ray):
-    refit, trainers = _launch(dcr_ray.RefitConfig(), world=1, engines=(1, 1))
-    try:
-        with pytest.raises(dcr_ray.errors.ConfigError, match="already runs in namespace"):
-            dcr_ray.launch(owners=trainers, clusters=[dcr_ray.ClusterSpec(name="other")], engine=dcr_ray.HFEngine(SPEC))
-        assert _alive(*LAUNCH_NAMES, "dcr_engine:c0/e0") == {"dcr_coordinator", "dcr_engine:c0/e0"}
-        ray.get(trainers[0].step.remote(seed=2))
-        assert ray.get(refit.remote()).version == 1  # the first topology still refits
-    finally:
-        refit.shutdown()
+def test_a_second_launch_in_the_same_ray_cluster_fails_with_a_clear_error_and_leaves_the_first_running(shared):
+    refit, trainers = shared
+    with pytest.raises(dcr_ray.errors.ConfigError, match="already runs in namespace"):
+        dcr_ray.launch(owners=trainers, clusters=[dcr_ray.ClusterSpec(name="other")], engine=dcr_ray.HFEngine(SPEC),
+                       config=dcr_ray.RefitConfig(namespace=SHARED_NS))
+    assert _alive(*LAUNCH_NAMES, "dcr_engine:c0/e0", namespace=SHARED_NS) == {"dcr_coordinator", "dcr_engine:c0/e0"}
+    v = refit.status()["version"]
+    _step_all(trainers, seed=2)
+    assert ray.get(refit.remote()).version == v + 1  # the first topology still refits
+    _assert_engines_hold(refit, trainers)
 
 
 def test_bad_set_ups_are_refused_before_any_actor_is_spawned(local_ray):
