@@ -10,8 +10,6 @@ too: two CPU workers (TP=2), each receiving the frames and reloading its shard t
 
 from __future__ import annotations
 
-import contextlib
-
 import raytools  # noqa: F401  (loopback environment before ray is imported)
 from raytools import local_ray  # noqa: F401  (module-scoped Ray fixture)
 
@@ -95,12 +93,14 @@ def test_an_adopted_engine_holding_the_committed_version_joins_without_dense_fra
             ray.kill(u)
 
 
-@contextlib.contextmanager
-def _user_engine_at_v0(tmp_path, spec: ModelSpec):
-    """A user's engine (started by the test, not by dcr_ray) on ``spec``'s random-init checkpoint with the
-    dcr backend initialised at version 0; yields (model, handle, its greedy outputs now); killed after."""
-    model = build_model(spec)
-    ckpt = save_checkpoint(model, str(tmp_path))
+@pytest.fixture(scope="module")
+def user_at_v0(local_ray, tmp_path_factory):
+    """A user's engine (started by the test, not by dcr_ray) on a random-init checkpoint with the dcr backend
+    initialised at version 0: (model, handle, its greedy outputs then). The tests below only send it what
+    it must refuse, or digest checks, and leave it at version 0 serving those outputs: one engine start
+    serves them all."""
+    model = build_model(ModelSpec(arch="qwen2", seed=7))
+    ckpt = save_checkpoint(model, str(tmp_path_factory.mktemp("user_v0")))
     user = start_user_engine(ckpt)
     try:
         ray.get(user.init_weight_transfer_engine.remote({"init_info": {"checkpoint": ckpt, "version": 0}}))
@@ -109,60 +109,62 @@ def _user_engine_at_v0(tmp_path, spec: ModelSpec):
         ray.kill(user)
 
 
-def test_a_digest_check_writes_nothing_and_refuses_malformed_or_partial_requests(local_ray, tmp_path):
+def test_a_digest_check_writes_nothing_and_refuses_malformed_or_partial_requests(user_at_v0):
     """The worker side of the check, through vLLM's own calls: a match, a mismatch, a box list that does not
     cover every tensor, and malformed boxes; the engine serves what it served throughout."""
     from dcr_ray.sharding.digest import box_digests
 
-    with _user_engine_at_v0(tmp_path, ModelSpec(arch="qwen2", seed=7)) as (model, user, before):
-        sd = dcr_ray.checkpoint_state_dict(model)
-        whole = [(n, (0,) * t.dim(), tuple(t.shape)) for n, t in sd.items()]
-        good = [[n, list(a), list(b), d] for (n, a, b), d in box_digests(sd, whole).items()]
+    model, user, before = user_at_v0
+    sd = dcr_ray.checkpoint_state_dict(model)
+    whole = [(n, (0,) * t.dim(), tuple(t.shape)) for n, t in sd.items()]
+    good = [[n, list(a), list(b), d] for (n, a, b), d in box_digests(sd, whole).items()]
 
-        def verify(boxes, version=0):
-            ray.get(user.start_weight_update.remote())
-            ray.get(user.update_weights.remote({"update_info": {"base": version, "target": version,
-                                                                "verify": boxes}}))
-            ray.get(user.finish_weight_update.remote())
-
-        verify(good)
-        wrong = [b if i else [b[0], b[1], b[2], "0" * 32] for i, b in enumerate(good)]
-        for boxes, why in [(wrong, "does not serve the committed version 0: 1 of"), (good[1:], "cover"),
-                           ([["no.such.weight", [0], [1], "00"]], "each box is"),
-                           ([[good[0][0], [0, 0], [10 ** 9, 1], "00"]], "each box is")]:
-            with pytest.raises(ray.exceptions.RayTaskError, match=why):
-                verify(boxes)
-        assert serve(user) == before
-        verify(good, version=4)  # a match at version 4: the workers' next update must start from 4
+    def verify(boxes, version=0):
         ray.get(user.start_weight_update.remote())
-        with pytest.raises(ray.exceptions.RayTaskError, match="holds version 4"):
-            ray.get(user.update_weights.remote({"update_info": {"base": 0, "target": 1, "frames": []}}))
+        ray.get(user.update_weights.remote({"update_info": {"base": version, "target": version,
+                                                            "verify": boxes}}))
+        ray.get(user.finish_weight_update.remote())
+
+    verify(good)
+    wrong = [b if i else [b[0], b[1], b[2], "0" * 32] for i, b in enumerate(good)]
+    for boxes, why in [(wrong, "does not serve the committed version 0: 1 of"), (good[1:], "cover"),
+                       ([["no.such.weight", [0], [1], "00"]], "each box is"),
+                       ([[good[0][0], [0, 0], [10 ** 9, 1], "00"]], "each box is")]:
+        with pytest.raises(ray.exceptions.RayTaskError, match=why):
+            verify(boxes)
+    assert serve(user) == before
+    verify(good, version=4)  # a match at version 4: the workers' next update must start from 4
+    ray.get(user.start_weight_update.remote())
+    with pytest.raises(ray.exceptions.RayTaskError, match="holds version 4"):
+        ray.get(user.update_weights.remote({"update_info": {"base": 0, "target": 1, "frames": []}}))
+    verify(good)  # a match at version 0 again: the engine is where the next test expects it
+    assert serve(user) == before
 
 
-def test_bad_frames_leave_an_adopted_engine_serving_what_it_served(local_ray, tmp_path):
+def test_bad_frames_leave_an_adopted_engine_serving_what_it_served(user_at_v0):
     """Unknown tensor, wrong base version, wrong key: each update is refused before any write."""
-    with _user_engine_at_v0(tmp_path, ModelSpec(arch="qwen2", seed=4)) as (model, user, before):
-        sd = dcr_ray.checkpoint_state_dict(model)
-        name = "model.layers.0.mlp.down_proj.weight"
-        changed = sd[name].clone()
-        changed.view(-1)[::5] = 0
-        store = BaselineStore(in_memory=True)
-        store.add(name, sd[name])
-        meta = FrameMeta(transfer="t", attempt=0, producer="p", payload=0, base=0, target=1)
-        good = next(iter(encode_frames([store.diff(name, changed)], meta)))
-        unknown = next(iter(encode_frames([store.diff(name, changed), full_delta("model.layers.9.x.weight", changed)],
-                                          meta)))
-        stale = next(iter(encode_frames([store.diff(name, changed)],
-                                        FrameMeta(**{**_fields(meta), "base": 3, "target": 4}))))
-        signed = next(iter(encode_frames([store.diff(name, changed)], meta, key=b"another-key")))
-        for frame, why in [(unknown, "no tensor named 'model.layers.9.x.weight'"), (stale, "built on version 3"),
-                           (signed, "digest does not match")]:
-            ray.get(user.start_weight_update.remote())
-            with pytest.raises(ray.exceptions.RayTaskError, match=why):
-                ray.get(user.update_weights.remote({"update_info": {"base": 0, "target": 1,
-                                                                    "frames": [good, frame] if frame is signed
-                                                                    else [frame]}}))
-            assert serve(user) == before
+    model, user, before = user_at_v0
+    sd = dcr_ray.checkpoint_state_dict(model)
+    name = "model.layers.0.mlp.down_proj.weight"
+    changed = sd[name].clone()
+    changed.view(-1)[::5] = 0
+    store = BaselineStore(in_memory=True)
+    store.add(name, sd[name])
+    meta = FrameMeta(transfer="t", attempt=0, producer="p", payload=0, base=0, target=1)
+    good = next(iter(encode_frames([store.diff(name, changed)], meta)))
+    unknown = next(iter(encode_frames([store.diff(name, changed), full_delta("model.layers.9.x.weight", changed)],
+                                      meta)))
+    stale = next(iter(encode_frames([store.diff(name, changed)],
+                                    FrameMeta(**{**_fields(meta), "base": 3, "target": 4}))))
+    signed = next(iter(encode_frames([store.diff(name, changed)], meta, key=b"another-key")))
+    for frame, why in [(unknown, "no tensor named 'model.layers.9.x.weight'"), (stale, "built on version 3"),
+                       (signed, "digest does not match")]:
+        ray.get(user.start_weight_update.remote())
+        with pytest.raises(ray.exceptions.RayTaskError, match=why):
+            ray.get(user.update_weights.remote({"update_info": {"base": 0, "target": 1,
+                                                                "frames": [good, frame] if frame is signed
+                                                                else [frame]}}))
+        assert serve(user) == before
 
 
 def _fields(meta: FrameMeta) -> dict:
