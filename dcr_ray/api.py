@@ -171,7 +171,10 @@ class Refit:
 
     def shutdown(self, force: bool = False) -> None:
         """Kill the coordinator, engines and relays and remove their placement groups; also the owners
-        ``launch(owner_tensors=...)`` made (owners given by the caller are left alone).
+        ``launch(owner_tensors=...)`` made (owners given by the caller are left alone). Ray keeps an actor
+        alive while any handle to it may be in use, and the handles of owners given to ``launch`` reached
+        the detached coordinator: Ray keeps them alive for as long as this driver runs. A driver that
+        launches again with new trainer actors should ``ray.kill`` the old ones.
 
         Engines and relays outlive the coordinator (they are detached), so this also works when the
         coordinator already died: it then finds them (and their placement groups) by name.

@@ -35,7 +35,7 @@ def kill_topology() -> None:
 
 def sweep_named_actors() -> None:
     """Stop what a module left in the shared Ray: every topology (its coordinator shut down, its record of a
-    commit directory forgotten) and every other named actor, in every namespace."""
+    commit directory forgotten), every other named actor in every namespace, and every other actor."""
     import dcr_ray
     from dcr_ray.options import COORDINATOR_NAME, NAMESPACE
     from dcr_ray.refit_call import forget_topology
@@ -52,6 +52,17 @@ def sweep_named_actors() -> None:
             ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
         except (ValueError, ray.exceptions.RayActorError):
             pass
+    # Then every other actor still alive. An actor handle that reached a detached actor (the owners given
+    # to launch() reach the coordinator) stays pinned while this driver lives, so a module's trainers would
+    # otherwise outlive it and crowd the next modules' worker starts. Ray kills by handle only, and the
+    # state API needs the dashboard (off in tests): this reads the actor table from GCS and kills by id,
+    # as ray.kill does.
+    from ray._private import state as gcs_state
+    from ray._private.worker import global_worker
+
+    for actor_id, a in gcs_state.actors().items():
+        if a["State"] != "DEAD":
+            global_worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +72,8 @@ def local_ray():
     One Ray serves every module that asks for it in a run: starting and stopping a local Ray costs about
     4 s, paid once instead of once per module. A module that starts a Ray of its own (a multi-node
     ``Cluster``) shuts this one down, and the next module that asks starts a fresh one. After each module
-    the topologies and named actors it left are stopped, so modules see the same empty Ray they would see
-    if it were fresh (unnamed actors go when their handles do)."""
+    the topologies and actors it left are stopped, so modules see the same empty Ray they would see if it
+    were fresh."""
     if not ray.is_initialized() or sum(n["Alive"] for n in ray.nodes()) != 1:
         init_local_ray()  # none yet, or a multi-node cluster a module left behind
     yield
