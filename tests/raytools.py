@@ -97,6 +97,18 @@ def kill_and_wait(actor, timeout_s: float = 60.0) -> None:
     raise AssertionError(f"actor still answers {timeout_s} s after ray.kill")
 
 
+@pytest.fixture(scope="module")
+def fresh_local_ray():
+    """A single-node Ray started for this module, not the one earlier modules used (later modules share
+    it as :func:`local_ray` does). For modules that kill and re-create detached actors and bound the wait
+    for it: in a full run, a relay re-created in a Ray that many modules had used once waited about 60 s
+    (Ray's worker-registration timeout) before it started, which the same test never shows in a fresh Ray."""
+    init_local_ray()
+    yield
+    if ray.is_initialized():
+        sweep_named_actors()
+
+
 def check_engines(refit, trainer, engines=None) -> None:
     """The wrong-bits sweep after a committed refit: every engine of ``refit`` (or those in ``engines``)
     holds the committed version, tagged with it, bit for bit equal to ``trainer``'s rollout bits (int16

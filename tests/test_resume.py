@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 import raytools  # noqa: F401
-from raytools import assert_no_wrong_bits, check_engines, half_written, local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
+from raytools import assert_no_wrong_bits, check_engines, half_written  # noqa: F401
+from raytools import fresh_local_ray as local_ray  # noqa: F401  (this module kills and re-creates detached actors)
 
 import pytest
 import ray
