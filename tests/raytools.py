@@ -33,7 +33,7 @@ def kill_topology() -> None:
         pass  # none running, or it died while we looked it up
 
 
-def sweep_named_actors() -> None:
+def sweep_actors() -> None:
     """Stop what a module left in the shared Ray: every topology (its coordinator shut down, its record of a
     commit directory forgotten), every other named actor in every namespace, and every other actor."""
     import dcr_ray
@@ -78,7 +78,7 @@ def local_ray():
         init_local_ray()  # none yet, or a multi-node cluster a module left behind
     yield
     if ray.is_initialized():
-        sweep_named_actors()
+        sweep_actors()
 
 
 def kill_and_wait(actor, timeout_s: float = 60.0) -> None:
@@ -101,12 +101,12 @@ def kill_and_wait(actor, timeout_s: float = 60.0) -> None:
 def fresh_local_ray():
     """A single-node Ray started for this module, not the one earlier modules used (later modules share
     it as :func:`local_ray` does). For modules that kill and re-create detached actors and bound the wait
-    for it: in a full run, a relay re-created in a Ray that many modules had used once waited about 60 s
-    (Ray's worker-registration timeout) before it started, which the same test never shows in a fresh Ray."""
+    for it: in full runs, a relay re-created in a Ray that many modules had used did not start within the
+    refit's 60 s bound, which the same test never showed in a fresh Ray."""
     init_local_ray()
     yield
     if ray.is_initialized():
-        sweep_named_actors()
+        sweep_actors()
 
 
 def check_engines(refit, trainer, engines=None) -> None:
