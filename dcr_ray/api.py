@@ -38,6 +38,8 @@ from dcr_ray.config import ClusterSpec, RefitConfig, validate
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray import progress
 from dcr_ray.errors import ConfigError, RefitError, RefitTimeoutError
+from dcr_ray.named_actors import (TOPOLOGY_PREFIXES, coordinator_exists, kill_named, named,
+                                  remove_placement_groups)
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE, OWNER_PREFIX
 from dcr_ray.refit_call import (answer_refit, coordinator_gone, forget_topology, remember_topology,
                                 topology_commit_dir, warm)
@@ -191,9 +193,9 @@ class Refit:
                 raise ray.exceptions.GetTimeoutError("shutdown(force=True)")
             ray.get(self._actor.teardown.remote(), timeout=_SHUTDOWN_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            _kill_named(_TOPOLOGY_PREFIXES, keep=keep, namespace=ns)
-            _remove_placement_groups(ns)
-        _kill_named((OWNER_PREFIX,), namespace=ns)  # the owners launch(owner_tensors=...) made (detached)
+            kill_named(TOPOLOGY_PREFIXES, keep=keep, namespace=ns)
+            remove_placement_groups(ns)
+        kill_named((OWNER_PREFIX,), namespace=ns)  # the owners launch(owner_tensors=...) made (detached)
         ray.kill(self._actor, no_restart=True)
         forget_topology(ns)
 
@@ -237,7 +239,7 @@ def launch(
     """
     config, owners = _checked(clusters, engine, owners, owner_tensors, config, resume)
     ns = config.namespace
-    foreign = _named(_TOPOLOGY_PREFIXES, ns)  # a failed launch must not sweep another topology's actors
+    foreign = named(TOPOLOGY_PREFIXES, ns)  # a failed launch must not sweep another topology's actors
     if owner_tensors is not None:
         owners = _standalone_owners(owner_tensors, config)
     refit = _start_coordinator(config, clusters, engine, owners, transport)
@@ -269,12 +271,12 @@ def _checked(clusters, engine, owners, owner_tensors, config, resume) -> tuple[R
         check_owner(oid, h, config.commit.timeout_s)
     ns = config.namespace
     _check_placeable(config.actor_options.get("coordinator", {}).get("resources", {}))
-    if _coordinator_exists(ns):
+    if coordinator_exists(ns):
         raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in namespace {ns!r} of this "
                           f"Ray cluster; use dcr_ray.Refit.get(namespace={ns!r}) to reach it, or its shutdown() "
                           f"first, or launch this topology in another namespace (RefitConfig(namespace=...))")
-    if owner_tensors is not None and _named((OWNER_PREFIX,), ns):
-        raise ConfigError(f"owner actors {sorted(_named((OWNER_PREFIX,), ns))} of an earlier "
+    if owner_tensors is not None and named((OWNER_PREFIX,), ns):
+        raise ConfigError(f"owner actors {sorted(named((OWNER_PREFIX,), ns))} of an earlier "
                           f"launch(owner_tensors=...) still run in namespace {ns!r} without a coordinator: kill "
                           f"them (ray.kill(ray.get_actor(name, namespace={ns!r}))) or resume that topology "
                           f"with launch(owners=..., resume=True)")
@@ -329,9 +331,9 @@ def _undo(refit: "Refit", resume: bool, foreign: set[str]) -> None:
     ns = refit.namespace
     refit._shutdown(keep=foreign)
     deadline = time.monotonic() + _SWEEP_WAIT_S
-    while _coordinator_exists(ns) and time.monotonic() < deadline:
+    while coordinator_exists(ns) and time.monotonic() < deadline:
         time.sleep(0.1)
-    _kill_named(_TOPOLOGY_PREFIXES, keep=foreign, namespace=ns)
+    kill_named(TOPOLOGY_PREFIXES, keep=foreign, namespace=ns)
 
 
 def _where(actor) -> str:
@@ -365,37 +367,6 @@ _SHUTDOWN_TIMEOUT_S = 120
 _SWEEP_WAIT_S = 10.0
 
 
-#: Name prefixes of the actors a coordinator starts (engines and relays).
-_TOPOLOGY_PREFIXES = ("dcr_engine:", "dcr_relay:")
-
-
-def _named(prefixes: tuple[str, ...], namespace: str = NAMESPACE) -> set[str]:
-    """Names of the live actors of ``namespace`` that start with one of ``prefixes``."""
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == namespace and a["name"].startswith(prefixes)}
-
-
-def _kill_named(prefixes: tuple[str, ...], keep: set[str] = frozenset(), namespace: str = NAMESPACE) -> None:
-    """Kill every actor of ``namespace`` whose name starts with one of ``prefixes``, except ``keep``."""
-    for name in _named(prefixes, namespace) - set(keep):
-        try:
-            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-        except (ValueError, ray.exceptions.RayActorError):
-            pass  # died meanwhile
-
-
-def _remove_placement_groups(namespace: str) -> None:
-    """Remove the placement groups of the topology of ``namespace`` (named ``dcr_cluster:<namespace>/...``,
-    see :mod:`~dcr_ray.actors.placement`) that this driver can reach by name."""
-    for info in ray.util.placement_group_table().values():
-        name = str(info.get("name") or "")
-        if name.startswith(f"dcr_cluster:{namespace}/") and info.get("state") != "REMOVED":
-            try:
-                ray.util.remove_placement_group(ray.util.get_placement_group(name))
-            except Exception:  # another job's namespace, or removed meanwhile
-                pass
-
-
 def _check_placeable(resources: dict | None) -> None:
     """Refuse, before anything is spawned, coordinator resources that no alive node offers (the actor
     would wait for placement forever)."""
@@ -407,11 +378,3 @@ def _check_placeable(resources: dict | None) -> None:
         raise ConfigError(f"no alive node offers the coordinator's resources {resources} (RefitConfig.actor_options"
                           f"['coordinator']['resources']; resources in this cluster: {have}); give resources a "
                           f"node has, or start a node with them")
-
-
-def _coordinator_exists(namespace: str = NAMESPACE) -> bool:
-    try:
-        ray.get_actor(COORDINATOR_NAME, namespace=namespace)
-    except ValueError:
-        return False
-    return True

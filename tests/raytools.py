@@ -34,8 +34,8 @@ def kill_topology() -> None:
 
 
 def sweep_actors() -> None:
-    """Stop what a module left in the shared Ray: every topology (its coordinator shut down, its record of a
-    commit directory forgotten), every other named actor in every namespace, and every other actor."""
+    """Stop what a module left in the shared Ray: every topology (shut down: its placement groups removed,
+    its record of a commit directory forgotten), then every actor still alive."""
     import dcr_ray
     from dcr_ray.options import COORDINATOR_NAME, NAMESPACE
     from dcr_ray.refit_call import forget_topology
@@ -47,16 +47,11 @@ def sweep_actors() -> None:
         except (ValueError, ray.exceptions.RayActorError):
             pass  # none running there, or it died while we looked
         forget_topology(ns)
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        try:
-            ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
-        except (ValueError, ray.exceptions.RayActorError):
-            pass
-    # Then every other actor still alive. An actor handle that reached a detached actor (the owners given
-    # to launch() reach the coordinator) stays pinned while this driver lives, so a module's trainers would
-    # otherwise outlive it and crowd the next modules' worker starts. Ray kills by handle only, and the
-    # state API needs the dashboard (off in tests): this reads the actor table from GCS and kills by id,
-    # as ray.kill does.
+    # Then every actor still alive, named or not. An actor handle that reached a detached actor (the owners
+    # given to launch() reach the coordinator) stays pinned while this driver lives, so a module's trainers
+    # would otherwise outlive it and crowd the next modules' worker starts. Ray kills by handle only, and
+    # the state API needs the dashboard (off in tests): this reads the actor table from GCS and kills by
+    # id, as ray.kill does.
     from ray._private import state as gcs_state
     from ray._private.worker import global_worker
 

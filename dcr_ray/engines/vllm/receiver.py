@@ -53,7 +53,8 @@ from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
 from dcr_ray.engines.vllm.groups import fused_groups, reload_groups, whole_groups
 from dcr_ray.engines.vllm.served import ServedSnapshot, served_fingerprint
-from dcr_ray.errors import BackendError, ConfigError, EngineStateError
+from dcr_ray.engines.vllm.verify_request import checked_boxes
+from dcr_ray.errors import BackendError, EngineStateError
 
 #: Bound on one frame's decompressed size in a worker: two of the largest bucket a sender may use.
 MAX_FRAME_RAW_BYTES = DEFAULT_MAX_RAW_BYTES
@@ -342,33 +343,9 @@ class MirrorReceiver:
         if not self.mirror_is_served:
             raise EngineStateError("the start-up reload check was skipped (verify_reload=False), so this worker "
                                    "cannot show that its mirror is what it serves")
-        by_name: dict[str, list[tuple[tuple, tuple, str]]] = {}
-        for b in boxes if isinstance(boxes, (list, tuple)) else [None]:
-            try:
-                name, start, stop, digest = b
-                start, stop = tuple(int(x) for x in start), tuple(int(x) for x in stop)
-                shape = self.specs[name][1]
-                ok = (isinstance(digest, str) and len(start) == len(stop) == len(shape)
-                      and all(0 <= a <= e <= n for a, e, n in zip(start, stop, shape)))
-            except (TypeError, ValueError, KeyError):
-                ok = False
-            if not ok:
-                raise ConfigError(f"verify: each box is [checkpoint tensor name, start, stop, digest] within "
-                                  f"the tensor's shape; got {str(b)[:200]}")
-            by_name.setdefault(name, []).append((start, stop, digest))
-        missing = [n for n in self.specs if n not in by_name]
-        if missing:
-            raise EngineStateError(f"verify: the digests cover {len(self.specs) - len(missing)} of "
-                                   f"{len(self.specs)} tensors (e.g. none for {missing[:3]}): cannot show this "
-                                   f"worker holds the version")
+        by_name = checked_boxes(boxes, self.specs)
         differ = []
         for name, bs in by_name.items():
-            shape = self.specs[name][1]
-            covered = torch.zeros(shape, dtype=torch.bool)
-            for start, stop, _ in bs:
-                covered[tuple(slice(a, e) for a, e in zip(start, stop))] = True
-            if not bool(covered.all()):
-                raise EngineStateError(f"verify: the boxes of {name} do not cover all its elements")
             got = box_digests({name: self.canonical(name)}, [(name, s, e) for s, e, _ in bs])
             differ += [name for s, e, d in bs if got[(name, s, e)] != d]
         if differ:
