@@ -12,8 +12,8 @@ Generation calls already running when a pause opens finish first (their answers 
 version); that time is serving, not pause, so it is kept apart (``inflight``) and left out of
 ``pause_s``. Each closed pause keeps its seconds split into where they went (``apply``: the writes and
 the backend's flush; ``commit``: waiting for the commit record and activation), and the seconds
-``generate`` calls actually waited (``blocked``). :meth:`PauseClock.recent` is what ``EngineActor.pauses()`` returns, read by
-the GRPO example and ``dcr-ray bench live``.
+``generate`` calls actually waited (``blocked``). :meth:`PauseClock.recent` is what
+``EngineActor.pauses()`` returns, read by the GRPO example and ``dcr-ray bench live``.
 """
 
 from __future__ import annotations
