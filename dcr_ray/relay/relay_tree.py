@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 import ray
 
 from dcr_ray.codec import PayloadKey
+from dcr_ray.errors import RefitTimeoutError
 from dcr_ray.options import actor_options, create_named
 from dcr_ray.relay.backpressure import wait_bounded
 from dcr_ray.relay.relay import RelayActor
@@ -128,10 +129,19 @@ class RelayTransport:
                                                          window_bytes=self.config.transport.catchup_window_bytes,
                                                          pull_timeout_s=self.config.commit.timeout_s),
                     name, wait_s=RELAY_NAME_RELEASE_S, namespace=self.config.namespace)
+            wired = []
             for node in tree.walk():
                 kids = [("engine", engines[e], [e]) for e in node.engines]
                 kids += [("relay", made[s.relay_id], s.all_engines()) for s in node.subrelays]
-                made[node.relay_id].set_children.remote(kids)
+                wired.append(made[node.relay_id].set_children.remote(kids))
+            # Waited for: a payload pushed to a relay that does not know its children yet would be
+            # forwarded to no one, and calls from the owners are not ordered after this one's.
+            timeout_s = self.config.commit.start_timeout_s
+            try:
+                ray.get(wired, timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RefitTimeoutError(f"the relays of cluster {c.name} did not start within {timeout_s:.0f} s "
+                                        "(CommitConfig.start_timeout_s)") from None
             self.relays.update(made)
             self.heads[c.name] = made[tree.relay_id]
 
