@@ -27,6 +27,20 @@ else:
     settings.load_profile("dcr")
 
 
+# Ray workers in tests are forked from one prefork server (dcr_ray.prefork) that imported torch,
+# transformers and the codec kernels once: each engine or trainer a test starts skips about 3.4 CPU-s of
+# imports. It reaches every ray.init of the run, examples run as subprocesses included, through Ray's
+# runtime-env hook. DCR_TEST_PREFORK=0 runs every worker the ordinary way.
+def pytest_configure(config):
+    import dcr_ray.prefork
+
+    if os.environ.get("DCR_TEST_PREFORK", "1") == "0" or not dcr_ray.prefork.available():
+        return
+    server = dcr_ray.prefork.start()  # its imports run while pytest collects
+    os.environ.update(server.environ())
+    config._dcr_prefork = server
+
+
 # The suite's process leaves with pytest's own status once every plugin has finished (summary printed,
 # reports written), without the interpreter's teardown: a full run once died there with SIGSEGV after
 # its summary (native threads of the in-process vLLM/torch/Ray libraries), which turned a passing run
@@ -37,6 +51,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
+    server = getattr(config, "_dcr_prefork", None)
+    if server is not None:
+        server.stop()
     status = getattr(config, "_dcr_exitstatus", None)
     if status is None or os.environ.get("DCR_TEST_TEARDOWN") == "1":
         return

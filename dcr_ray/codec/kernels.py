@@ -40,7 +40,7 @@ from dcr_ray.codec.jit import ENABLED, once
 
 __all__ = ["ENABLED", "add_into", "add_swap", "changed_in_block", "class_counts_at", "class_positions", "class_ranks",
            "class_starts", "gap_positions", "gather_changes", "join2", "put_into", "put_swap", "take", "warm_up",
-           "xor_into", "xor_swap"]
+           "warm_up_here", "xor_into", "xor_swap"]
 
 
 def _build() -> dict:
@@ -217,3 +217,9 @@ def warm_up(background: bool = True, on_done=None) -> None:
         threading.Thread(target=run, name="dcr-kernels-warm-up", daemon=True).start()
     else:
         run()
+
+
+def warm_up_here() -> None:
+    """:func:`warm_up` on the calling thread, leaving no thread behind (a prefork server calls it before it
+    forks workers, so each starts with the kernels loaded)."""
+    warm_up(background=False)

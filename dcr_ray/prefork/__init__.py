@@ -1,0 +1,151 @@
+"""Ray workers that start with torch and transformers already imported: a fork server per machine.
+
+A Ray actor is a new Python process, and one that runs torch and transformers pays about 3.4 CPU-seconds
+of imports before its ``__init__`` runs: a topology pays it once per engine and trainer, and a re-created
+engine cannot heal until its imports are done. :func:`start` runs a :mod:`~dcr_ray.prefork.server` that
+imports those modules (and loads the codec kernels) once, and :meth:`PreforkServer.runtime_env` is the
+``runtime_env`` under which Ray's workers on this machine are forked from it instead
+(:mod:`~dcr_ray.prefork.client` is the executable Ray runs, through Ray's ``py_executable`` field)::
+
+    server = dcr_ray.prefork.start()           # returns at once; imports run beside ray.init
+    ray.init(runtime_env=server.runtime_env())
+    server.wait_ready()                          # before the first actor, or it starts the ordinary way
+    ...
+    ray.shutdown()
+    server.stop()
+
+It is opt-in, Linux only, and per machine: a server serves the Ray nodes on the host that runs it (a
+``ray.cluster_utils.Cluster`` on one machine included). On a cluster, run
+``python -m dcr_ray.prefork.server PATH`` on each node and give every job the runtime env of
+:func:`runtime_env_for` ``(PATH)``. Ray identifies, kills and restarts forked workers as it does any
+other (they register under their own pid); where no server answers, a worker starts the ordinary way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import selectors
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from dcr_ray.errors import ConfigError
+
+#: What a dcr_ray engine or trainer on ``transformers`` loads before it can work: torch, the model classes
+#: (``transformers`` itself with them), and the codec's compiled kernels. ``module:function`` entries are
+#: imported, then called.
+DEFAULT_PRELOAD = ("torch", "transformers.models.qwen2.modeling_qwen2", "dcr_ray.codec.kernels:warm_up_here")
+CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client.py")
+
+
+def available() -> bool:
+    """Whether this platform can fork workers (Linux: ``pidfd`` and ``SCM_RIGHTS``)."""
+    return sys.platform == "linux" and hasattr(os, "pidfd_open")
+
+
+#: Set to a server's socket path, with ``RAY_RUNTIME_ENV_HOOK`` set to :data:`HOOK`, and every
+#: ``ray.init`` in this process and the processes it starts forks its workers from that server.
+SOCKET_ENV = "DCR_PREFORK_SOCKET"
+HOOK = "dcr_ray.prefork.runtime_env_hook"
+
+
+def runtime_env_for(socket_path: str) -> dict:
+    """The ``runtime_env`` whose workers are forked from the server listening at ``socket_path``."""
+    client = " ".join(shlex.quote(p) for p in (sys.executable, "-I", "-S", CLIENT, socket_path))
+    return {"py_executable": client}
+
+
+def runtime_env_hook(runtime_env: dict | None) -> dict:
+    """Ray's ``RAY_RUNTIME_ENV_HOOK``: the job's ``runtime_env``, forking from the server at
+    ``$DCR_PREFORK_SOCKET`` unless the job names a ``py_executable`` of its own."""
+    env = dict(runtime_env or {})
+    sock = os.environ.get(SOCKET_ENV)
+    if sock and "py_executable" not in env:
+        deadline = time.monotonic() + 60.0
+        while not os.path.exists(sock) and os.path.isdir(os.path.dirname(sock)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # a server still importing: its socket appears when it accepts workers
+        env.update(runtime_env_for(sock))
+    return env
+
+
+@dataclasses.dataclass
+class PreforkServer:
+    """A prefork server this process started (see the module docstring)."""
+
+    socket_path: str
+    log_path: str
+    process: subprocess.Popen
+    preload: tuple[str, ...]
+    ready: bool = False
+
+    def runtime_env(self) -> dict:
+        """The ``runtime_env`` (for ``ray.init`` or one actor's options) that forks workers from here."""
+        return runtime_env_for(self.socket_path)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> "PreforkServer":
+        """Block until the server accepts workers (its preloads done); raise ``ConfigError`` if it died."""
+        if self.ready:
+            return self
+        sel = selectors.DefaultSelector()
+        sel.register(self.process.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        line = ""
+        while not line and time.monotonic() < deadline:
+            if sel.select(max(0.0, deadline - time.monotonic())):
+                line = self.process.stdout.readline().strip() or "exited"
+        sel.close()
+        if line != "ready":
+            with open(self.log_path, errors="replace") as f:
+                tail = f.read()[-2000:]
+            self.stop()
+            raise ConfigError(f"the prefork server did not start within {timeout_s:.0f} s; check that every entry "
+                              f"of preload={list(self.preload)} imports here. The end of its log:\n{tail}")
+        self.ready = True
+        return self
+
+    def environ(self) -> dict:
+        """Environment variables that make every ``ray.init`` in this process, and in the processes it
+        starts (an example run as a subprocess, say), fork its workers from this server."""
+        return {SOCKET_ENV: self.socket_path, "RAY_RUNTIME_ENV_HOOK": HOOK}
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        """Stop the server. Workers it forked keep running; new ones start the ordinary way."""
+        if self.alive():
+            self.process.terminate()
+            self.process.wait(timeout=10)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        shutil.rmtree(os.path.dirname(self.socket_path), ignore_errors=True)
+
+    def __enter__(self) -> "PreforkServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start(preload=DEFAULT_PRELOAD, wait: bool = False, timeout_s: float = 120.0) -> PreforkServer:
+    """Start a prefork server that loads ``preload``; with ``wait``, return once it accepts workers.
+
+    Without ``wait`` it returns at once, so its imports overlap the caller's ``ray.init``; call
+    :meth:`PreforkServer.wait_ready` before the first actor that should be forked.
+    """
+    if not available():
+        raise ConfigError(f"dcr_ray.prefork needs Linux (pidfd, SCM_RIGHTS); this is {sys.platform}: "
+                          "leave it off and workers start the ordinary way")
+    home = tempfile.mkdtemp(prefix="dcr-prefork-")
+    sock, log = os.path.join(home, "server.sock"), os.path.join(home, "server.log")
+    with open(log, "wb") as err:  # never the caller's stderr: a pipe reading it would wait on the server
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dcr_ray.prefork.server", sock, "--preload", ",".join(preload),
+             "--exit-with-parent"],
+            stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+    server = PreforkServer(sock, log, proc, tuple(preload))
+    return server.wait_ready(timeout_s) if wait else server

@@ -1,0 +1,231 @@
+"""A prefork server: imports what every dcr_ray worker needs once, then forks one child per Ray worker.
+
+Each Ray worker that runs torch and transformers spends about 3.4 CPU-seconds importing them before it can
+do anything (on this project's 2-core CI machine, about 1.7 s of wall time when two start at once). A
+topology starts one such process per engine and per trainer, and a re-created engine cannot heal until
+its imports are done. A child forked from this server starts with those modules already imported.
+
+Protocol (one Unix-socket connection per worker, opened by :mod:`dcr_ray.prefork.client`): the client
+sends a 4-byte big-endian length and a JSON object ``{"argv", "cwd", "env"}`` with its stdin, stdout and
+stderr attached as ``SCM_RIGHTS`` file descriptors; the server forks and replies with the child's pid as
+4 bytes. The child takes the client's streams, directory and environment (replacing the server's
+entirely), starts a new session, and runs ``argv[0]`` as ``__main__`` with ``argv`` as ``sys.argv``, as the
+interpreter would have. It keeps the connection and exits as soon as the client closes it.
+
+Fork safety: the server imports modules and runs no threads of its own, no Ray connection, no CUDA and no
+parallel region; each child reseeds Python's ``random`` (``os.register_at_fork``) and sets torch's
+thread count from its own ``OMP_NUM_THREADS``, which the OpenMP runtime otherwise read from the server's
+environment when it was loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import runpy
+import signal
+import socket
+import struct
+import sys
+import threading
+
+
+#: Environment variables that modules read when they are imported (torch, transformers and the hub,
+#: numba, the BLAS and OpenMP runtimes, dcr_ray's own switches): a worker whose values differ from the
+#: server's would inherit modules configured for another environment, so it starts the ordinary way.
+#: OMP_NUM_THREADS is not among them: each worker applies its own (``_size_torch_threads_from_own_environment``);
+#: nor is the server's own address, ``DCR_PREFORK_SOCKET``.
+PINNED_PREFIXES = ("DCR_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "NUMBA_", "MKL_", "KMP_",
+                   "OPENBLAS_", "GOMP_", "CUDA_", "NVIDIA_", "LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH",
+                   "PYTHONHOME", "PYTHONHASHSEED", "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONSAFEPATH",
+                   "PYTHONWARNINGS", "PYTHONOPTIMIZE")
+
+
+#: Set in each forked worker: the pid of the process Ray started for it (the client standing in for it).
+CLIENT_PID_ENV = "DCR_PREFORK_CLIENT_PID"
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
+def pinned(env: dict) -> dict:
+    return {k: v for k, v in env.items()
+            if k.startswith(PINNED_PREFIXES) and k != "OMP_NUM_THREADS" and not k.startswith("DCR_PREFORK_")}
+
+
+def differs(server_env: dict, worker_env: dict) -> list[str]:
+    """The pinned variables whose values differ between the server's environment and a worker's."""
+    a, b = pinned(server_env), pinned(worker_env)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = conn.recv(n - len(data))
+        if not part:
+            raise ConnectionError("the client closed the connection mid-request")
+        data += part
+    return data
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    head, fds, _flags, _addr = socket.recv_fds(conn, 4, 3)
+    head += _recv_exact(conn, 4 - len(head))
+    (length,) = struct.unpack("!I", head)
+    return json.loads(_recv_exact(conn, length)), list(fds)
+
+
+def _exit_when_closed(conn: socket.socket) -> None:
+    """The client (the process Ray started) is gone: so is this worker."""
+    try:
+        while conn.recv(1):
+            pass
+    except OSError:
+        pass
+    os._exit(1)
+
+
+def _size_torch_threads_from_own_environment() -> None:
+    """Torch's OpenMP runtime read OMP_NUM_THREADS when the server loaded it; a worker's count is its own.
+
+    Ray sets OMP_NUM_THREADS in a worker (from its CPUs) just before the first task runs, unless the
+    environment already has it; the worker applies the value it ends up with, whichever way it came.
+    """
+    if "torch" not in sys.modules:
+        return
+    torch = sys.modules["torch"]
+    import ray._private.utils as ray_utils  # loaded here, after the worker's environment is in place
+
+    ray_sets = ray_utils.set_omp_num_threads_if_unset
+
+    def set_then_apply() -> bool:
+        changed = ray_sets()
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if threads:
+            torch.set_num_threads(int(threads))
+        return changed
+
+    ray_utils.set_omp_num_threads_if_unset = set_then_apply
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+def _become_worker(listener: socket.socket, conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """In the child: take the client's place and run the worker. Never returns."""
+    code = 1
+    try:
+        listener.close()
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.environ[CLIENT_PID_ENV] = str(_peer_pid(conn))
+        _size_torch_threads_from_own_environment()
+        threading.Thread(target=_exit_when_closed, args=(conn,), daemon=True, name="dcr-prefork-client").start()
+        argv = request["argv"]
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the worker's own failure: print it where Ray keeps its stderr
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def preload_all(preload: list[str]) -> None:
+    """Import each ``module``, or import ``module`` and call its ``function()`` for ``module:function``."""
+    for entry in preload:
+        name, _, function = entry.partition(":")
+        module = importlib.import_module(name)
+        if function:
+            getattr(module, function)()
+    if "ray" in sys.modules:
+        # Ray's core library reads its environment (the worker's job id among it) when it is loaded, so a
+        # child would start with the server's: each worker loads Ray itself, after taking its environment.
+        raise SystemExit(f"preload {preload} imports ray; leave out every module that does")
+    if threading.active_count() > 1:
+        raise SystemExit(f"preload {preload} left Python threads running; a forked child would lack them")
+
+
+def _exit_with_parent() -> None:
+    """Ask Linux to send this process SIGTERM when the process that started it ends."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def serve(sock_path: str, preload: list[str]) -> None:
+    """Preload, then fork a worker for each connection until terminated."""
+    own_env = dict(os.environ)
+    preload_all(preload)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    listener.listen(64)
+    print("ready", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        try:
+            request, fds = _read_request(conn)
+        except (OSError, ValueError, ConnectionError):
+            conn.close()
+            continue
+        refused = differs(own_env, request["env"])
+        if refused:
+            print(f"refused a worker: its {', '.join(refused)} differ from this server's", file=sys.stderr,
+                  flush=True)
+            pid = -1
+        else:
+            pid = os.fork()
+            if pid == 0:
+                _become_worker(listener, conn, request, fds)
+        for fd in fds:
+            os.close(fd)
+        try:
+            conn.sendall(struct.pack("!i", pid))
+        except OSError:
+            pass  # the client left; the child sees its connection closed and exits
+        conn.close()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("socket", help="Unix socket path to listen on")
+    parser.add_argument("--preload", default=",".join(_default_preload()),
+                        help="comma-separated modules to import before forking (module:function also calls it)")
+    parser.add_argument("--exit-with-parent", action="store_true", help="stop when the starting process ends")
+    args = parser.parse_args(argv)
+    if args.exit_with_parent:
+        _exit_with_parent()
+    serve(args.socket, [m for m in args.preload.split(",") if m])
+
+
+def _default_preload() -> tuple[str, ...]:
+    from dcr_ray.prefork import DEFAULT_PRELOAD
+
+    return DEFAULT_PRELOAD
+
+
+if __name__ == "__main__":
+    main()

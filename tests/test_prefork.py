@@ -1,0 +1,109 @@
+"""dcr_ray.prefork: Ray workers forked from a server that imported torch and transformers once.
+
+Real Ray, a real server process and real forks. Each test starts its own server (not the suite's, which
+conftest starts for every test) so that what it checks is this server's doing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import ray
+
+import dcr_ray.prefork
+from dcr_ray.errors import ConfigError
+from dcr_ray.prefork.server import differs
+
+from raytools import init_local_ray, sweep_actors
+
+pytestmark = pytest.mark.skipif(not dcr_ray.prefork.available(), reason="dcr_ray.prefork needs Linux")
+
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def __init__(self):
+        self.preloaded = "transformers.models.qwen2.modeling_qwen2" in sys.modules  # before any import here
+
+    def facts(self) -> dict:
+        import torch
+
+        return {"pid": os.getpid(), "ppid": os.getppid(), "preloaded": self.preloaded,
+                "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+                "job": os.environ.get("RAY_JOB_ID"), "cwd": os.getcwd(),
+                "client": int(os.environ.get("DCR_PREFORK_CLIENT_PID", "0"))}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = dcr_ray.prefork.start(wait=True)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def ray_on(server):
+    """A fresh local Ray whose workers fork from ``server`` (the suite's hook steps aside for it)."""
+    init_local_ray()
+    yield server
+    sweep_actors()
+    ray.shutdown()
+
+
+def _runtime_env(server) -> dict:
+    return {"runtime_env": server.runtime_env()}
+
+
+def test_an_actor_forked_from_the_server_starts_with_its_modules_imported_and_its_own_thread_count(ray_on):
+    a = Probe.options(**_runtime_env(ray_on)).remote()
+    f = ray.get(a.facts.remote(), timeout=120)
+    assert f["preloaded"], f
+    assert f["ppid"] == ray_on.process.pid  # a child of the server, registered under its own pid
+    assert f["omp"] == "1" and f["threads"] == 1, f  # Ray's OMP_NUM_THREADS for a num_cpus=0 actor, applied
+    assert f["job"] == ray.get_runtime_context().get_job_id()
+    assert f["cwd"] == os.getcwd()
+
+
+def test_a_killed_forked_actor_is_restarted_by_ray_and_its_stand_in_process_ends(ray_on):
+    a = Probe.options(max_restarts=1, max_task_retries=-1, **_runtime_env(ray_on)).remote()
+    first = ray.get(a.facts.remote(), timeout=120)
+    os.kill(first["pid"], 9)
+    second = ray.get(a.facts.remote(), timeout=120)
+    assert second["pid"] != first["pid"] and second["preloaded"], (second, open(ray_on.log_path).read()[-1500:])
+    # the process Ray started for the first (the client standing in for it) ended with it
+    import psutil
+
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(first["client"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(first["client"])
+
+
+def test_a_forked_worker_whose_stand_in_process_dies_exits_too(ray_on):
+    a = Probe.options(**_runtime_env(ray_on)).remote()
+    f = ray.get(a.facts.remote(), timeout=120)
+    import psutil
+
+    os.kill(f["client"], 9)
+    psutil.Process(f["pid"]).wait(timeout=30)  # raises TimeoutExpired if the worker outlived its client
+
+
+def test_a_worker_whose_environment_differs_where_imports_read_it_starts_the_ordinary_way(ray_on):
+    a = Probe.options(runtime_env={**ray_on.runtime_env(), "env_vars": {"DCR_RAY_JIT": "0"}}).remote()
+    f = ray.get(a.facts.remote(), timeout=120)
+    assert not f["preloaded"] and f["ppid"] != ray_on.process.pid
+    assert differs({"DCR_RAY_JIT": "1", "OMP_NUM_THREADS": "4", "DCR_PREFORK_SOCKET": "a"},
+                   {"OMP_NUM_THREADS": "1", "DCR_PREFORK_SOCKET": "b"}) == ["DCR_RAY_JIT"]
+
+
+def test_with_the_server_gone_workers_start_the_ordinary_way(ray_on):
+    gone = dcr_ray.prefork.runtime_env_for(os.path.join(os.path.dirname(ray_on.socket_path), "none.sock"))
+    f = ray.get(Probe.options(runtime_env=gone).remote().facts.remote(), timeout=120)
+    assert not f["preloaded"] and f["ppid"] != ray_on.process.pid
+
+
+def test_a_preload_that_imports_ray_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="imports ray; leave out every module that does"):
+        dcr_ray.prefork.start(preload=("ray",), wait=True)
