@@ -30,15 +30,26 @@ else:
 # Ray workers in tests are forked from one prefork server (dcr_ray.prefork) that imported torch,
 # transformers and the codec kernels once: each engine or trainer a test starts skips about 3.4 CPU-s of
 # imports. It reaches every ray.init of the run, examples run as subprocesses included, through Ray's
-# runtime-env hook. DCR_TEST_PREFORK=0 runs every worker the ordinary way.
-def pytest_configure(config):
+# runtime-env hook. It starts once collection is done: importing the test modules imports vLLM and veRL,
+# which set environment variables (TORCH_CUDA_ARCH_LIST, LD_LIBRARY_PATH, ...) that every later Ray
+# worker inherits, and the server refuses workers whose environment differs from its own there. The
+# summary says how many workers were forked and how many refused. DCR_TEST_PREFORK=0 turns it off.
+def pytest_collection_finish(session):
     import dcr_ray.prefork
 
     if os.environ.get("DCR_TEST_PREFORK", "1") == "0" or not dcr_ray.prefork.available():
         return
-    server = dcr_ray.prefork.start()  # its imports run while pytest collects
+    server = dcr_ray.prefork.start()  # its imports run beside the first tests
     os.environ.update(server.environ())
-    config._dcr_prefork = server
+    session.config._dcr_prefork = server
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    server = getattr(config, "_dcr_prefork", None)
+    if server is not None:
+        c = server.counts()
+        terminalreporter.write_line(f"dcr_ray.prefork: {c['forked']} Ray workers forked pre-imported, "
+                                    f"{c['refused']} refused (started the ordinary way)")
 
 
 # The suite's process leaves with pytest's own status once every plugin has finished (summary printed,

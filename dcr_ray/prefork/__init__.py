@@ -112,6 +112,16 @@ class PreforkServer:
         starts (an example run as a subprocess, say), fork its workers from this server."""
         return {SOCKET_ENV: self.socket_path, "RAY_RUNTIME_ENV_HOOK": HOOK}
 
+    def counts(self) -> dict:
+        """``{"forked": workers forked so far, "refused": workers sent to start the ordinary way}``."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            lines = []
+        return {"forked": sum(x.startswith("forked worker") for x in lines),
+                "refused": sum(x.startswith("refused a worker") for x in lines)}
+
     def alive(self) -> bool:
         return self.process.poll() is None
 

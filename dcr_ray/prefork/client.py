@@ -38,7 +38,9 @@ def main() -> int:
     except OSError:
         ordinary(argv)  # no server here
     request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
-    socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [0, 1, 2])
+    message = struct.pack("!I", len(request)) + request
+    sent = socket.send_fds(conn, [message], [0, 1, 2])  # the streams travel with the first bytes
+    conn.sendall(message[sent:])
     reply = b""
     while len(reply) < 4:
         part = conn.recv(4 - len(reply))

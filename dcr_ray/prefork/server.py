@@ -13,9 +13,9 @@ entirely), starts a new session, and runs ``argv[0]`` as ``__main__`` with ``arg
 interpreter would have. It keeps the connection and exits as soon as the client closes it.
 
 Fork safety: the server imports modules and runs no threads of its own, no Ray connection, no CUDA and no
-parallel region; each child reseeds Python's ``random`` (``os.register_at_fork``) and sets torch's
-thread count from its own ``OMP_NUM_THREADS``, which the OpenMP runtime otherwise read from the server's
-environment when it was loaded.
+parallel region; each child reseeds Python's ``random`` (``os.register_at_fork``). The OpenMP runtime
+read ``OMP_NUM_THREADS`` when the server loaded it (1 unless the server was started with another value),
+so a worker that sets another value itself is refused and starts the ordinary way.
 """
 
 from __future__ import annotations
@@ -58,9 +58,13 @@ def pinned(env: dict) -> dict:
 
 
 def differs(server_env: dict, worker_env: dict) -> list[str]:
-    """The pinned variables whose values differ between the server's environment and a worker's."""
+    """The pinned variables whose values differ between the server's environment and a worker's, and
+    OMP_NUM_THREADS where the worker sets it at start to another value than the server loaded OpenMP with."""
     a, b = pinned(server_env), pinned(worker_env)
-    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    out = [k for k in a.keys() | b.keys() if a.get(k) != b.get(k)]
+    if "OMP_NUM_THREADS" in worker_env and worker_env["OMP_NUM_THREADS"] != server_env.get("OMP_NUM_THREADS"):
+        out.append("OMP_NUM_THREADS")
+    return sorted(out)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -90,33 +94,31 @@ def _exit_when_closed(conn: socket.socket) -> None:
     os._exit(1)
 
 
-def _size_torch_threads_from_own_environment() -> None:
-    """Torch's OpenMP runtime read OMP_NUM_THREADS when the server loaded it; a worker's count is its own.
-
-    Ray sets OMP_NUM_THREADS in a worker (from its CPUs) just before the first task runs, unless the
-    environment already has it; the worker applies the value it ends up with, whichever way it came.
-    """
-    if "torch" not in sys.modules:
-        return
-    torch = sys.modules["torch"]
+def _report_a_thread_count_ray_changes(loaded: str) -> None:
+    """OpenMP read OMP_NUM_THREADS once, when the server loaded it (``loaded``), and sizes every thread's
+    parallel regions from that. Ray sets a worker's OMP_NUM_THREADS from its CPUs just before the first
+    task, unless the worker's environment has it: 1 for an actor with at most one CPU (dcr_ray's actors
+    among them), which is the server's default. A worker that ends up with another value keeps the
+    server's on every thread (a per-thread ``torch.set_num_threads`` would leave threads disagreeing,
+    which vLLM's CPU attention refuses) and says so in its log."""
     import ray._private.utils as ray_utils  # loaded here, after the worker's environment is in place
 
     ray_sets = ray_utils.set_omp_num_threads_if_unset
 
-    def set_then_apply() -> bool:
+    def set_then_check() -> bool:
         changed = ray_sets()
-        threads = os.environ.get("OMP_NUM_THREADS")
-        if threads:
-            torch.set_num_threads(int(threads))
+        now = os.environ.get("OMP_NUM_THREADS")
+        if now != loaded:
+            print(f"dcr_ray.prefork: this worker was forked with OpenMP sized for OMP_NUM_THREADS={loaded}, "
+                  f"and Ray asks for {now}; it runs with {loaded}. Set OMP_NUM_THREADS in the actor's "
+                  "runtime_env env_vars to start it the ordinary way", file=sys.stderr, flush=True)
         return changed
 
-    ray_utils.set_omp_num_threads_if_unset = set_then_apply
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
+    ray_utils.set_omp_num_threads_if_unset = set_then_check
 
 
-def _become_worker(listener: socket.socket, conn: socket.socket, request: dict, fds: list[int]) -> None:
+def _become_worker(listener: socket.socket, conn: socket.socket, request: dict, fds: list[int],
+                   loaded_threads: str) -> None:
     """In the child: take the client's place and run the worker. Never returns."""
     code = 1
     try:
@@ -131,7 +133,7 @@ def _become_worker(listener: socket.socket, conn: socket.socket, request: dict, 
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ[CLIENT_PID_ENV] = str(_peer_pid(conn))
-        _size_torch_threads_from_own_environment()
+        _report_a_thread_count_ray_changes(loaded_threads)
         threading.Thread(target=_exit_when_closed, args=(conn,), daemon=True, name="dcr-prefork-client").start()
         argv = request["argv"]
         sys.argv = list(argv)
@@ -186,11 +188,13 @@ def serve(sock_path: str, preload: list[str]) -> None:
     print("ready", flush=True)
     while True:
         conn, _ = listener.accept()
+        conn.settimeout(30.0)  # a client that connects and never sends does not hold the others up
         try:
             request, fds = _read_request(conn)
         except (OSError, ValueError, ConnectionError):
             conn.close()
             continue
+        conn.settimeout(None)  # the child keeps the connection: blocking, as its client is
         refused = differs(own_env, request["env"])
         if refused:
             print(f"refused a worker: its {', '.join(refused)} differ from this server's", file=sys.stderr,
@@ -198,8 +202,10 @@ def serve(sock_path: str, preload: list[str]) -> None:
             pid = -1
         else:
             pid = os.fork()
+            if pid > 0:
+                print(f"forked worker {pid}", file=sys.stderr, flush=True)
             if pid == 0:
-                _become_worker(listener, conn, request, fds)
+                _become_worker(listener, conn, request, fds, own_env.get("OMP_NUM_THREADS", ""))
         for fd in fds:
             os.close(fd)
         try:
@@ -216,6 +222,9 @@ def main(argv=None) -> None:
                         help="comma-separated modules to import before forking (module:function also calls it)")
     parser.add_argument("--exit-with-parent", action="store_true", help="stop when the starting process ends")
     args = parser.parse_args(argv)
+    # Before anything loads OpenMP: Ray's value for an actor with at most one CPU (see
+    # _report_a_thread_count_ray_changes); a value set by whoever starts the server is kept.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.exit_with_parent:
         _exit_with_parent()
     serve(args.socket, [m for m in args.preload.split(",") if m])
