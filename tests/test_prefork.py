@@ -19,7 +19,7 @@ from dcr_ray.prefork.server import differs
 
 from raytools import init_local_ray, sweep_actors
 
-pytestmark = pytest.mark.skipif(not dcr_ray.prefork.available(), reason="dcr_ray.prefork needs Linux")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dcr_ray.prefork.available(), reason="dcr_ray.prefork needs Linux")]
 
 
 @ray.remote(num_cpus=0)

@@ -123,6 +123,7 @@ class PreforkServer:
                 "refused": sum(x.startswith("refused a worker") for x in lines)}
 
     def alive(self) -> bool:
+        """Whether the server process is still running."""
         return self.process.poll() is None
 
     def stop(self) -> None:
