@@ -15,7 +15,7 @@ import ray
 
 import dcr_ray.prefork
 from dcr_ray.errors import ConfigError
-from dcr_ray.prefork.server import differs
+from dcr_ray.prefork.server import CLIENT_PID_ENV, differs
 
 from raytools import init_local_ray, sweep_actors
 
@@ -33,7 +33,7 @@ class Probe:
         return {"pid": os.getpid(), "ppid": os.getppid(), "preloaded": self.preloaded,
                 "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
                 "job": os.environ.get("RAY_JOB_ID"), "cwd": os.getcwd(),
-                "client": int(os.environ.get("DCR_PREFORK_CLIENT_PID", "0"))}
+                "client": int(os.environ.get(CLIENT_PID_ENV, "0"))}
 
 
 @pytest.fixture(scope="module")
