@@ -10,6 +10,8 @@ in ``test_vllm_failures.py``.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -70,6 +72,30 @@ def test_the_plugin_gives_vllms_workers_a_status_method_that_echoes_the_nonce_an
     assert (st["nonce"], st["rank"], st["session"], st["op"], st["ok"]) == ("n-7", 1, True, "update", False)
     bare = dcr_transfer_status(SimpleNamespace(rank=0), "n-8")
     assert bare["ok"] is False and "no dcr weight-transfer engine" in bare["error"] and bare["nonce"] == "n-8"
+
+
+_AMX_PERMISSION = """
+import ctypes
+from vllm.plugins import load_general_plugins
+def amx_permitted():
+    mask = ctypes.c_ulong(0)  # arch_prctl(ARCH_GET_XCOMP_PERM): bit 18 is AMX tile data (XTILEDATA)
+    ctypes.CDLL(None, use_errno=True).syscall(158, 0x1022, ctypes.byref(mask))
+    return bool(mask.value >> 18 & 1)
+before = amx_permitted()
+load_general_plugins()
+print(before, amx_permitted())
+"""
+
+
+@pytest.mark.skipif(" amx_tile" not in open("/proc/cpuinfo").read() if sys.platform == "linux" else True,
+                    reason="a CPU without AMX (or not Linux): there is no permission to ask for")
+def test_a_fresh_process_that_loads_vllms_plugins_holds_amx_permission_before_any_kernel_runs():
+    """What vLLM's spawned engine core does first. Without the permission, an AMX kernel that does not ask
+    for it (vLLM's CPU attention picks AMX from the CPU's flags alone) kills the process with SIGILL: the
+    OpenRLHF recipe's engine core died so in 5 of 12 runs here before the plugin asked."""
+    out = subprocess.run([sys.executable, "-c", _AMX_PERMISSION], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["False", "True"]
 
 
 class _Gather:

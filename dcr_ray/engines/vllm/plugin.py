@@ -10,6 +10,14 @@ carry) as the ``frames_b64`` strings the backend reads. A trainer process that n
 engine gets all three by importing :mod:`dcr_ray.integrations.vllm.trainer` (or by calling
 ``vllm.plugins.load_general_plugins()``).
 
+It also initialises torch's AMX support in each of those processes
+(:func:`~dcr_ray.engines.vllm.compat.init_amx`). A Ray actor that hosts an ``AsyncLLM`` (OpenRLHF's rollout
+actor, for one) has vLLM *spawn* its engine core, a fresh process that the actor's own set-up hook never
+ran in. Without AMX permission, an AMX kernel that does not ask for it (vLLM's CPU attention picks AMX
+from the CPU's flags alone) kills the engine core with SIGILL, and the actor sees only
+``EngineDeadError``. oneDNN asks for the permission itself when it first uses AMX, so whether the death
+happens depends on which runs first: it was intermittent (5 of 12 runs of the OpenRLHF recipe here).
+
 vLLM loads general plugins only when ``VLLM_PLUGINS`` is unset or names them (``VLLM_PLUGINS=dcr``).
 """
 
@@ -24,9 +32,13 @@ BACKEND_NAME = "dcr"
 
 def register() -> None:
     """Register :class:`~dcr_ray.engines.vllm.transfer.DcrWeightTransferEngine` and its trainer twin as
-    backend ``dcr``, let vLLM's HTTP client send frames, and add ``dcr_transfer_status`` to vLLM's worker
-    base class (all idempotent)."""
+    backend ``dcr``, let vLLM's HTTP client send frames, add ``dcr_transfer_status`` to vLLM's worker
+    base class, and initialise torch's AMX support in this process (all idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from dcr_ray.engines.vllm.compat import init_amx
+
+    init_amx()  # asks for nothing CUDA-related, so a process that forks later is unaffected
 
     try:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, "dcr_ray.engines.vllm.transfer",
