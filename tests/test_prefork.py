@@ -7,6 +7,7 @@ conftest starts for every test) so that what it checks is this server's doing.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 
@@ -97,6 +98,16 @@ def test_a_worker_whose_environment_differs_where_imports_read_it_starts_the_ord
     server_env = {"DCR_RAY_JIT": "1", "OMP_NUM_THREADS": "1", "DCR_PREFORK_SOCKET": "a"}
     assert differs(server_env, {"DCR_PREFORK_SOCKET": "b"}) == ["DCR_RAY_JIT"]  # OMP_NUM_THREADS: Ray sets it later
     assert differs(server_env, {"DCR_RAY_JIT": "1", "OMP_NUM_THREADS": "4"}) == ["OMP_NUM_THREADS"]
+
+
+def test_thirty_refused_workers_at_once_all_start_the_ordinary_way(server):
+    """The server answers a refusal and closes at once. A client that then made one more (empty) send got
+    EPIPE and died before its worker registered, and Ray waited 60 s for it (6 of 20 such clients here)."""
+    env = {**os.environ, "DCR_TEST_REFUSED": "1"}
+    clients = [subprocess.Popen([sys.executable, "-I", "-S", dcr_ray.prefork.CLIENT, server.socket_path, "-c", "pass"],
+                                env=env, stderr=subprocess.PIPE, text=True) for _ in range(30)]
+    failed = [err[-500:] for err in (c.communicate(timeout=120)[1] for c in clients) if err]
+    assert failed == [] and [c.returncode for c in clients] == [0] * 30
 
 
 def test_with_the_server_gone_workers_start_the_ordinary_way(ray_on):

@@ -40,7 +40,8 @@ def main() -> int:
     request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
     message = struct.pack("!I", len(request)) + request
     sent = socket.send_fds(conn, [message], [0, 1, 2])  # the streams travel with the first bytes
-    conn.sendall(message[sent:])
+    if sent < len(message):  # never an empty send: a server that refused has already closed (EPIPE)
+        conn.sendall(message[sent:])
     reply = b""
     while len(reply) < 4:
         part = conn.recv(4 - len(reply))

@@ -84,17 +84,18 @@ def _vars_or_none(obj):
 def prepare_cpu_process() -> None:
     """Make a fresh process ready to host a CPU vLLM engine (AMX init, llvmlite shim).
 
-    A Ray ``worker_process_setup_hook``: see :data:`VLLM_CPU_RUNTIME_ENV`.
+    dcr_ray's vLLM plugin runs it in every vLLM process (:mod:`~dcr_ray.engines.vllm.plugin`); a job can
+    also name it as its ``worker_process_setup_hook`` (Ray runs that hook for a job's ``runtime_env`` only).
     """
     init_amx()
     make_llvmlite_safe_for_vllm()
 
 
 #: Ray ``runtime_env`` for an actor that runs vLLM on CPU in-process (e.g. ``ray.remote(vllm.LLM)``): the
-#: environment :func:`cpu_environment` sets, plus :func:`prepare_cpu_process` before the actor starts.
+#: environment :func:`cpu_environment` sets. :func:`prepare_cpu_process` runs through dcr_ray's vLLM plugin
+#: (Ray would ignore a ``worker_process_setup_hook`` here: it runs one for a job's ``runtime_env`` only).
 VLLM_CPU_RUNTIME_ENV = {
     "env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    "worker_process_setup_hook": "dcr_ray.engines.vllm.compat.prepare_cpu_process",
 }
 
 

@@ -10,8 +10,10 @@ carry) as the ``frames_b64`` strings the backend reads. A trainer process that n
 engine gets all three by importing :mod:`dcr_ray.integrations.vllm.trainer` (or by calling
 ``vllm.plugins.load_general_plugins()``).
 
-It also initialises torch's AMX support in each of those processes
-(:func:`~dcr_ray.engines.vllm.compat.init_amx`). A Ray actor that hosts an ``AsyncLLM`` (OpenRLHF's rollout
+It also runs :func:`~dcr_ray.engines.vllm.compat.prepare_cpu_process` in each of those processes: the
+llvmlite shim (a Ray worker forked by :mod:`dcr_ray.prefork` has numba loaded before vLLM starts) and
+torch's AMX initialisation. Ray runs a ``worker_process_setup_hook`` given in a job's ``runtime_env`` only,
+never one given to a single actor, so a plugin is the one place that reaches every vLLM process. A Ray actor that hosts an ``AsyncLLM`` (OpenRLHF's rollout
 actor, for one) has vLLM *spawn* its engine core, a fresh process that the actor's own set-up hook never
 ran in. Without AMX permission, an AMX kernel that does not ask for it (vLLM's CPU attention picks AMX
 from the CPU's flags alone) kills the engine core with SIGILL, and the actor sees only
@@ -33,12 +35,13 @@ BACKEND_NAME = "dcr"
 def register() -> None:
     """Register :class:`~dcr_ray.engines.vllm.transfer.DcrWeightTransferEngine` and its trainer twin as
     backend ``dcr``, let vLLM's HTTP client send frames, add ``dcr_transfer_status`` to vLLM's worker
-    base class, and initialise torch's AMX support in this process (all idempotent)."""
+    base class, and make this process ready for a CPU engine (:func:`~dcr_ray.engines.vllm.compat.prepare_cpu_process`;
+    all idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from dcr_ray.engines.vllm.compat import init_amx
+    from dcr_ray.engines.vllm.compat import prepare_cpu_process
 
-    init_amx()  # asks for nothing CUDA-related, so a process that forks later is unaffected
+    prepare_cpu_process()  # AMX and the llvmlite shim; nothing CUDA-related, so a later fork is unaffected
 
     try:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, "dcr_ray.engines.vllm.transfer",
