@@ -27,20 +27,23 @@ else:
     settings.load_profile("dcr")
 
 
-# DCR_TEST_PREFORK=1: Ray workers in tests are forked from one prefork server (dcr_ray.prefork) that
-# imported torch, transformers and the codec kernels once, so each engine or trainer a test starts skips
-# about 3.4 CPU-s of imports. It reaches every ray.init of the run, examples run as subprocesses
-# included, through Ray's runtime-env hook. It starts once collection is done: importing the test modules
-# imports vLLM and veRL, which set environment variables (TORCH_CUDA_ARCH_LIST, LD_LIBRARY_PATH, ...) that
-# every later Ray worker inherits, and the server refuses workers whose environment differs from its own
-# there. The summary says how many workers were forked and how many refused. Off by default: in a full
-# run with it on, one benchmark test's Ray sessions stalled for minutes, which is not yet understood
-# (BENCHMARKS.md, "The test suite's wall time"); tests/test_prefork.py and the quickstart's test use it.
+# Ray workers in tests are forked from one prefork server (dcr_ray.prefork) that imported torch,
+# transformers and the codec kernels once, so each engine or trainer a test starts skips about 3.4 CPU-s of
+# imports (DCR_TEST_PREFORK=0 starts every worker the ordinary way). It reaches every ray.init of the run,
+# examples run as subprocesses included, through Ray's runtime-env hook. It starts once collection is done:
+# importing the test modules imports vLLM and veRL, which set environment variables (TORCH_CUDA_ARCH_LIST,
+# LD_LIBRARY_PATH, ...) that every later Ray worker inherits, and the server refuses workers whose
+# environment differs from its own there. The summary says how many workers were forked and how many refused.
 def pytest_collection_finish(session):
     import dcr_ray.prefork
 
-    if os.environ.get("DCR_TEST_PREFORK", "0") != "1" or not dcr_ray.prefork.available():
+    if os.environ.get("DCR_TEST_PREFORK", "1") != "1" or not dcr_ray.prefork.available():
         return
+    from dcr_ray.cli import find_benchmarks
+
+    # The benchmark tests put the checkout on PYTHONPATH (dcr_ray.cli.find_benchmarks, for their Ray
+    # workers); done here first, the server starts with it and their workers are forked, not refused.
+    find_benchmarks()
     server = dcr_ray.prefork.start()  # its imports run beside the first tests
     os.environ.update(server.environ())
     session.config._dcr_prefork = server
