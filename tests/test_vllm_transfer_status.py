@@ -10,6 +10,7 @@ in ``test_vllm_failures.py``.
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 import threading
@@ -87,8 +88,14 @@ print(before, amx_permitted())
 """
 
 
-@pytest.mark.skipif(" amx_tile" not in open("/proc/cpuinfo").read() if sys.platform == "linux" else True,
-                    reason="a CPU without AMX (or not Linux): there is no permission to ask for")
+def _cpu_has_amx() -> bool:
+    if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+        return False
+    with open("/proc/cpuinfo") as f:
+        return " amx_tile" in f.read()
+
+
+@pytest.mark.skipif(not _cpu_has_amx(), reason="not an x86-64 Linux CPU with AMX: there is no permission to ask for")
 def test_a_fresh_process_that_loads_vllms_plugins_holds_amx_permission_before_any_kernel_runs():
     """What vLLM's spawned engine core does first. Without the permission, an AMX kernel that does not ask
     for it (vLLM's CPU attention picks AMX from the CPU's flags alone) kills the process with SIGILL: the

@@ -13,12 +13,12 @@ engine gets all three by importing :mod:`dcr_ray.integrations.vllm.trainer` (or 
 It also runs :func:`~dcr_ray.engines.vllm.compat.prepare_cpu_process` in each of those processes: the
 llvmlite shim (a Ray worker forked by :mod:`dcr_ray.prefork` has numba loaded before vLLM starts) and
 torch's AMX initialisation. Ray runs a ``worker_process_setup_hook`` given in a job's ``runtime_env`` only,
-never one given to a single actor, so a plugin is the one place that reaches every vLLM process. A Ray actor that hosts an ``AsyncLLM`` (OpenRLHF's rollout
-actor, for one) has vLLM *spawn* its engine core, a fresh process that the actor's own set-up hook never
-ran in. Without AMX permission, an AMX kernel that does not ask for it (vLLM's CPU attention picks AMX
-from the CPU's flags alone) kills the engine core with SIGILL, and the actor sees only
-``EngineDeadError``. oneDNN asks for the permission itself when it first uses AMX, so whether the death
-happens depends on which runs first: it was intermittent (5 of 12 runs of the OpenRLHF recipe here).
+never one given to a single actor, and an ``AsyncLLM`` in a Ray actor (OpenRLHF's rollout actor, for one)
+has vLLM *spawn* its engine core as a fresh process: a plugin is the one place that reaches them all.
+Without AMX permission, an AMX kernel that does not ask for it (vLLM's CPU attention picks AMX from the
+CPU's flags alone) kills the process with SIGILL, and the actor sees only ``EngineDeadError``. oneDNN asks
+for the permission itself when it first uses AMX, so the death depended on which ran first: 5 of 12 runs
+of the OpenRLHF recipe here.
 
 vLLM loads general plugins only when ``VLLM_PLUGINS`` is unset or names them (``VLLM_PLUGINS=dcr``).
 """
