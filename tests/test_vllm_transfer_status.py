@@ -99,7 +99,7 @@ def _cpu_has_amx() -> bool:
 def test_a_fresh_process_that_loads_vllms_plugins_holds_amx_permission_before_any_kernel_runs():
     """What vLLM's spawned engine core does first. Without the permission, an AMX kernel that does not ask
     for it (vLLM's CPU attention picks AMX from the CPU's flags alone) kills the process with SIGILL: the
-    OpenRLHF recipe's engine core died so in 5 of 12 runs here before the plugin asked."""
+    OpenRLHF recipe's engine core died so in 5 of 13 runs here before the plugin asked."""
     out = subprocess.run([sys.executable, "-c", _AMX_PERMISSION], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["False", "True"]

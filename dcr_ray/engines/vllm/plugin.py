@@ -17,7 +17,7 @@ never one given to a single actor, and an ``AsyncLLM`` in a Ray actor (OpenRLHF'
 has vLLM *spawn* its engine core as a fresh process: a plugin is the one place that reaches them all.
 Without AMX permission, an AMX kernel that does not ask for it (vLLM's CPU attention picks AMX from the
 CPU's flags alone) kills the process with SIGILL, and the actor sees only ``EngineDeadError``. oneDNN asks
-for the permission itself when it first uses AMX, so the death depended on which ran first: 5 of 12 runs
+for the permission itself when it first uses AMX, so the death depended on which ran first: 5 of 13 runs
 of the OpenRLHF recipe here.
 
 vLLM loads general plugins only when ``VLLM_PLUGINS`` is unset or names them (``VLLM_PLUGINS=dcr``).
