@@ -15,6 +15,8 @@ llvmlite shim (a Ray worker forked by :mod:`dcr_ray.prefork` has numba loaded be
 torch's AMX initialisation. Ray runs a ``worker_process_setup_hook`` given in a job's ``runtime_env`` only,
 never one given to a single actor, and an ``AsyncLLM`` in a Ray actor (OpenRLHF's rollout actor, for one)
 has vLLM *spawn* its engine core as a fresh process: a plugin is the one place that reaches them all.
+vLLM runs plugins once per process, so :func:`~dcr_ray.engines.vllm.compat.start_llm` still applies the
+llvmlite shim before each engine it starts (numba may have loaded since).
 Without AMX permission, an AMX kernel that does not ask for it (vLLM's CPU attention picks AMX from the
 CPU's flags alone) kills the process with SIGILL, and the actor sees only ``EngineDeadError``. oneDNN asks
 for the permission itself when it first uses AMX, so the death depended on which ran first: 5 of 13 runs

