@@ -41,6 +41,9 @@ from dcr_ray.errors import ConfigError
 DEFAULT_PRELOAD = ("torch", "transformers.models.qwen2.modeling_qwen2", "dcr_ray.codec.kernels:warm_up_here")
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client.py")
 
+#: How the server's log begins its line for each worker it forked and each it refused (:meth:`PreforkServer.counts`).
+FORKED_LINE, REFUSED_LINE = "forked worker", "refused a worker"
+
 
 def available() -> bool:
     """Whether this platform can fork workers (Linux: ``pidfd`` and ``SCM_RIGHTS``)."""
@@ -119,8 +122,8 @@ class PreforkServer:
                 lines = f.read().splitlines()
         except FileNotFoundError:
             lines = []
-        return {"forked": sum(x.startswith("forked worker") for x in lines),
-                "refused": sum(x.startswith("refused a worker") for x in lines)}
+        return {"forked": sum(x.startswith(FORKED_LINE) for x in lines),
+                "refused": sum(x.startswith(REFUSED_LINE) for x in lines)}
 
     def alive(self) -> bool:
         """Whether the server process is still running."""

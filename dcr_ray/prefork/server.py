@@ -31,6 +31,8 @@ import struct
 import sys
 import threading
 
+from dcr_ray.prefork import DEFAULT_PRELOAD, FORKED_LINE, REFUSED_LINE
+
 
 #: Environment variables that modules read when they are imported (torch, transformers and the hub,
 #: numba, the BLAS and OpenMP runtimes, dcr_ray's own switches): a worker whose values differ from the
@@ -197,13 +199,13 @@ def serve(sock_path: str, preload: list[str]) -> None:
         conn.settimeout(None)  # the child keeps the connection: blocking, as its client is
         refused = differs(own_env, request["env"])
         if refused:
-            print(f"refused a worker: its {', '.join(refused)} differ from this server's", file=sys.stderr,
+            print(f"{REFUSED_LINE}: its {', '.join(refused)} differ from this server's", file=sys.stderr,
                   flush=True)
             pid = -1
         else:
             pid = os.fork()
             if pid > 0:
-                print(f"forked worker {pid}", file=sys.stderr, flush=True)
+                print(f"{FORKED_LINE} {pid}", file=sys.stderr, flush=True)
             if pid == 0:
                 _become_worker(listener, conn, request, fds, own_env.get("OMP_NUM_THREADS", ""))
         for fd in fds:
@@ -218,7 +220,7 @@ def serve(sock_path: str, preload: list[str]) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("socket", help="Unix socket path to listen on")
-    parser.add_argument("--preload", default=",".join(_default_preload()),
+    parser.add_argument("--preload", default=",".join(DEFAULT_PRELOAD),
                         help="comma-separated modules to import before forking (module:function also calls it)")
     parser.add_argument("--exit-with-parent", action="store_true", help="stop when the starting process ends")
     args = parser.parse_args(argv)
@@ -228,12 +230,6 @@ def main(argv=None) -> None:
     if args.exit_with_parent:
         _exit_with_parent()
     serve(args.socket, [m for m in args.preload.split(",") if m])
-
-
-def _default_preload() -> tuple[str, ...]:
-    from dcr_ray.prefork import DEFAULT_PRELOAD
-
-    return DEFAULT_PRELOAD
 
 
 if __name__ == "__main__":
