@@ -46,9 +46,10 @@ from collections import Counter
 FAULT_KINDS = ("kill_engine", "kill_relay", "kill_coordinator", "kill_owner", "flip_bytes", "wrong_key",
                "truncate", "stale_replay", "drop", "duplicate", "reorder", "delay", "stall_engine")
 PAYLOAD_KINDS = ("drop", "duplicate", "reorder", "delay")
-#: Stage timeout of the chaos topology, and how long a stalled engine hangs (past it).
+#: Stage timeout of the chaos topology (``run_chaos(stage_timeout_s=...)``), and how much longer than it a
+#: stalled engine hangs.
 STAGE_TIMEOUT_S = 10.0
-STALL_S = STAGE_TIMEOUT_S + 4
+STALL_PAST_TIMEOUT_S = 4.0
 #: Probability of a refit without a fault, after every kind ran once.
 QUIET_P = 0.3
 #: The frame key of the chaos topology (hostile frames sign with another one).
@@ -112,8 +113,9 @@ def _hostile_frame(kind: str, name: str, shape: tuple, base: int) -> bytes:
     return frame  # wrong_key, stale_replay (a validly signed frame of another transfer)
 
 
-def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
-    """Run the chaos suite (see the module docstring); returns the results dict."""
+def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float = STAGE_TIMEOUT_S) -> dict:
+    """Run the chaos suite (see the module docstring); returns the results dict. ``stage_timeout_s`` is
+    what a stalled engine or a dropped payload costs a refit (a short run may take less than the soak's)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -149,12 +151,13 @@ def run_chaos(refits: int, seed: int, *, progress=None) -> dict:
     work = tempfile.mkdtemp(prefix="dcr_chaos_")
     config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(key=KEY, bucket_bytes=1 << 17, chunk_elems=1 << 13),
                                  commit=dcr_ray.CommitConfig(dir=os.path.join(work, "commit"),
-                                                             timeout_s=STAGE_TIMEOUT_S),
+                                                             timeout_s=stage_timeout_s),
                                  actor_options={"coordinator": {"resources": {"train": 0.01}}})
     # signal files armed per refit: all "nodes" of this cluster share this machine's file system
     payload_signal, stall_signal = os.path.join(work, "payload_fault"), os.path.join(work, "stall")
     refit = dcr_ray.launch(owners=owners, clusters=clusters, config=config,
-                           engine=StallOnSignal(dcr_ray.HFEngine(spec), stall_signal, STALL_S),
+                           engine=StallOnSignal(dcr_ray.HFEngine(spec), stall_signal,
+                                                stage_timeout_s + STALL_PAST_TIMEOUT_S),
                            transport=payload_faults.PayloadFaults(config, payload_signal))
     configured = sum(c.engines for c in clusters)
     rng = random.Random(seed + 1)

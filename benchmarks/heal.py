@@ -94,9 +94,9 @@ def run(quick: bool = False, progress=None) -> dict:
     config = dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(dir=os.path.join(work, "commit"),
                                                              timeout_s=STAGE_TIMEOUT_S),
                                  actor_options={"coordinator": {"resources": {"train": 0.01}}})
-    lag_stall_s = STAGE_TIMEOUT_S + (6.0 if quick else 30.0)  # hung through the eviction and two refits
+    release = os.path.join(work, "release")  # the lagging engine hangs through the eviction and two refits
     refit = dcr_ray.launch(owners=[trainer], clusters=clusters, config=config,
-                           engine=StallOnSignal(dcr_ray.HFEngine(spec), stall, lag_stall_s))
+                           engine=StallOnSignal(dcr_ray.HFEngine(spec), stall, CASE_LIMIT_S, release=release))
     steps = [0]
 
     def one() -> object:
@@ -122,7 +122,7 @@ def run(quick: bool = False, progress=None) -> dict:
         def hang():
             with open(stall, "w") as f:
                 f.write("a/e1")
-        cases["lagging_3_versions"] = _case(refit, one, base, "a", hang, lag_until=time.monotonic() + lag_stall_s)
+        cases["lagging_3_versions"] = _case(refit, one, base, "a", hang, release=release)
         say(f"lagging_3_versions: {cases['lagging_3_versions']}")
 
         def lose_b():
@@ -144,11 +144,14 @@ def _head_bytes(refit, cluster: str) -> dict[str, int]:
     return {}
 
 
-def _case(refit, one, base: float, cluster: str, fault, expect: int = 1, lag_until: float | None = None) -> dict:
+def _case(refit, one, base: float, cluster: str, fault, expect: int = 1, release: str | None = None) -> dict:
     """Inject ``fault``, refit back to back until ``expect`` engines healed (and at least two refits ran
-    after the fault), and measure (see the module doc)."""
+    after the fault), and measure (see the module doc). With ``release``, the fault is a hung engine that
+    answers again once three versions were committed without it."""
     import ray
     import torch
+
+    from dcr_ray.testing.faults import release_stall
 
     before = _head_bytes(refit, cluster)
     healed_before = {(h["engine"], h["at"]) for h in refit.status()["healed"]}
@@ -156,11 +159,11 @@ def _case(refit, one, base: float, cluster: str, fault, expect: int = 1, lag_unt
     fault()
     first = one()  # meets the fault: drops the dead engines, or evicts the hung one at the stage timeout
     reports, missed_from = [first], None
-    if lag_until is not None:  # the evicted engine hangs on: refits go on without it until it answers
+    if release is not None:  # the evicted engine hangs on: refits go on without it until it answers
         missed_from = first.version  # it applied this version's frames but never activated it
         while len(reports) < 3:  # three versions committed without it...
             reports.append(one())
-        time.sleep(max(0.0, lag_until - time.monotonic()))  # ...then it answers again
+        release_stall(release)  # ...then it answers again
     during = []  # (report, healing phases when it started)
     while True:
         st = refit.status()

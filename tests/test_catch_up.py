@@ -9,7 +9,6 @@ four committed transfers its cluster kept. Every case ends with the wrong-bits s
 from __future__ import annotations
 
 import importlib
-import time
 
 import raytools  # noqa: F401
 from raytools import assert_no_wrong_bits, check_engines, local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
@@ -20,7 +19,7 @@ import ray
 import dcr_ray
 from dcr_ray.errors import EngineStateError, FrameError
 from dcr_ray.relay.window import CatchUpWindow, CommittedStep
-from dcr_ray.testing.faults import StallingEngine, mislabel_engine
+from dcr_ray.testing.faults import StallingEngine, mislabel_engine, release_stall
 from dcr_ray.testing.models import ModelSpec
 from dcr_ray.testing.trainer import TinyTrainer
 
@@ -68,22 +67,25 @@ def _relay_head(refit, cluster: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["relay", "object_store"])
-def test_an_engine_that_missed_four_refits_catches_up_by_their_deltas_without_the_owners(local_ray, transport):
+def test_an_engine_that_missed_four_refits_catches_up_by_their_deltas_without_the_owners(local_ray, transport,
+                                                                                           tmp_path):
     Trainer = ray.remote(num_cpus=0)(TinyTrainer)
     trainer = Trainer.remote(SPEC, lr=1e-5)  # an RL-sized step: four versions of deltas are smaller than the model
-    # a/e1's first delta flush hangs for 14 s; the stage timeout is 4 s: it is evicted and misses refits
+    # a/e1's first delta flush hangs until released (at most 120 s); the stage timeout is 4 s: it is
+    # evicted and misses refits
+    release = str(tmp_path / "release")
     refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=2)],
-                           engine=StallingEngine(dcr_ray.HFEngine(SPEC), stall_s=14.0, only="a/e1"),
+                           engine=StallingEngine(dcr_ray.HFEngine(SPEC), stall_s=120.0, only="a/e1",
+                                                 release=release),
                            config=dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(timeout_s=4),
                                                       transport=dcr_ray.TransportConfig(kind=transport)))
     try:
-        t_stall = time.monotonic()
         reports = []
         for seed in range(3):
             ray.get(trainer.step.remote(seed=seed))
             reports.append(refit.run())
         assert refit.status()["required"] == ["a/e0"]
-        time.sleep(max(0.0, 15.0 - (time.monotonic() - t_stall)))  # the stall ends
+        release_stall(release)  # the stall ends: a/e1 finishes the flush it hung in
         ray.get(trainer.step.remote(seed=3))
         reports.append(refit.run())  # a/e1 answers again: it heals in the background
         assert any("a/e1 answers again and heals to version 3" in w for w in reports[-1].warnings), reports[-1].warnings

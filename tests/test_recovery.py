@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import raytools  # noqa: F401
 from raytools import assert_no_wrong_bits, check_engines, half_written, local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
@@ -222,15 +221,17 @@ def test_a_dead_owner_fails_the_refit_cleanly_and_a_replacement_with_the_committ
         refit.shutdown()
 
 
-def test_a_hung_engine_is_evicted_at_the_stage_timeout_and_rejoins_when_it_answers_again(local_ray):
-    from dcr_ray.testing.faults import StallingEngine
+def test_a_hung_engine_is_evicted_at_the_stage_timeout_and_rejoins_when_it_answers_again(local_ray, tmp_path):
+    from dcr_ray.testing.faults import StallingEngine, release_stall
 
     Trainer = ray.remote(num_cpus=0)(TinyTrainer)
     trainer = Trainer.remote(SPEC, lr=1e-3)
-    # engine a/e1's first delta flush hangs for 16 s; the stage timeout is 8 s
+    # engine a/e1's first delta flush hangs until released (at most 120 s); the stage timeout is 4 s
+    release = str(tmp_path / "release")
     refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(name="a", engines=2)],
-                           engine=StallingEngine(dcr_ray.HFEngine(SPEC), stall_s=16.0, only="a/e1"),
-                           config=dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(timeout_s=8)))
+                           engine=StallingEngine(dcr_ray.HFEngine(SPEC), stall_s=120.0, only="a/e1",
+                                                 release=release),
+                           config=dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(timeout_s=4)))
     try:
         ray.get(trainer.step.remote(seed=0))
         report = refit.run()
@@ -238,7 +239,7 @@ def test_a_hung_engine_is_evicted_at_the_stage_timeout_and_rejoins_when_it_answe
         assert any("a/e1 did not answer and is evicted" in w for w in report.warnings)
         assert refit.status()["required"] == ["a/e0"]
         check_engines(refit, trainer, engines={"a/e0"})
-        time.sleep(8)  # the stall ends
+        release_stall(release)  # the stall ends: a/e1 finishes the flush it hung in
         ray.get(trainer.step.remote(seed=1))
         report = refit.run()
         # it hung inside the flush of the transfer that committed v1, having applied all of it: it is

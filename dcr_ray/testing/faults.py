@@ -11,6 +11,10 @@ bootstrap sleep ``stall_s`` seconds (an engine that is alive but hung, holding i
 seconds when the file ``signal`` names this engine (the file is consumed): a stall armed from outside
 at a chosen refit.
 
+Both take ``release=PATH``: the stall then ends as soon as :func:`release_stall` is called with that path
+(``stall_s`` stays its upper bound), so a drill waits exactly as long as its story needs instead of
+sleeping out a margin. :func:`release_stall` returns once the stalled flush has finished.
+
 ``SlowStartEngine(inner, delay_s)`` builds the ``inner`` backend ``delay_s`` seconds late (an engine
 whose start-up outlasts a launch's timeout).
 
@@ -115,29 +119,68 @@ class FlakyEngine:
         return _FlakyBackend(self.inner(), self.fail_after)
 
 
+#: How often a stalled flush looks for its release file.
+RELEASE_POLL_S = 0.05
+
+
+def _stalled_flush(inner: EngineBackend, stall_s: float, release: str | None) -> None:
+    """Hang ``stall_s`` seconds (or until the file ``release`` appears), then flush ``inner``; a release
+    file is removed once the flush is done: that is :func:`release_stall`'s answer."""
+    import os
+    import time
+
+    deadline = time.monotonic() + stall_s
+    while time.monotonic() < deadline and not (release and os.path.exists(release)):
+        time.sleep(RELEASE_POLL_S if release else max(0.0, deadline - time.monotonic()))
+    try:
+        inner.flush()
+    finally:
+        if release:
+            try:
+                os.remove(release)
+            except FileNotFoundError:
+                pass
+
+
+def release_stall(release: str, timeout_s: float = 60.0) -> None:
+    """End the stall of a :class:`StallingEngine` or :class:`StallOnSignal` built with ``release``: create
+    the file and return once the stalled flush has finished (the engine answers calls again)."""
+    import os
+    import time
+
+    with open(release, "w"):
+        pass
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(release):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no stalled flush took the release {release} within {timeout_s} s")
+        time.sleep(RELEASE_POLL_S)
+
+
 class _StallingBackend(_FlakyBackend):
-    def __init__(self, inner: EngineBackend, stall_s: float):
+    def __init__(self, inner: EngineBackend, stall_s: float, release: str | None = None):
         super().__init__(inner, fail_after=1 << 30)
         self.stall_s = stall_s
+        self.release = release
         self.flushes = 0
 
     def flush(self) -> None:
         self.flushes += 1
         if self.flushes == 2:  # the first flush is the dense bootstrap's
-            import time
-
-            time.sleep(self.stall_s)
+            return _stalled_flush(self.inner, self.stall_s, self.release)
         self.inner.flush()
 
 
 class StallingEngine:
-    """Engine factory: ``inner()`` whose first flush after the bootstrap hangs for ``stall_s`` seconds;
-    with ``only``, just in the engine of that id (e.g. ``"a/e1"``), the others are plain ``inner()``."""
+    """Engine factory: ``inner()`` whose first flush after the bootstrap hangs for ``stall_s`` seconds
+    (with ``release``, until :func:`release_stall` of that path, at most ``stall_s``); with ``only``,
+    just in the engine of that id (e.g. ``"a/e1"``), the others are plain ``inner()``."""
 
-    def __init__(self, inner, stall_s: float, only: str | None = None):
+    def __init__(self, inner, stall_s: float, only: str | None = None, release: str | None = None):
         self.inner = inner
         self.stall_s = stall_s
         self.only = only
+        self.release = release
 
     def __call__(self) -> EngineBackend:
         if self.only is not None:
@@ -145,18 +188,18 @@ class StallingEngine:
 
             if not (ray.get_runtime_context().get_actor_name() or "").endswith(self.only):
                 return self.inner()
-        return _StallingBackend(self.inner(), self.stall_s)
+        return _StallingBackend(self.inner(), self.stall_s, self.release)
 
 
 class _SignalledStallBackend(_FlakyBackend):
-    def __init__(self, inner: EngineBackend, signal: str, stall_s: float):
+    def __init__(self, inner: EngineBackend, signal: str, stall_s: float, release: str | None = None):
         super().__init__(inner, fail_after=1 << 30)  # never fails an apply
         self.signal = signal
         self.stall_s = stall_s
+        self.release = release
 
     def flush(self) -> None:
         import os
-        import time
 
         import ray
 
@@ -171,21 +214,23 @@ class _SignalledStallBackend(_FlakyBackend):
                 os.remove(self.signal)
             except FileNotFoundError:
                 return self.inner.flush()  # another flush of this engine took it
-            time.sleep(self.stall_s)
+            return _stalled_flush(self.inner, self.stall_s, self.release)
         self.inner.flush()
 
 
 class StallOnSignal:
     """Engine factory: ``inner()`` whose flush hangs ``stall_s`` seconds when the file ``signal``
-    holds this engine's id (e.g. ``a/e1``); the stall consumes the file."""
+    holds this engine's id (e.g. ``a/e1``); the stall consumes the file. With ``release``, the stall
+    ends at :func:`release_stall` of that path (at most ``stall_s``)."""
 
-    def __init__(self, inner, signal: str, stall_s: float):
+    def __init__(self, inner, signal: str, stall_s: float, release: str | None = None):
         self.inner = inner
         self.signal = signal
         self.stall_s = stall_s
+        self.release = release
 
     def __call__(self) -> EngineBackend:
-        return _SignalledStallBackend(self.inner(), self.signal, self.stall_s)
+        return _SignalledStallBackend(self.inner(), self.signal, self.stall_s, self.release)
 
 
 class SlowStartEngine:
