@@ -29,9 +29,12 @@ class Probe:
         self.preloaded = "transformers.models.qwen2.modeling_qwen2" in sys.modules  # before any import here
 
     def facts(self) -> dict:
+        import gc
+
         import torch
 
         return {"pid": os.getpid(), "ppid": os.getppid(), "preloaded": self.preloaded,
+                "frozen": gc.get_freeze_count(),
                 "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
                 "job": os.environ.get("RAY_JOB_ID"), "cwd": os.getcwd(),
                 "client": int(os.environ.get(CLIENT_PID_ENV, "0"))}
@@ -62,6 +65,7 @@ def test_an_actor_forked_from_the_server_starts_with_its_modules_imported_and_it
     f = ray.get(a.facts.remote(), timeout=120)
     assert f["preloaded"], f
     assert f["ppid"] == ray_on.process.pid  # a child of the server, registered under its own pid
+    assert f["frozen"] > 100_000, f  # the server's imports are frozen: the child's GC leaves their pages shared
     assert f["omp"] == "1" and f["threads"] == 1, f  # Ray's OMP_NUM_THREADS for a num_cpus=0 actor, applied
     assert f["job"] == ray.get_runtime_context().get_job_id()
     assert f["cwd"] == os.getcwd()
@@ -94,7 +98,7 @@ def test_a_forked_worker_whose_stand_in_process_dies_exits_too(ray_on):
 def test_a_worker_whose_environment_differs_where_imports_read_it_starts_the_ordinary_way(ray_on):
     a = Probe.options(runtime_env={**ray_on.runtime_env(), "env_vars": {"DCR_RAY_JIT": "0"}}).remote()
     f = ray.get(a.facts.remote(), timeout=120)
-    assert not f["preloaded"] and f["ppid"] != ray_on.process.pid
+    assert not f["preloaded"] and f["ppid"] != ray_on.process.pid and f["frozen"] == 0
     server_env = {"DCR_RAY_JIT": "1", "OMP_NUM_THREADS": "1", "DCR_PREFORK_SOCKET": "a"}
     assert differs(server_env, {"DCR_PREFORK_SOCKET": "b"}) == ["DCR_RAY_JIT"]  # OMP_NUM_THREADS: Ray sets it later
     assert differs(server_env, {"DCR_RAY_JIT": "1", "OMP_NUM_THREADS": "4"}) == ["OMP_NUM_THREADS"]
@@ -113,7 +117,7 @@ def test_thirty_refused_workers_at_once_all_start_the_ordinary_way(server):
 def test_with_the_server_gone_workers_start_the_ordinary_way(ray_on):
     gone = dcr_ray.prefork.runtime_env_for(os.path.join(os.path.dirname(ray_on.socket_path), "none.sock"))
     f = ray.get(Probe.options(runtime_env=gone).remote().facts.remote(), timeout=120)
-    assert not f["preloaded"] and f["ppid"] != ray_on.process.pid
+    assert not f["preloaded"] and f["ppid"] != ray_on.process.pid and f["frozen"] == 0
 
 
 def test_a_preload_that_imports_ray_is_refused_with_the_reason():
