@@ -125,3 +125,21 @@ def test_with_the_server_gone_workers_start_the_ordinary_way(ray_on):
 def test_a_preload_that_imports_ray_is_refused_with_the_reason():
     with pytest.raises(ConfigError, match="imports ray; leave out every module that does"):
         dcr_ray.prefork.start(preload=("ray",), wait=True)
+
+
+def test_a_ray_started_for_forked_workers_starts_no_ordinary_worker_that_none_of_its_actors_could_use(server):
+    import psutil
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             runtime_env=server.runtime_env(), _system_config=dcr_ray.prefork.ray_system_config())
+    try:
+        f = ray.get(Probe.remote().facts.remote(), timeout=120)  # Ray has prestarted by now, if it does
+        assert f["ppid"] == server.process.pid
+        [raylet] = [p for p in psutil.Process().children() if p.name() == "raylet"]  # this driver's Ray
+        assert [c.pid for c in raylet.children() if c.cmdline()[:1] == ["ray::IDLE"]] == []
+        # and the suite's environment (PreforkServer.environ) says the same to every ray.init of its run
+        assert server.environ()["RAY_prestart_worker_first_driver"] == "0"
+    finally:
+        ray.shutdown()
