@@ -123,7 +123,7 @@ class FlakyEngine:
 RELEASE_POLL_S = 0.05
 
 
-def _stalled_flush(inner: EngineBackend, stall_s: float, release: str | None) -> None:
+def stalled_flush(inner: EngineBackend, stall_s: float, release: str | None) -> None:
     """Hang ``stall_s`` seconds (or until the file ``release`` appears), then flush ``inner``; a release
     file is removed once the flush is done: that is :func:`release_stall`'s answer."""
     import os
@@ -167,7 +167,7 @@ class _StallingBackend(_FlakyBackend):
     def flush(self) -> None:
         self.flushes += 1
         if self.flushes == 2:  # the first flush is the dense bootstrap's
-            return _stalled_flush(self.inner, self.stall_s, self.release)
+            return stalled_flush(self.inner, self.stall_s, self.release)
         self.inner.flush()
 
 
@@ -214,7 +214,7 @@ class _SignalledStallBackend(_FlakyBackend):
                 os.remove(self.signal)
             except FileNotFoundError:
                 return self.inner.flush()  # another flush of this engine took it
-            return _stalled_flush(self.inner, self.stall_s, self.release)
+            return stalled_flush(self.inner, self.stall_s, self.release)
         self.inner.flush()
 
 
