@@ -137,7 +137,8 @@ def test_a_ray_started_for_forked_workers_starts_no_ordinary_worker_that_none_of
     try:
         f = ray.get(Probe.remote().facts.remote(), timeout=120)  # Ray has prestarted by now, if it does
         assert f["ppid"] == server.process.pid
-        [raylet] = [p for p in psutil.Process().children() if p.name() == "raylet"]  # this driver's Ray
+        node = f"--node_id={ray.get_runtime_context().get_node_id()}"  # this driver's Ray, not one stopping
+        [raylet] = [p for p in psutil.Process().children() if p.name() == "raylet" and node in p.cmdline()]
         assert [c.pid for c in raylet.children() if c.cmdline()[:1] == ["ray::IDLE"]] == []
         # and the suite's environment (PreforkServer.environ) says the same to every ray.init of its run
         assert server.environ()["RAY_prestart_worker_first_driver"] == "0"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import raytools  # noqa: F401
 from raytools import assert_no_wrong_bits, check_engines, half_written, local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
 

@@ -56,7 +56,6 @@ SOCKET_ENV = "DCR_PREFORK_SOCKET"
 HOOK = "dcr_ray.prefork.runtime_env_hook"
 
 
-
 def ray_system_config() -> dict:
     """``ray.init(_system_config=...)`` for a Ray whose workers fork from a server (a new dict each call:
     ``ray.init`` adds to the one it is given). Ray starts one ordinary worker per CPU when the first driver
