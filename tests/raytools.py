@@ -55,9 +55,6 @@ def sweep_actors() -> None:
     from ray._private import state as gcs_state
     from ray._private.worker import global_worker
 
-    namespaces = {}
-    for n in ray.util.list_named_actors(all_namespaces=True):
-        namespaces.setdefault(n["name"], []).append(n["namespace"])
     for actor_id, a in gcs_state.actors().items():
         if a["State"] == "DEAD":
             continue
@@ -66,11 +63,12 @@ def sweep_actors() -> None:
         except ray.exceptions.ActorHandleNotFoundError:
             # an actor this driver never held a handle to (an engine a coordinator re-created just before
             # it was shut down): killed through a handle looked up by its name
-            for ns in namespaces.get(a.get("Name") or "", []):
-                try:
-                    ray.kill(ray.get_actor(a["Name"], namespace=ns), no_restart=True)
-                except ValueError:
-                    pass  # gone meanwhile
+            for n in ray.util.list_named_actors(all_namespaces=True):
+                if n["name"] == a.get("Name"):
+                    try:
+                        ray.kill(ray.get_actor(n["name"], namespace=n["namespace"]), no_restart=True)
+                    except ValueError:
+                        pass  # gone meanwhile
 
 
 @pytest.fixture(scope="module")
