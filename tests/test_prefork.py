@@ -104,6 +104,9 @@ def test_a_worker_whose_environment_differs_where_imports_read_it_starts_the_ord
     server_env = {"DCR_RAY_JIT": "1", "OMP_NUM_THREADS": "1", "DCR_PREFORK_SOCKET": "a"}
     assert differs(server_env, {"DCR_PREFORK_SOCKET": "b"}) == ["DCR_RAY_JIT"]  # OMP_NUM_THREADS: Ray sets it later
     assert differs(server_env, {"DCR_RAY_JIT": "1", "OMP_NUM_THREADS": "4"}) == ["OMP_NUM_THREADS"]
+    # protobuf, preloaded for Ray, picks its implementation when imported
+    assert differs(server_env, {**server_env, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}) == [
+        "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"]
 
 
 def test_thirty_refused_workers_at_once_all_start_the_ordinary_way(server):

@@ -36,9 +36,12 @@ import time
 from dcr_ray.errors import ConfigError
 
 #: What a dcr_ray engine or trainer on ``transformers`` loads before it can work: torch, the model classes
-#: (``transformers`` itself with them), and the codec's compiled kernels. ``module:function`` entries are
-#: imported, then called.
-DEFAULT_PRELOAD = ("torch", "transformers.models.qwen2.modeling_qwen2", "dcr_ray.codec.kernels:warm_up_here")
+#: (``transformers`` itself with them), and the codec's compiled kernels; then the third-party modules that
+#: every Ray worker's ``import ray`` loads (Ray requires them), since Ray itself cannot be preloaded (its
+#: core library reads the worker's job id when it is loaded). ``module:function`` entries are imported,
+#: then called.
+DEFAULT_PRELOAD = ("torch", "transformers.models.qwen2.modeling_qwen2", "dcr_ray.codec.kernels:warm_up_here",
+                   "requests", "jsonschema", "google.protobuf.json_format")
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client.py")
 
 #: How the server's log begins its line for each worker it forked and each it refused (:meth:`PreforkServer.counts`).
