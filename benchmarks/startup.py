@@ -86,8 +86,7 @@ def run_topology(prefork: bool) -> dict:
     t0 = time.perf_counter()
     server = dcr_ray.prefork.start() if prefork else None  # its imports overlap ray.init
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             runtime_env=server.runtime_env() if server else None,
-             _system_config=dcr_ray.prefork.ray_system_config() if server else None)
+             **(server.ray_init_kwargs() if server else {}))
     if server:
         server.wait_ready()
     t_ray = time.perf_counter()

@@ -55,8 +55,7 @@ def main(argv=None) -> int:
     server = dcr_ray.prefork.start() if args.prefork and dcr_ray.prefork.available() else None  # beside ray.init
     # a Ray of its own (address="local"), never a cluster that happens to run on this machine
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True, logging_level="ERROR",
-             runtime_env=server.runtime_env() if server else None,
-             _system_config=dcr_ray.prefork.ray_system_config() if server else None)
+             **(server.ray_init_kwargs() if server else {}))
     if server:
         server.wait_ready()
     spec = ModelSpec(arch=args.arch, size="tiny", seed=0)

@@ -201,6 +201,52 @@ def test_a_fresh_process_loads_every_warmed_kernel_from_numbas_cache_without_com
     assert misses == "{}" and hits > 0
 
 
+_REFITS_AFTER_THE_WARM_UP = """
+import numpy as np, torch
+from dcr_ray.codec import FrameMeta, apply_decoded, bits_view, diff_tensor, encode_frames, kernels, ptrkernels, read_frame
+
+kernels.warm_up(background=False)
+ds = {**kernels._compiled(), **{"ptr." + k: v for k, v in ptrkernels._compiled().items()}}
+before = {n: len(d.signatures) for n, d in ds.items()}
+meta = FrameMeta(transfer="t", attempt=0, producer="p", payload=0, base=0, target=1)
+g = torch.Generator().manual_seed(0)
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    old = torch.randn(60_000, generator=g).to(dtype)
+    # an Adam-like step (the same magnitude everywhere: the small weights' bits move), a sparse one, and
+    # one whose positions need an escape (many one-element gaps, then one too long for their width)
+    steps = {"adam": torch.sign(torch.randn(60_000, generator=g)) * 1e-3, "sparse": torch.zeros(60_000),
+             "escape": torch.zeros(60_000)}
+    steps["sparse"][::97] = 1e-1
+    steps["escape"][0:3000:2] = 1e-1
+    steps["escape"][15_000] = 1e-1  # in the same chunk
+    for step in steps.values():
+        new = (old.float() + step).to(dtype)
+        for coding in ("plain", "context"):
+            td = diff_tensor("w", bits_view(old).copy(), new, chunk_elems=1 << 14)
+            target = old.clone()
+            for frame in encode_frames([td], meta, coding=coding):
+                apply_decoded(read_frame(frame, {"w": target}), {"w": target})
+            assert np.array_equal(bits_view(target), bits_view(new))
+print({n: len(d.signatures) - before[n] for n, d in ds.items() if len(d.signatures) != before[n]})
+"""
+
+
+def test_after_the_warm_up_refits_of_either_coding_compile_no_kernel():
+    # A signature the warm-up misses is compiled in the middle of a refit, on every receiver: the first
+    # context-coded refit of a fresh clone's quickstart took 5.4 s (class_positions' dense walk, never
+    # warmed), and on a warm cache each process still pays for loading it then.
+    import subprocess
+    import sys
+
+    from dcr_ray.codec import kernels
+
+    if not kernels.ENABLED:
+        pytest.skip("numba is not installed (or DCR_RAY_JIT=0): no kernels to warm")
+    out = subprocess.run([sys.executable, "-c", _REFITS_AFTER_THE_WARM_UP], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "{}", f"compiled during the refits, by kernel: {out.stdout}"
+
+
 @pytest.mark.parametrize("jit", [True, False], ids=["compiled", "numpy"])
 def test_an_undo_log_of_a_frame_large_enough_for_the_codec_threads_restores_the_committed_bits(jit, monkeypatch):
     from dcr_ray.codec.undo import UndoLog

@@ -136,7 +136,7 @@ def test_a_ray_started_for_forked_workers_starts_no_ordinary_worker_that_none_of
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             runtime_env=server.runtime_env(), _system_config=dcr_ray.prefork.ray_system_config())
+             **server.ray_init_kwargs())
     try:
         f = ray.get(Probe.remote().facts.remote(), timeout=120)  # Ray has prestarted by now, if it does
         assert f["ppid"] == server.process.pid

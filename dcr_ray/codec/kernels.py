@@ -203,13 +203,14 @@ def warm_up(background: bool = True, on_done=None) -> None:
                 gap_positions(vals, 0)
                 changed_in_block(view, vals[:1].repeat(4), np.empty(4, np.int32))
                 gather_changes(view, vals, pos.astype(np.int32))
+        gap_positions(np.ones(2, np.int64), 0)  # symbols widened to int64 around escapes (locations.decode)
         b = np.frombuffer(bytes(2), np.uint8)
         join2(b, b)
         for dt in (np.uint8, np.uint16, np.uint32, np.uint64):  # the old bits of every float width
             old = np.zeros(64, dt)
             start = class_starts(old, 0, 1)
-            for ranks in (pos, np.arange(1, dtype=np.int64)):  # the dense and the sparse walk
-                class_positions(old, class_ranks(old, ranks, 0, 1), 0, 1, start)
+            for rel in (np.arange(len(old)), np.arange(1)):  # the dense and the sparse walk (SPARSE_WALK_MAX)
+                class_positions(old, class_ranks(old, rel, 0, 1), 0, 1, start)
             class_counts_at(old, pos, 0, 1)
         ptrkernels.warm_up()
 

@@ -8,7 +8,7 @@ imports those modules (and loads the codec kernels) once, and :meth:`PreforkServ
 (:mod:`~dcr_ray.prefork.client` is the executable Ray runs, through Ray's ``py_executable`` field)::
 
     server = dcr_ray.prefork.start()           # returns at once; imports run beside ray.init
-    ray.init(runtime_env=server.runtime_env(), _system_config=dcr_ray.prefork.ray_system_config())
+    ray.init(**server.ray_init_kwargs())         # runtime_env=server.runtime_env(), _system_config=...
     server.wait_ready()                          # before the first actor, or it starts the ordinary way
     ...
     ray.shutdown()
@@ -99,6 +99,12 @@ class PreforkServer:
     def runtime_env(self) -> dict:
         """The ``runtime_env`` (for ``ray.init`` or one actor's options) that forks workers from here."""
         return runtime_env_for(self.socket_path)
+
+    def ray_init_kwargs(self) -> dict:
+        """``ray.init``'s arguments for a job whose workers fork from here: its :meth:`runtime_env` and
+        :func:`ray_system_config`. A job with a runtime env of its own adds its fields to ``["runtime_env"]``
+        (a ``py_executable`` of its own would start its workers the ordinary way)."""
+        return {"runtime_env": self.runtime_env(), "_system_config": ray_system_config()}
 
     def wait_ready(self, timeout_s: float = 120.0) -> "PreforkServer":
         """Block until the server accepts workers (its preloads done); raise ``ConfigError`` if it died."""
