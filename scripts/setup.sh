@@ -25,7 +25,8 @@ fi
 # What a wheel install would leave and an editable one does not: dcr_ray's bytecode (every Ray worker that
 # imports dcr_ray would otherwise compile it, where PYTHONDONTWRITEBYTECODE is set), and numba's machine
 # code for the codec's kernels (compiled once per machine, ~10 s; otherwise the first quickstart's start-up
-# pays for it). Both are kept beside the sources and rebuilt when a source changes.
+# pays for it). Both lie beside the sources; Python and numba check them against the sources, and a rerun
+# of this script rebuilds what changed.
 .venv/bin/python -m compileall -q dcr_ray
 .venv/bin/python -c "from dcr_ray.codec.kernels import warm_up_here; warm_up_here()"
 echo "[setup] .venv ready: $(.venv/bin/python -c 'import torch, ray; print("torch", torch.__version__, "ray", ray.__version__)')"

@@ -203,7 +203,8 @@ def test_a_fresh_process_loads_every_warmed_kernel_from_numbas_cache_without_com
 
 _REFITS_AFTER_THE_WARM_UP = """
 import numpy as np, torch
-from dcr_ray.codec import FrameMeta, apply_decoded, bits_view, diff_tensor, encode_frames, kernels, ptrkernels, read_frame
+from dcr_ray.codec import (FrameMeta, apply_decoded, bits_view, diff_tensor, encode_frames, kernels, ptrkernels,
+                           read_frame)
 
 kernels.warm_up(background=False)
 ds = {**kernels._compiled(), **{"ptr." + k: v for k, v in ptrkernels._compiled().items()}}

@@ -43,13 +43,13 @@ from dcr_ray.prefork import DEFAULT_PRELOAD, FORKED_LINE, REFUSED_LINE
 
 
 #: Environment variables that modules read when they are imported (torch, transformers and the hub,
-#: numba, the BLAS and OpenMP runtimes, protobuf, dcr_ray's own switches): a worker whose values differ from the
-#: server's would inherit modules configured for another environment, so it starts the ordinary way.
+#: numba, the BLAS and OpenMP runtimes, protobuf, dcr_ray's own switches): a worker whose values differ from
+#: the server's would inherit modules configured for another environment, so it starts the ordinary way.
 #: OMP_NUM_THREADS is compared only where a worker sets it itself (:func:`differs`; Ray sets it later,
 #: see ``_report_a_thread_count_ray_changes``); the server's own address, ``DCR_PREFORK_SOCKET``, never.
 PINNED_PREFIXES = ("DCR_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "NUMBA_", "MKL_", "KMP_",
-                   "OPENBLAS_", "GOMP_", "PROTOCOL_BUFFERS_", "CUDA_", "NVIDIA_", "LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH",
-                   "PYTHONHOME", "PYTHONHASHSEED", "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONSAFEPATH",
+                   "OPENBLAS_", "GOMP_", "PROTOCOL_BUFFERS_", "CUDA_", "NVIDIA_", "LD_PRELOAD", "LD_LIBRARY_PATH",
+                   "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONSAFEPATH",
                    "PYTHONWARNINGS", "PYTHONOPTIMIZE")
 
 
