@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-import raytools  # noqa: F401  (sets the loopback environment before ray is imported)
+from raytools import local_ray  # noqa: F401  (loopback environment before ray is imported; module-scoped Ray fixture)
 
 from dcr_ray.cli import build_parser
 
@@ -32,9 +32,7 @@ def test_the_cli_offers_bench_live_with_its_sizes_and_json():
 
 
 @pytest.mark.slow
-def test_the_tiny_live_bench_measures_every_method_on_serving_hf_engines_and_ends_bit_exact(tmp_path):
-    import ray
-
+def test_the_tiny_live_bench_measures_every_method_on_serving_hf_engines_and_ends_bit_exact(tmp_path, local_ray):
     from benchmarks import markdown, write_json_and_plot
     from benchmarks.live.report import plot
     from benchmarks.live.runner import run
@@ -43,11 +41,7 @@ def test_the_tiny_live_bench_measures_every_method_on_serving_hf_engines_and_end
     args = build_parser().parse_args(["bench", "live", "--size", "tiny", "--refits", "1", "--receivers", "hf",
                                       "--data", "adamw"])
     s = LiveSettings.from_args(args)
-    raytools.init_local_ray()
-    try:
-        result = run(s)
-    finally:
-        ray.shutdown()
+    result = run(s)
     got = [(c["method"], c["mode"]) for c in result["cases"]]
     assert got == [("dcr", "in_place"), ("dense_sync", "n/a"), ("fetch_reload", "n/a"), ("dcr", "staged")]
     for c in result["cases"]:

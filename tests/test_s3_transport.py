@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import raytools  # noqa: F401
+from raytools import local_ray  # noqa: F401  (local_ray: module-scoped Ray fixture)
 
 import socket
 import subprocess
@@ -51,7 +51,7 @@ def s3_server():
 
 
 def test_refits_through_an_s3_compatible_store_are_bit_exact_keep_only_committed_payloads_and_leave_none_at_shutdown(
-        s3_server):
+        s3_server, local_ray):
     import s3fs
 
     opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3_server,
@@ -61,33 +61,30 @@ def test_refits_through_an_s3_compatible_store_are_bit_exact_keep_only_committed
     boto3.client("s3", endpoint_url=s3_server, aws_access_key_id="testing", aws_secret_access_key="testing",
                  region_name="us-east-1").create_bucket(Bucket="dcr-test")
     fs = s3fs.S3FileSystem(**opts)
-    raytools.init_local_ray()
-    try:
-        spec = ModelSpec(size="tiny")
-        Trainer = ray.remote(num_cpus=0)(TinyTrainer)
-        trainers = [Trainer.remote(spec, lr=1e-4, rank=r, world=2) for r in range(2)]
-        cfg = dcr_ray.RefitConfig(
-            transport=dcr_ray.TransportConfig(kind="object_store", storage_url="s3://dcr-test/refits",
-                                              storage_options=opts),
-            codec=dcr_ray.CodecConfig(key=b"shared-secret"))
-        refit = dcr_ray.launch(owners=trainers, clusters=[dcr_ray.ClusterSpec(name="remote", engines=2)],
-                               engine=dcr_ray.HFEngine(spec.with_seed(3)), config=cfg)
-        committed = []
-        for step in range(2):
-            ray.get([t.step.remote(seed=step) for t in trainers])
-            report = refit.run()
-            assert report.version == step + 1 and report.changed > 0
-            committed.append(f"dcr-test/refits/{report.transfer}/a{report.attempts - 1}/")
-        want = ray.get(trainers[0].rollout_state.remote())
-        for eng in refit.engines().values():
-            got = ray.get(eng.tensors.remote())
-            for n in want:
-                assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), n
-        fs.invalidate_cache()
-        kept = fs.find("dcr-test/refits")  # the committed attempts stay for catch-up, nothing else
-        assert kept and all(any(p.startswith(c) for c in committed) for p in kept), kept
-        refit.shutdown()
-        fs.invalidate_cache()
-        assert fs.find("dcr-test/refits") == []  # and none after shutdown
-    finally:
-        ray.shutdown()
+    spec = ModelSpec(size="tiny")
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainers = [Trainer.remote(spec, lr=1e-4, rank=r, world=2) for r in range(2)]
+    cfg = dcr_ray.RefitConfig(
+        transport=dcr_ray.TransportConfig(kind="object_store", storage_url="s3://dcr-test/refits",
+                                          storage_options=opts),
+        codec=dcr_ray.CodecConfig(key=b"shared-secret"))
+    refit = dcr_ray.launch(owners=trainers, clusters=[dcr_ray.ClusterSpec(name="remote", engines=2)],
+                           engine=dcr_ray.HFEngine(spec.with_seed(3)), config=cfg)
+    committed = []
+    for step in range(2):
+        ray.get([t.step.remote(seed=step) for t in trainers])
+        report = refit.run()
+        assert report.version == step + 1 and report.changed > 0
+        committed.append(f"dcr-test/refits/{report.transfer}/a{report.attempts - 1}/")
+    want = ray.get(trainers[0].rollout_state.remote())
+    for eng in refit.engines().values():
+        got = ray.get(eng.tensors.remote())
+        for n in want:
+            assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), n
+    fs.invalidate_cache()
+    kept = fs.find("dcr-test/refits")  # the committed attempts stay for catch-up, nothing else
+    assert kept and all(any(p.startswith(c) for c in committed) for p in kept), kept
+    refit.shutdown()
+    fs.invalidate_cache()
+    assert fs.find("dcr-test/refits") == []  # and none after shutdown
+
