@@ -14,13 +14,13 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 
-def init_local_ray(num_cpus: int = 2) -> None:
-    """A fresh single-node Ray (shuts down any other first)."""
+def init_local_ray(num_cpus: int = 2, **ray_init) -> None:
+    """A fresh single-node Ray (shuts down any other first); ``ray_init``: more ``ray.init`` arguments."""
     if ray.is_initialized():
         ray.shutdown()
     # address="local": always a new instance, never another test's (or session's) cluster on this machine
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
+             log_to_driver=False, **ray_init)
 
 
 def kill_topology() -> None:

@@ -19,7 +19,7 @@ import dcr_ray.prefork
 from dcr_ray.errors import ConfigError
 from dcr_ray.prefork.server import CLIENT_PID_ENV, differs
 
-from raytools import fresh_local_ray, sweep_actors  # noqa: F401  (fresh_local_ray: module-scoped Ray fixture)
+from raytools import fresh_local_ray, init_local_ray, sweep_actors  # noqa: F401  (fresh_local_ray: a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dcr_ray.prefork.available(), reason="dcr_ray.prefork needs Linux")]
 
@@ -135,10 +135,7 @@ def test_a_preload_that_imports_ray_is_refused_with_the_reason():
 def test_a_ray_started_for_forked_workers_starts_no_ordinary_worker_that_none_of_its_actors_could_use(server):
     import psutil
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             **server.ray_init_kwargs())
+    init_local_ray(**server.ray_init_kwargs())
     try:
         f = ray.get(Probe.remote().facts.remote(), timeout=120)  # Ray has prestarted by now, if it does
         assert f["ppid"] == server.process.pid
