@@ -11,7 +11,7 @@ import pytest
 
 from raytools import local_ray  # noqa: F401  (loopback environment before ray is imported; module-scoped Ray fixture)
 
-from dcr_ray.cli import build_parser
+from dcr_ray.cli import build_parser, main
 
 CASE_FIELDS = ("method", "mode", "receiver", "data", "size", "pause_seconds", "trainer_stall_seconds",
                "construct_seconds", "freshness_seconds", "refit_seconds", "tokens_per_second_quiet",
@@ -33,15 +33,12 @@ def test_the_cli_offers_bench_live_with_its_sizes_and_json():
 
 @pytest.mark.slow
 def test_the_tiny_live_bench_measures_every_method_on_serving_hf_engines_and_ends_bit_exact(tmp_path, local_ray):
-    from benchmarks import markdown, write_json_and_plot
-    from benchmarks.live.report import plot
-    from benchmarks.live.runner import run
-    from benchmarks.live.settings import LiveSettings
+    from benchmarks import markdown
 
-    args = build_parser().parse_args(["bench", "live", "--size", "tiny", "--refits", "1", "--receivers", "hf",
-                                      "--data", "adamw"])
-    s = LiveSettings.from_args(args)
-    result = run(s)
+    path = tmp_path / "bench_live.json"  # run as a user runs it: the command line, its JSON read back
+    assert main(["bench", "live", "--quick", "--size", "tiny", "--refits", "1", "--receivers", "hf", "--data",
+                 "adamw", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
     got = [(c["method"], c["mode"]) for c in result["cases"]]
     assert got == [("dcr", "in_place"), ("dense_sync", "n/a"), ("fetch_reload", "n/a"), ("dcr", "staged")]
     for c in result["cases"]:
@@ -54,10 +51,7 @@ def test_the_tiny_live_bench_measures_every_method_on_serving_hf_engines_and_end
     assert "HF staged pause <= 0.1x dense sync's (adamw)" in names
     assert "HF staged pause <= 0.5x fetch-then-reload's (adamw)" in names
     assert all(isinstance(t["met"], bool) for t in result["targets"])
-    path = tmp_path / "bench_live.json"
-    write_json_and_plot(result, str(path), plot)
-    back = json.loads(path.read_text())
-    assert back["bench"] == "live" and back["git"]["commit"]
+    assert result["bench"] == "live" and result["git"]["commit"]
     assert (tmp_path / "bench_live.png").stat().st_size > 1000
-    md = markdown.render(back, str(path))
+    md = markdown.render(result, str(path))
     assert "| hf | tiny | adamw | dcr | staged |" in md and "HF staged pause <= 0.1x dense sync's" in md

@@ -119,12 +119,14 @@ def test_the_cli_offers_bench_peers_with_quick_tiny_and_json():
 
 
 def test_the_tiny_bench_runs_every_peer_on_every_case_and_renders_its_tables(tmp_path):
-    from benchmarks import markdown, write_json_and_plot
-    from benchmarks.peers.report import format_table, plot
-    from benchmarks.peers.runner import run
+    from benchmarks import markdown
+    from benchmarks.peers.report import format_table
     from benchmarks.peers.settings import PEER_ROWS
+    from dcr_ray.cli import main
 
-    r = run(Settings.make("tiny", repeats=1))
+    path = tmp_path / "peers.json"  # run as a user runs it: the command line, its JSON read back
+    assert main(["bench", "peers", "--tiny", "--repeats", "1", "--json", str(path)]) == 0
+    r = json.loads(path.read_text())
     assert {x["data"] for x in r["cases"]} == {"adamw-tiny-lr1e-06", "adamw-tiny-lr1e-05", "stress-3%"}
     for data in {x["data"] for x in r["cases"]}:
         assert [x["peer"] for x in r["cases"] if x["data"] == data] == [p for p, _ in PEER_ROWS]
@@ -136,9 +138,7 @@ def test_the_tiny_bench_runs_every_peer_on_every_case_and_renders_its_tables(tmp
             if x["peer"].startswith("dcr"):
                 assert v["refused_before_write"] and v["recovered"], (x["data"], x["peer"], v)
     assert all(v["ok"] for v in r["checks"]["dcr_ray refuses every corrupted payload before any write"].values())
-    path = tmp_path / "peers.json"
-    write_json_and_plot(r, str(path), plot)
     assert Path(str(path)[:-5] + ".png").stat().st_size > 0
-    text = markdown.render(json.loads(path.read_text()), "peers.json")
+    text = markdown.render(r, "peers.json")
     assert "| stress-3% | 3.00% | skyrl |" in text and "load average" in text
     assert "stress-3%" in format_table(r)

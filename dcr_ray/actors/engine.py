@@ -173,6 +173,12 @@ class EngineActor:
     def get_version(self) -> int | None:
         return self._c.state.version
 
+    def crossing(self):
+        """What this engine's reads of payloads cross, when its transport says so (the object-storage
+        reader of an emulated link exposes it as ``crossing``), else None. Code run in the engine's
+        process (``actor.__ray_call__``) reaches the link here, never through the engine's parts."""
+        return getattr(self._c.reader, "crossing", None)
+
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Canonical name -> (wire dtype, shape) of what this engine holds."""
         return dict(self._c.specs)

@@ -55,6 +55,11 @@ class RelayActor:
     def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
         return f"RelayActor({self.relay_id}, cluster={self.cluster}, {'head' if self.head else 'inner'})"
 
+    def crossing(self):
+        """The observer of this relay's boundary crossings (``on_cross``: an emulated link in
+        benchmarks), or None."""
+        return self.on_cross
+
     def set_children(self, children: list[tuple[str, object, list[str]]]) -> None:
         """``[(kind, handle, engine ids below it)]`` with kind ``"engine"`` or ``"relay"``."""
         self.children = [(k, h, frozenset(ids)) for k, h, ids in children]

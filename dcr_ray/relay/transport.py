@@ -39,7 +39,10 @@ class Sink(Protocol):
 
 @runtime_checkable
 class PayloadReader(Protocol):
-    """Engine side (picklable; used in the engine's process): what arrived -> the frame's bytes."""
+    """Engine side (picklable; used in the engine's process): what arrived -> the frame's bytes.
+
+    A reader whose reads cross something the engine should report (an emulated link in benchmarks)
+    exposes it as ``crossing``; ``EngineActor.crossing()`` returns it."""
 
     def read(self, payload: Any) -> bytes:
         """The frame bytes of ``payload`` (bytes themselves, or a reference the transport resolves)."""

@@ -72,11 +72,16 @@ class LinkModel:
 
 
 class LinkReader:
-    """Engine-side reader of a wrapped transport whose every read crosses an emulated link."""
+    """Engine-side reader of a wrapped transport whose every read crosses an emulated link
+    (``crossing``, which the engine reports through ``EngineActor.crossing()``)."""
 
     def __init__(self, inner, link: LinkModel):
         self.inner = inner
         self.link = link
+
+    @property
+    def crossing(self) -> LinkModel:
+        return self.link
 
     def read(self, payload) -> bytes:
         data = self.inner.read(payload)
@@ -147,10 +152,12 @@ class EmulatedLinks:
         return self.inner.stats()
 
 
-def link_of(actor_self) -> LinkModel | None:
-    """The link model inside a relay or engine actor (call through ``actor.__ray_call__``)."""
-    cross = getattr(actor_self, "on_cross", None)
-    if isinstance(cross, LinkModel):
-        return cross
-    reader = getattr(actor_self, "reader", None)
-    return reader.link if isinstance(reader, LinkReader) else None
+def link_of(actor_self) -> LinkModel:
+    """The link model inside a relay or engine actor (call through ``actor.__ray_call__``), from the
+    actor's public ``crossing()``. An actor that holds none is an error, not a None: a benchmark that
+    sets or reads a link its actors do not hold measures nothing."""
+    cross = actor_self.crossing()
+    if not isinstance(cross, LinkModel):
+        raise TypeError(f"{actor_self!r} holds no emulated link (crossing() gave {type(cross).__name__}): wrap "
+                        f"the transport in dcr_ray.testing.links.EmulatedLinks and name this actor's cluster")
+    return cross
