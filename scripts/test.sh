@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The README's test command, and exactly what CI runs (.ci/run): set up .venv, then every test stage in order.
+# A stage that fails stops the run with its status.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# The suite: every test, its Ray workers forked from a prefork server (tests/conftest.py).
+.venv/bin/python -m pytest -q tests
