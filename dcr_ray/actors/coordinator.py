@@ -49,12 +49,11 @@ import math
 import time
 import uuid
 
-import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from dcr_ray import metrics
 from dcr_ray.actors.bootstrap import Bootstrap
-from dcr_ray.actors.calls import ActorsDied, gather, get_all
+from dcr_ray.actors.calls import ActorsDied, NoAnswerError, gather, get_all
 from dcr_ray.actors.coding_choice import choose_coding
 from dcr_ray.actors.commit import CommitLog, CommitRecord
 from dcr_ray.actors.coordinator_inputs import is_restart, read_inputs
@@ -64,6 +63,7 @@ from dcr_ray.actors.cpu_clock import CpuClock
 from dcr_ray.actors.healing import Healing
 from dcr_ray.actors.inspection import Inspection
 from dcr_ray.actors.membership import Membership
+from dcr_ray.actors.outages import Outages
 from dcr_ray.actors.recovery import Recovery
 from dcr_ray.actors.topology import Topology
 from dcr_ray.codec.bits import dtype_of, itemsize
@@ -91,10 +91,12 @@ class CoordinatorActor:
         self._started = False
         self._resume_error: Exception | None = None
         self._boot = Bootstrap(s)
-        self._healer = Healing(s, self._boot)  # engines outside the required set, healed in the background
+        self._outages = Outages(s)  # lost nodes and lost capacity, swept before each attempt
+        # engines outside the required set, healed in the background
+        self._healer = Healing(s, self._boot, self._outages)
         self._members = Membership(s, self._boot, self._healer)
         self._recovery = Recovery(s, self._healer)
-        self._inspection = Inspection(s, self._healer)
+        self._inspection = Inspection(s, self._healer, self._outages)
         if is_restart(commit_dir, inputs.launch_id):
             try:
                 self.start(resume=True)  # Ray restarted this actor: carry on from the record
@@ -208,21 +210,26 @@ class CoordinatorActor:
             transfer = f"v{target}-{uuid.uuid4().hex[:8]}"
             last: Exception | None = None
             dropped: list[str] = []
-            rejoined: list[str] = []
-            self._members.readmit(rejoined)  # hung engines that answer again take part in this refit
+            notes: list[str] = []  # the report's warnings about who joined or left before the commit
+            self._sweep(notes)  # lost nodes and lost capacity leave before anyone is called
+            self._members.readmit(notes)  # hung engines that answer again take part in this refit
+            owners_lost = False
             for attempt in range(s.config.commit.max_attempts):
                 if not s.required:
                     last = RefitError("no required engine is alive")
                     break
                 try:
                     report = self._attempt(transfer, attempt, base, target, t_start, request)
-                    return self._members.after_commit(report, dropped, rejoined)
+                    return self._members.after_commit(report, dropped, notes)
                 except ActorsDied as d:
                     if s.version == target:
                         return self._recovery.committed_anyway(transfer, attempt, d)
                     gone = [x for x in d.ids if x in s.engines]
                     if len(gone) < len(d.ids):  # an owner died: its data is gone, cannot continue
-                        last = RefitError(f"owner actor(s) died: {[x for x in d.ids if x not in gone]}")
+                        owners_lost = True
+                        last = RefitError(f"owner actor(s) {sorted(x for x in d.ids if x not in gone)} died, and "
+                                          f"their committed bits with them: replace each with Refit.replace_owner"
+                                          f"(owner_id, handle), an actor that holds the committed version's bits")
                         break
                     s.standings.heal(gone)  # re-created and healed after the commit (after_commit)
                     dropped += gone
@@ -236,21 +243,38 @@ class CoordinatorActor:
                     if isinstance(e, (BaselineError, ConfigError, CommitConflictError)):
                         break  # an owner's committed state, the setup or the record's owner: retrying cannot help
                 metrics.record("refit_retries")
+                try:  # whatever a lost node took goes in one pass, before anyone is called again
+                    self._sweep(notes)
+                except RefitError as e:  # an owner's node is gone: nothing to retry with
+                    owners_lost, last = True, e
+                    break
                 self._abort(transfer)
                 self._recovery.repair()
             dirty = self._abort(transfer, final=True)
             self._discard_pending()
-            restored = self._members.restore(dirty)
+            restored = self._members.restore(dirty, owners=not owners_lost)
             raise RefitError(
                 f"refit to version {target} failed after {attempt + 1} attempt(s); the "
                 f"committed version stays {base}{restored}. Last error: {type(last).__name__}: {last}"
             ) from last
 
+    def _sweep(self, notes: list[str]) -> None:
+        """Lost nodes and lost capacity, in one pass (:meth:`~dcr_ray.actors.outages.Outages.sweep`): the
+        engines that left heal in the background (re-created on a live node, or once their cluster can be
+        hosted again); ``notes`` gets the report's warnings. Raises ``RefitError`` if an owner's node is gone."""
+        found = self._outages.sweep()
+        if found.out_engines:
+            self._healer.schedule(found.out_engines, "its cluster is waiting for capacity", respawn=True)
+        if found.lost_engines:
+            self._healer.schedule(found.lost_engines, "its node is gone", respawn=True)
+        notes += [w for w in found.warnings(self._outages.waiting) if w not in notes]
+
     def _abort(self, transfer: str, final: bool = False) -> list[str]:
         """Close ``transfer`` on the required engines; with ``final``, the engines left dirty.
 
-        Waits for every engine: engines serve calls concurrently, so an abort still in flight could
-        otherwise close the next attempt that a later ``prepare`` just opened.
+        Waits for every engine (but not for one whose node is gone): engines serve calls concurrently,
+        so an abort still in flight could otherwise close the next attempt that a later ``prepare`` just
+        opened.
         """
         s = self._s
         calls = {e: s.engines[e].abort.remote(transfer, final) for e in s.required}
@@ -258,17 +282,14 @@ class CoordinatorActor:
             s.transport.release(transfer)
         except Exception as e:  # payload copies outlive the attempt; the engines must still be closed
             log.warning("dcr_ray: releasing the payloads of %s failed: %r", transfer, e)
-        dirty = []
-        for e, ref in calls.items():
-            try:
-                if ray.get(ref, timeout=s.config.commit.timeout_s)["dirty"]:
-                    dirty.append(e)
-            except (RayActorError, GetTimeoutError):
-                pass  # a dead or hung engine is dropped by the next refit's prepare
-            except Exception as err:  # its abort failed: what it holds is unknown, so it is restored densely
-                log.warning("dcr_ray: engine %s could not abort %s: %r", e, transfer, err)
-                if final:
-                    dirty.append(e)
+        out, _dead, errors = gather(calls, s.config.commit.timeout_s, "abort", s.lost("engine"))
+        dirty = [e for e, r in out.items() if r["dirty"]]
+        for e, err in errors.items():
+            if isinstance(err, NoAnswerError):
+                continue  # a hung engine is dropped by the next refit's prepare
+            log.warning("dcr_ray: engine %s could not abort %s: %r", e, transfer, err)
+            if final:  # its abort failed: what it holds is unknown, so it is restored densely
+                dirty.append(e)
         return sorted(dirty)
 
     def _attempt(self, transfer: str, attempt: int, base: int, target: int, t_start: float,
@@ -287,13 +308,14 @@ class CoordinatorActor:
         sink = s.transport.sink(req, req, every_cluster=True)
         s.set_phase("stream", transfer, attempt, target)
         sums = get_all({o: h.dcr_stream.remote(transfer, attempt, base, target, sink, base_id=base_id,
-                                                coding=choice.coding) for o, h in s.owners.items()}, t, "stream")
+                                                coding=choice.coding) for o, h in s.owners.items()}, t, "stream",
+                       s.lost("owner"), s.relays_lost)
         # the owners read the trainer's tensors no more from here: its next optimizer step may run
         t_released = t1 + max((x.get("released_s", 0.0) for x in sums.values()), default=0.0)
         keys = [k for x in sums.values() for k in x["payloads"]]
         s.set_phase("flush", transfer, attempt, target)
         acks = self._members.answers({e: s.engines[e].flush.remote(transfer, attempt, keys, t) for e in req},
-                                     "flush")
+                                     "flush", s.relays_lost)
         req = sorted(acks)  # without engines evicted as hung
         t2 = time.perf_counter()
         s.set_phase("commit", transfer, attempt, target)
@@ -308,7 +330,7 @@ class CoordinatorActor:
         promoting = {o: h.dcr_promote.remote(target) for o, h in s.owners.items()}
         # the engines serve v+1 from now, beside the owners' promote: their pause ends at the record
         activating = {e: s.engines[e].activate.remote(target, transfer) for e in req}
-        _, dead, errors = gather(promoting, t, "promote")
+        _, dead, errors = gather(promoting, t, "promote", s.lost("owner"))
         if dead or errors:
             bad = sorted({*dead, *errors})
             why = "; ".join(f"{o}: {e}" for o, e in errors.items()) or "actor died"
@@ -317,7 +339,7 @@ class CoordinatorActor:
                             f"Refit.replace_owner(owner_id, handle) (or relaunch the topology)")
         t_pro = time.perf_counter()
         s.set_phase("activate", transfer, attempt, target)
-        versions, dead, errors = gather(activating, t, "activate")
+        versions, dead, errors = gather(activating, t, "activate", s.lost("engine"))
         if dead:
             warnings += self._members.heal_later(dead, "died")
         if errors:
@@ -348,12 +370,11 @@ class CoordinatorActor:
         return report
 
     def _discard_pending(self) -> None:
-        """Owners drop their pending changed sets (their baselines stay the committed bits)."""
-        refs = [h.dcr_discard.remote() for h in self._s.owners.values()]
-        try:
-            ray.get(refs, timeout=self._s.config.commit.timeout_s)
-        except (RayActorError, GetTimeoutError):
-            pass  # a dead owner has nothing pending; a hung one fails the next refit's stream
+        """Owners drop their pending changed sets (their baselines stay the committed bits). A dead owner,
+        or one whose node is gone, has nothing pending; a hung one fails the next refit's stream."""
+        s = self._s
+        gather({o: h.dcr_discard.remote() for o, h in s.owners.items()}, s.config.commit.timeout_s, "discard",
+               s.lost("owner"))
 
     # -- membership, recovery and inspection (each delegated to its part) -----------------------------
     def rejoin(self, engine_id: str) -> dict:

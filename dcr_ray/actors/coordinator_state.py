@@ -25,6 +25,7 @@ from dcr_ray.actors.commit import CommitLog
 from dcr_ray.actors.standings import Standings
 from dcr_ray.actors.topology import Topology
 from dcr_ray.config import RefitConfig
+from dcr_ray.errors import RefitError
 from dcr_ray.relay.transport import Transport
 from dcr_ray.start_clock import StartClock
 
@@ -68,6 +69,25 @@ class CoordinatorState:
     @property
     def transport(self) -> Transport:
         return self.topology.transport
+
+    def lost(self, kind: str):
+        """``lost(ids)`` for :func:`~dcr_ray.actors.calls.gather`: those of ``ids`` (engines, relays or
+        owners, by ``kind``) whose node is gone (:class:`~dcr_ray.actors.nodes.NodeWatch`)."""
+        nodes = self.topology.nodes
+
+        def lost(ids: list[str]) -> list[str]:
+            gone = set(nodes.lost(f"{kind}:{i}" for i in ids))
+            return [i for i in ids if f"{kind}:{i}" in gone]
+        return lost
+
+    def relays_lost(self) -> Exception | None:
+        """For :func:`~dcr_ray.actors.calls.gather`'s ``broken``: an error when a relay of the transport
+        runs on a node that is gone (the payloads it carries will not arrive: the attempt fails now)."""
+        relays = self.transport.actors()
+        gone = self.topology.nodes.lost(f"relay:{r}" for r in relays) if relays else []
+        if not gone:
+            return None
+        return RefitError(f"relay(s) {sorted(k.split(':', 1)[1] for k in gone)} are on a node that is gone")
 
     def set_phase(self, phase: str, transfer: str | None = None, attempt: int | None = None,
                   target: int | None = None) -> None:

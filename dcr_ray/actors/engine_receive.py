@@ -316,8 +316,11 @@ class Receiver:
     def abort(self, transfer: str, final: bool = False) -> dict:
         """Leave the open attempt of ``transfer``; its next attempt re-prepares.
 
-        Between attempts the bits an attempt wrote in place stay: the next attempt OVERWRITEs the
-        whole changed set, which repairs them. With ``final=True`` the transfer is abandoned: an engine
+        Between attempts (``final=False``) an engine that keeps an undo record of the transfer's writes
+        rolls them back in place and serves its committed version until the next attempt's prepare: a
+        refit that retries (a node lost elsewhere, a slow cluster) does not keep it paused. An engine
+        without one keeps the bits and stays paused: the next attempt OVERWRITEs the whole changed set,
+        which repairs them. With ``final=True`` the transfer is abandoned: an engine
         with an undo record of every write it made (:mod:`~dcr_ray.codec.undo`) rolls back in place and
         keeps its committed version; otherwise the bits it wrote belong to no version, so it holds none
         (``dirty``), refuses deltas and generation, and must be bootstrapped densely (the coordinator
@@ -332,7 +335,8 @@ class Receiver:
             if final and self._forwarded == transfer and st.written != transfer:
                 self._forwarded = None
                 self._abandon_forwarded(transfer)
-            if final and st.written == transfer and self._rolled_back(transfer):
+            between = not final and st.written == transfer and c.undo.transfer == transfer
+            if (final or between) and st.written == transfer and self._rolled_back(transfer):
                 st.rolled_back()
                 c.count("rollbacks")
                 c.pause.end(transfer, "rolled back", st.version)

@@ -22,6 +22,13 @@ while the refits go on without it. Where its bits come from, in order of prefere
    whole, or a healing adopted engine, whose bits are not addressable): a dense bootstrap through the
    transport, once per cluster.
 
+An engine whose cluster no live node can host (its region is gone) *waits for capacity*: it is not
+re-created (Ray would hold it pending, and a wait for it would sit on someone's path), its row says
+``waiting for capacity`` and since when, and the worker looks again every :data:`CAPACITY_POLL_S`; once
+a node with the cluster's resources joins, the cluster's relays are created anew
+(:meth:`~dcr_ray.actors.outages.Outages.regain`) and the engine heals as above, from a peer of another
+cluster first.
+
 A healing engine joins the required set under the coordinator's lock, and only if the version it
 took is still the committed one; if a refit committed meanwhile, it takes the newer version the
 same way (a bounded number of rounds, then it stays out and says why). A part of
@@ -44,6 +51,8 @@ from ray.exceptions import RayActorError
 from dcr_ray import metrics
 from dcr_ray.actors.bootstrap import Bootstrap
 from dcr_ray.actors.coordinator_state import CoordinatorState
+from dcr_ray.actors.outages import Outages
+from dcr_ray.errors import RefitError
 
 log = logging.getLogger("dcr_ray")
 
@@ -56,6 +65,14 @@ HEALED_KEPT = 20
 TOOK = ("owner_bytes", "copy_bytes", "cross_bytes", "delta_bytes", "steps", "lock_seconds")
 #: Pause before another round when a peer was busy (inside a transfer) or a copy went stale.
 RETRY_PAUSE_S = 0.5
+#: How often engines waiting for capacity, and a re-created engine still starting, are looked at again.
+CAPACITY_POLL_S = 1.0
+#: The phase of an engine whose cluster no live node can host.
+WAITING = "waiting for capacity"
+
+
+class NoCapacity(Exception):
+    """No live node can host the engine's cluster: it waits (see the module doc)."""
 
 
 class _TimedLock:
@@ -78,16 +95,17 @@ class _TimedLock:
 def _record(e: str, reason: str | None, respawn: bool) -> dict:
     """A healing engine's row: its phase, why it heals, and what it took so far (``sources`` in order)."""
     return {"engine": e, "phase": "queued", "reason": reason, "respawn": respawn, "source": None,
-            "since": time.time(), "rounds": 0, "error": None, "sources": [], "start_seconds": None,
-            **dict.fromkeys(TOOK, 0)}
+            "since": time.time(), "waiting_since": None, "rounds": 0, "error": None, "sources": [],
+            "start_seconds": None, "created_at": None, **dict.fromkeys(TOOK, 0)}
 
 
 class Healing:
     """The coordinator's healing table and worker: :meth:`schedule`, :meth:`heal_now`, :meth:`status`."""
 
-    def __init__(self, state: CoordinatorState, bootstrap: Bootstrap):
+    def __init__(self, state: CoordinatorState, bootstrap: Bootstrap, outages: Outages):
         self._s = state
         self._bootstrap = bootstrap
+        self._outages = outages
         self._table: dict[str, dict] = {}  # engine id -> its healing record (what status() shows)
         self._guard = threading.Lock()  # guards the table and the worker's start
         self._worker: threading.Thread | None = None
@@ -130,7 +148,13 @@ class Healing:
         self._s.standings.heal([engine_id])
         with self._guard:
             self._table[engine_id] = _record(engine_id, reason, respawn)
-        return self._heal(engine_id)
+        try:
+            return self._heal(engine_id)
+        except NoCapacity as err:
+            self.schedule([], "waiting for capacity", respawn=False)  # the worker watches for capacity
+            raise RefitError(f"engine {engine_id}: no live node can host cluster {err}; it waits for capacity and "
+                             f"heals when a node with the cluster's resources joins (Refit.status()['healing'])"
+                             ) from None
 
     def status(self) -> dict:
         """``{"healing": {engine id: {"phase", "reason", "source", "since", "rounds", "error", ...}},
@@ -143,7 +167,8 @@ class Healing:
         ``delta_bytes`` / ``steps``: the missed deltas replayed from the catch-up window;
         ``lock_seconds``: how long it held the coordinator's lock (refits wait only for that)."""
         with self._guard:
-            return {"healing": {e: {k: v for k, v in r.items() if k != "respawn"} for e, r in self._table.items()},
+            return {"healing": {e: {k: v for k, v in r.items() if k not in ("respawn", "created_at")}
+                                for e, r in self._table.items()},
                     "healed": list(self.healed)}
 
     # -- the work ----------------------------------------------------------------------------------
@@ -151,14 +176,24 @@ class Healing:
         while True:
             with self._guard:
                 todo = sorted(e for e, r in self._table.items() if r["phase"] == "queued")
-                if not todo:
+                waiting = sorted(e for e, r in self._table.items() if r["phase"] == WAITING)
+                if not todo and not waiting:
                     self._worker = None
                     return
+            for e in waiting:  # capacity came back: heal it now
+                if self._outages.can_host(self._s.topology.engine_cluster[e]):
+                    self._set(e, phase="queued")
+                    todo.append(e)
+            self._recreate([e for e in todo if self._table[e]["respawn"]])
             for e in todo:
                 try:
                     self._heal(e)
+                except NoCapacity:
+                    pass  # it waits: looked at again below
                 except Exception as err:  # recorded; queued again after the next commit (or Refit.rejoin)
                     log.warning("dcr_ray: healing engine %s failed: %r", e, err)
+            if not todo:
+                time.sleep(CAPACITY_POLL_S)
 
     def _set(self, e: str, **kw) -> None:
         with self._guard:
@@ -169,6 +204,12 @@ class Healing:
         try:
             self._start(e)
             out = self._rounds(e)
+        except NoCapacity:
+            with self._guard:
+                rec = self._table[e]
+                if rec["phase"] != WAITING:
+                    rec.update(phase=WAITING, waiting_since=time.time(), respawn=True)
+            raise
         except Exception as err:
             self._set(e, phase="failed", error=f"{type(err).__name__}: {err}")
             raise
@@ -202,28 +243,61 @@ class Healing:
             for k, n in nbytes.items():
                 rec[k] += n
 
+    def _recreate(self, engine_ids: list[str]) -> None:
+        """Re-create the engines in ``engine_ids`` whose cluster can be hosted, all at once (a lost node's
+        engines start side by side, not one heal after another); the others wait for capacity in their
+        heal. Each then heals in turn (:meth:`_start` waits for it to answer)."""
+        s = self._s
+        ready = [e for e in engine_ids if self._outages.can_host(s.topology.engine_cluster[e])]
+        for e in ready:
+            self._set(e, phase="re-creating")
+            s.topology.retire(e, s.config)  # its name is released before the lock is taken
+        for e in ready:
+            with self._holding(e, s.lock):
+                if not self._outages.regain(s.topology.engine_cluster[e]):  # its relays come back first
+                    continue
+                s.topology.respawn(e, s.config)
+            self._set(e, respawn=False, phase="starting", created_at=time.perf_counter())
+
     def _start(self, e: str) -> None:
         """Re-create ``e`` if its actor died (now or while it starts), and wait until its backend loaded
-        (the model is built): no lock is held and nothing is copied meanwhile."""
+        (the model is built): no lock is held and nothing is copied meanwhile. Raises :class:`NoCapacity`
+        when no live node can host its cluster (before it is re-created, or while it waits to start)."""
         s = self._s
+        cluster = s.topology.engine_cluster[e]
         for _ in range(MAX_ROUNDS):
-            created = None
             if self._table[e]["respawn"]:
-                self._set(e, phase="re-creating")
-                s.topology.retire(e, s.config)  # its name is released before the lock is taken
-                with self._holding(e, s.lock):
-                    s.topology.respawn(e, s.config)
-                created = time.perf_counter()
-                self._set(e, respawn=False)
+                if not self._outages.can_host(cluster):
+                    raise NoCapacity(cluster)
+                self._recreate([e])
+                if self._table[e]["respawn"]:  # its cluster lost its capacity meanwhile
+                    raise NoCapacity(cluster)
             self._set(e, phase="starting")
             try:
-                ray.get(s.engines[e].get_version.remote(), timeout=s.config.commit.start_timeout_s)
+                self._started(e, cluster)
+                created = self._table[e].get("created_at")
                 if created is not None:  # re-created to ready to heal: its process, imports and backend
-                    self._set(e, start_seconds=time.perf_counter() - created)
+                    self._set(e, start_seconds=time.perf_counter() - created, created_at=None)
                 return
             except RayActorError:
                 self._set(e, respawn=True)
         raise RuntimeError(f"engine {e} died {MAX_ROUNDS} times while it was re-created")
+
+    def _started(self, e: str, cluster: str) -> None:
+        """Wait until ``e`` answers (its backend loaded), looking every :data:`CAPACITY_POLL_S` whether its
+        cluster can still be hosted: an engine Ray cannot place is killed and waits for capacity."""
+        s = self._s
+        ref = s.engines[e].get_version.remote()
+        deadline = time.monotonic() + s.config.commit.start_timeout_s
+        while not ray.wait([ref], timeout=CAPACITY_POLL_S)[0]:
+            if not self._outages.can_host(cluster) or s.topology.nodes.lost([f"engine:{e}"]):
+                s.topology.retire(e, s.config)
+                self._set(e, respawn=True)
+                raise NoCapacity(cluster)
+            if time.monotonic() > deadline:
+                raise RefitError(f"engine {e} did not start within {s.config.commit.start_timeout_s:.0f} s "
+                                 f"(CommitConfig.start_timeout_s)")
+        ray.get(ref)
 
     def retry_failed(self) -> list[str]:
         """Queue again every engine whose healing failed (the coordinator calls it after each commit);

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from dcr_ray.actors.calls import gather
 from dcr_ray.actors.coordinator_state import CoordinatorState
 from dcr_ray.actors.healing import Healing
+from dcr_ray.actors.outages import Outages
 
 #: ``status(detail=True)`` waits this long for each engine's state, and lists this many past refits.
 STATUS_TIMEOUT_S = 10.0
@@ -24,9 +25,10 @@ PROGRESS_TIMEOUT_S = 2.0
 class Inspection:
     """``status`` and ``progress`` of the coordinator, read from its shared state and its healing table."""
 
-    def __init__(self, state: CoordinatorState, healer: Healing):
+    def __init__(self, state: CoordinatorState, healer: Healing, outages: Outages):
         self._s = state
         self._healer = healer
+        self._outages = outages
 
     def progress(self) -> dict:
         """Lock-free: the phase in flight, and the decompressed bytes the engines in it validated so
@@ -47,7 +49,8 @@ class Inspection:
     def status(self, detail: bool = False) -> dict:
         """The committed version and record, the required engines and every engine's standing
         (``standings``: required, joining, evicted, healing, out), the refit in flight (``phase``), the
-        engines healing in the background (``healing``, and the last completed heals in ``healed``) and,
+        engines healing in the background (``healing``, and the last completed heals in ``healed``), the
+        clusters waiting for capacity (``capacity``: since when, and what their actors ask of a node) and,
         with ``detail``, each engine's state, the relays per cluster and the last refits
         (:mod:`dcr_ray.status` formats it for ``dcr-ray status``)."""
         s = self._s
@@ -56,10 +59,10 @@ class Inspection:
                "standings": s.standings.as_dict(), "engines": sorted(s.engines), "owners": sorted(s.owners),
                "clusters": list(s.topology.clusters), "transport": s.transport.kind,
                "commit_record": None if rec is None else asdict(rec), "phase": dict(s.phase),
-               **self._healer.status()}
+               "capacity": self._outages.status(), **self._healer.status()}
         if detail:
             states, dead, errors = gather({e: h.state.remote() for e, h in s.engines.items()}, STATUS_TIMEOUT_S,
-                                          "status")
+                                          "status", s.lost("engine"))
             for e in dead:
                 states[e] = {"engine": e, "phase": "dead"}
             for e in errors:
@@ -84,7 +87,8 @@ class Inspection:
         relay's ``worker`` (process start, imports, arguments), ``backend`` and ``kernels`` seconds.
         Lock-free; an actor that does not answer within the status timeout is left out."""
         s = self._s
-        infos, _, _ = gather({e: h.info.remote() for e, h in s.engines.items()}, STATUS_TIMEOUT_S, "status")
+        infos, _, _ = gather({e: h.info.remote() for e, h in s.engines.items()}, STATUS_TIMEOUT_S, "status",
+                             s.lost("engine"))
         try:
             relays = {r["relay"]: r.get("start") for r in s.transport.stats()}
         except Exception:  # noqa: BLE001 - a transport without relays, or a dead one: no relay rows

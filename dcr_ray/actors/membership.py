@@ -30,7 +30,7 @@ from dcr_ray.actors.calls import ActorsDied, NoAnswerError, gather
 from dcr_ray.actors.coordinator_state import CoordinatorState
 from dcr_ray.actors.healing import Healing
 from dcr_ray.actors.standings import Standing
-from dcr_ray.errors import ConfigError
+from dcr_ray.errors import ConfigError, RefitError
 from dcr_ray.report import RefitReport
 
 log = logging.getLogger("dcr_ray")
@@ -52,12 +52,12 @@ class Membership:
         """Engines that did not answer a stage in time and have not answered since."""
         return self._s.standings.with_standing(Standing.EVICTED)
 
-    def answers(self, calls: dict, stage: str) -> dict:
+    def answers(self, calls: dict, stage: str, broken=None) -> dict:
         """Results of one engine stage. A dead engine raises :class:`ActorsDied`; an engine that is alive
         but does not answer within the stage timeout is *evicted* (it leaves the required set, and rejoins
         once it answers again, see :meth:`readmit`) while the others go on; any other error fails the attempt."""
         s = self._s
-        out, dead, errors = gather(calls, s.config.commit.timeout_s, stage)
+        out, dead, errors = gather(calls, s.config.commit.timeout_s, stage, s.lost("engine"), broken)
         if dead:
             raise ActorsDied(dead)
         hung = sorted(e for e, err in errors.items() if isinstance(err, NoAnswerError))
@@ -183,12 +183,15 @@ class Membership:
             ray.get(s.engines[engine_id].invalidate.remote(str(why)), timeout=s.config.commit.timeout_s)
         self._healer.heal_now(engine_id, f"invalidated: {why}", respawn=False)
 
-    def restore(self, dirty: list[str]) -> str:
-        """Dense re-bootstrap of engines an abandoned refit wrote into; a note for the error message."""
+    def restore(self, dirty: list[str], owners: bool = True) -> str:
+        """Dense re-bootstrap of engines an abandoned refit wrote into; a note for the error message.
+        Without ``owners`` (one of them is lost) nobody can send the committed bits: they leave at once."""
         if not dirty:
             return ""
         s = self._s
         try:
+            if not owners:
+                raise RefitError("an owner is lost")
             self._bootstrap.dense(dirty)
             log.warning("dcr_ray: re-bootstrapped %s to version %d after an abandoned refit", dirty, s.version)
             return f"; {dirty} were re-bootstrapped densely to it"

@@ -17,7 +17,8 @@ from dcr_ray.config import ClusterSpec
 from dcr_ray.errors import ConfigError
 
 
-def _bundle(c: ClusterSpec) -> dict[str, float]:
+def bundle(c: ClusterSpec) -> dict[str, float]:
+    """What one started engine of ``c`` asks of a node (one placement bundle)."""
     b = dict(c.resources)
     if c.gpus_per_engine:
         b["GPU"] = c.gpus_per_engine
@@ -46,13 +47,13 @@ def reserve(c: ClusterSpec, timeout_s: float, namespace: str):
     """The ready placement group of cluster ``c`` (None when it asks for none)."""
     if c.placement is None or not c.started:
         return None
-    pg = ray.util.placement_group([_bundle(c)] * c.started, strategy=c.placement, name=pg_name(c, namespace),
+    pg = ray.util.placement_group([bundle(c)] * c.started, strategy=c.placement, name=pg_name(c, namespace),
                                   lifetime="detached")
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except GetTimeoutError:
         ray.util.remove_placement_group(pg)
-        raise ConfigError(f"cluster {c.name!r}: Ray could not place {c.started} bundles of {_bundle(c)} with "
+        raise ConfigError(f"cluster {c.name!r}: Ray could not place {c.started} bundles of {bundle(c)} with "
                           f"strategy {c.placement} within {timeout_s:.0f} s; lower gpus_per_engine / "
                           f"cpus_per_engine, add nodes, or relax the strategy") from None
     return pg

@@ -12,6 +12,11 @@ Engines, relays and placement groups are *detached*: they do not share the coord
 coordinator that resumes finds them again by name (:meth:`Topology.reconnect`), and an engine that
 died is re-created in its place (:meth:`Topology.respawn`) and heals in the background (from a peer of its
 cluster where one holds the committed version: :mod:`~dcr_ray.actors.healing`).
+
+The topology also knows where its actors run and which nodes are alive (:attr:`Topology.nodes`, a
+:class:`~dcr_ray.actors.nodes.NodeWatch`): an engine or relay re-created after a node was lost is placed
+on a node that is alive (:meth:`Topology.near`), never left to land on the lost one while Ray has not
+noticed yet.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ from typing import Any
 
 import ray
 
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from dcr_ray.actors import placement
 from dcr_ray.actors.engine import EngineActor
+from dcr_ray.actors.nodes import NodeWatch
 from dcr_ray.actors.held_owner import actor_handle, owner_endpoint
 from dcr_ray.config import ClusterSpec, RefitConfig
 from dcr_ray.options import NAME_RELEASE_S, actor_options, create_named
@@ -55,6 +63,43 @@ class Topology:
         self.pgs: dict[str, Any] = {}
         self._plan: dict[str, tuple[str, Any, int | None]] = {}  # engine id -> (cluster, factory, bundle)
         self.adopted: set[str] = set()  # ids of engines dcr_ray did not start (ClusterSpec.adopt)
+        self.nodes = NodeWatch()  #: the live nodes, and where each engine, relay and owner runs
+        transport.place_with(lambda cluster: self.near(cluster, relay=True))
+
+    # -- where actors run ---------------------------------------------------------------------------
+    def needs(self, cluster: str) -> dict[str, float]:
+        """What one actor of ``cluster`` asks of a node: an engine's bundle where the cluster starts
+        engines (its resources, GPUs, CPUs), else its resources (relays and adopted engines' proxies)."""
+        c = self.clusters[cluster]
+        return placement.bundle(c) if c.started else dict(c.resources)
+
+    def can_host(self, cluster: str) -> bool:
+        """Whether a live node offers what an actor of ``cluster`` asks (see :meth:`needs`)."""
+        return self.nodes.can_host(self.needs(cluster))
+
+    def near(self, cluster: str, relay: bool = False) -> dict:
+        """Ray options that put an actor re-created now in ``cluster`` on a live node that can host it: a
+        relay beside the most live engines of its cluster, an engine on the host with the fewest. Empty
+        when no live node can host it (Ray then holds it pending until one joins)."""
+        hosts = self.nodes.hosts(self.needs(cluster))
+        if not hosts:
+            return {}
+        load = dict.fromkeys(hosts, 0)
+        for e, c in self.engine_cluster.items():
+            n = self.nodes.node_of(f"engine:{e}") if c == cluster else None
+            if n in load:
+                load[n] += 1
+        node = (max if relay else min)(hosts, key=lambda h: (load[h], h))
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
+
+    def locate(self) -> None:
+        """Ask every engine, relay and owner the coordinator holds where it runs (each once per handle)."""
+        for e, h in self.engines.items():
+            self.nodes.locate(f"engine:{e}", h)
+        for r, h in self.transport.actors().items():
+            self.nodes.locate(f"relay:{r}", h)
+        for o, h in self.owners.items():
+            self.nodes.locate(f"owner:{o}", actor_handle(h))
 
     def _plan_engines(self, backend_factory, config: RefitConfig) -> None:
         for c in self.clusters.values():
@@ -69,11 +114,14 @@ class Topology:
         """Whether engine ``eid`` is one dcr_ray did not start (its bootstrap first checks digests)."""
         return eid in self.adopted
 
-    def _spawn(self, eid: str, config: RefitConfig):
+    def _spawn(self, eid: str, config: RefitConfig, placed: bool = False):
         cname, factory, bundle = self._plan[eid]
         c = self.clusters[cname]
+        where = placement.engine_options(c, self.pgs.get(cname), bundle)
+        if placed and "scheduling_strategy" not in where:  # re-created: on a live node (its bundle's, with a group)
+            where.update(self.near(cname))
         opts = actor_options("engine", engine_name(eid), detached=True, namespace=config.namespace,
-                             user=config.actor_options, **placement.engine_options(c, self.pgs.get(cname), bundle))
+                             user=config.actor_options, **where)
         return create_named(lambda: ray.remote(EngineActor).options(**opts).remote(
             eid, cname, factory, config, self.transport.reader(cname)), engine_name(eid), namespace=config.namespace)
 
@@ -123,8 +171,9 @@ class Topology:
             ray.kill(self.engines[eid], no_restart=True)
         except Exception:
             pass  # already gone
-        self.engines[eid] = self._spawn(eid, config)
+        self.engines[eid] = self._spawn(eid, config, placed=True)
         self.transport.reconnect(list(self.clusters.values()), self.engines, self.engine_cluster)
+        self.locate()
         return self.engines[eid]
 
     def teardown(self) -> None:

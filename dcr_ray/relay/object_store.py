@@ -11,7 +11,7 @@ replayed; delete them from the store at will).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from dcr_ray.codec import PayloadKey
 from dcr_ray.errors import ConfigError
@@ -104,8 +104,17 @@ class ObjectStoreTransport:
         self.build(clusters, engines, engine_cluster)
 
     def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
-               timeout_s: float = 10.0) -> list[str]:
+               timeout_s: float = 10.0, lost: Iterable[str] = ()) -> list[str]:
         return []  # no actors of its own
+
+    def place_with(self, near) -> None:
+        pass  # no actors to place
+
+    def suspend(self, cluster: str) -> list[str]:
+        return []  # engines read the store themselves: nothing to take out
+
+    def resume(self, cluster, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
+        self.build([], engines, engine_cluster)
 
     def sink(self, targets: list[str] | None, required: list[str], *, every_cluster: bool = False) -> ObjectStoreSink:
         # one store for every cluster: what is written stays for the window whoever reads it

@@ -8,7 +8,7 @@ ref argument that Ray resolves before ``deliver`` runs.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import ray
 
@@ -74,6 +74,8 @@ class RelayTransport:
         self.heads: dict[str, Any] = {}
         self.relays: dict[str, Any] = {}
         self._engine_cluster: dict[str, str] = {}
+        self._near: Callable[[str], dict] | None = None
+        self.suspended: set[str] = set()  # clusters out for lack of capacity (no relay of theirs runs)
 
     def reader(self, cluster: str) -> BytesReader:
         return BytesReader()
@@ -84,28 +86,65 @@ class RelayTransport:
 
     def reconnect(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
         """Find the relays of every cluster by name, create the ones that are gone, and route every relay
-        to the current engine handles (a resumed coordinator, a re-created engine or relay)."""
-        self._wire(clusters, engines, engine_cluster, find=True)
+        to the current engine handles (a resumed coordinator, a re-created engine or relay). Clusters that
+        are suspended stay out."""
+        self._wire([c for c in clusters if c.name not in self.suspended], engines, engine_cluster, find=True)
 
     def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
-               timeout_s: float = 10.0) -> list[str]:
-        """Re-create relays that died (each cluster's tree is re-planned around them); returns their ids."""
-        dead = []
-        for rid, r in self.relays.items():
-            try:
-                ray.get(r.stats.remote(), timeout=timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                dead.append(rid)
+               timeout_s: float = 10.0, lost: Iterable[str] = ()) -> list[str]:
+        """Re-create relays that died, and those in ``lost`` (their node is gone: a call to them would wait
+        until Ray notices), re-planning each cluster's tree around them; returns their ids. The others are
+        asked at once whether they live, and given ``timeout_s`` together to answer."""
+        lost = {r for r in lost if r in self.relays}
+        ask = {rid: r.stats.remote() for rid, r in self.relays.items() if rid not in lost}
+        ready, _ = ray.wait(list(ask.values()), num_returns=len(ask), timeout=timeout_s) if ask else ([], [])
+        dead = set(lost)
+        for rid, ref in ask.items():
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    dead.add(rid)
         if dead:
             for rid in dead:
                 try:
-                    ray.kill(self.relays[rid], no_restart=True)
+                    ray.kill(self.relays[rid], no_restart=True)  # frees its name at once, even on a lost node
                 except Exception:
                     pass
-            self._wire(clusters, engines, engine_cluster, find=True, replace=set(dead))
+            live = [c for c in clusters if c.name not in self.suspended]
+            self._wire(live, engines, engine_cluster, find=True, replace=dead)
         return sorted(dead)
 
-    def _wire(self, clusters, engines, engine_cluster, *, find: bool, replace: set[str] = frozenset()) -> None:
+    def place_with(self, near: Callable[[str], dict]) -> None:
+        """``near(cluster)``: extra Ray options (a scheduling strategy) of the relays created from now on in
+        that cluster (the coordinator keeps them off nodes that are gone)."""
+        self._near = near
+
+    def suspend(self, cluster: str) -> list[str]:
+        """Take ``cluster`` out (no live node can host it): its relays are killed, and no sink, window,
+        count or release reaches it until :meth:`resume`. Returns the relay ids it had."""
+        self.suspended.add(cluster)
+        gone = sorted(rid for rid in self.relays if rid.split("/", 1)[0] == cluster)
+        for rid in gone:
+            try:
+                ray.kill(self.relays.pop(rid), no_restart=True)
+            except Exception:
+                pass
+        self.heads.pop(cluster, None)
+        return gone
+
+    def resume(self, cluster, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
+        """``cluster`` (a :class:`~dcr_ray.config.ClusterSpec`) can be hosted again: its relay tree is
+        created anew, routed to ``engines``."""
+        self.suspended.discard(cluster.name)
+        self._wire([cluster], engines, engine_cluster, find=False, placed=True)
+
+    def _wire(self, clusters, engines, engine_cluster, *, find: bool, replace: set[str] = frozenset(),
+              placed: bool | None = None) -> None:
+        """Plan and create (or, with ``find``, find by name) each cluster's relays and route them. A relay
+        created in place of one that is gone (``placed``: by default whenever it finds relays) takes the
+        placement :meth:`place_with` gives; the first build leaves placement to Ray."""
+        placed = find if placed is None else placed
         Relay = ray.remote(RelayActor)
         self._engine_cluster = dict(engine_cluster)
         for c in clusters:
@@ -122,7 +161,8 @@ class RelayTransport:
                     except ValueError:
                         pass  # gone: create it again
                 opts = actor_options("relay", name, resources=c.resources, detached=True,
-                                     namespace=self.config.namespace, user=self.config.actor_options)
+                                     namespace=self.config.namespace, user=self.config.actor_options,
+                                     **(self._near(c.name) if placed and self._near is not None else {}))
                 cross = self.on_cross.get(c.name) if head else None
                 made[node.relay_id] = create_named(  # called at once: the loop variables are current
                     lambda: Relay.options(**opts).remote(node.relay_id, c.name, head=head, on_cross=cross,

@@ -20,7 +20,7 @@ A transport may also be wrapped (benchmarks wrap one to emulate slow links, see
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
 from dcr_ray.codec import PayloadKey
 from dcr_ray.relay.window import CommittedStep
@@ -64,8 +64,21 @@ class Transport(Protocol):
         coordinator, a re-created engine); create any that are gone."""
 
     def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
-               timeout_s: float = 10.0) -> list[str]:
-        """Re-create the transport's actors that died (re-planning around them); returns their ids."""
+               timeout_s: float = 10.0, lost: Iterable[str] = ()) -> list[str]:
+        """Re-create the transport's actors that died, and those in ``lost`` (ids of actors whose node is
+        gone), re-planning around them; returns their ids. Never waits on an actor in ``lost``."""
+
+    def place_with(self, near: Callable[[str], dict]) -> None:
+        """``near(cluster)``: extra Ray options (a scheduling strategy) of the actors the transport creates
+        in that cluster from now on (the coordinator keeps them off nodes that are gone)."""
+
+    def suspend(self, cluster: str) -> list[str]:
+        """Take ``cluster`` out while no live node can host it: its actors are killed and no sink, window,
+        count or release reaches it until :meth:`resume`; returns the ids of the actors it had."""
+
+    def resume(self, cluster, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
+        """``cluster`` (a :class:`~dcr_ray.config.ClusterSpec`) can be hosted again: what the transport
+        needs there is created anew, routed to ``engines``."""
 
     def sink(self, targets: list[str] | None, required: list[str], *, every_cluster: bool = False) -> Sink:
         """A sink that reaches ``targets`` (engine ids), or every engine in ``required`` when None. With

@@ -124,8 +124,17 @@ class EmulatedLinks:
     def reconnect(self, clusters, engines, engine_cluster) -> None:
         self.inner.reconnect(clusters, engines, engine_cluster)
 
-    def repair(self, clusters, engines, engine_cluster, timeout_s: float = 10.0) -> list[str]:
-        return self.inner.repair(clusters, engines, engine_cluster, timeout_s)
+    def repair(self, clusters, engines, engine_cluster, timeout_s: float = 10.0, lost=()) -> list[str]:
+        return self.inner.repair(clusters, engines, engine_cluster, timeout_s, lost)
+
+    def place_with(self, near) -> None:
+        self.inner.place_with(near)
+
+    def suspend(self, cluster: str) -> list[str]:
+        return self.inner.suspend(cluster)
+
+    def resume(self, cluster, engines, engine_cluster) -> None:
+        self.inner.resume(cluster, engines, engine_cluster)
 
     def sink(self, targets, required, *, every_cluster: bool = False):
         return self.inner.sink(targets, required, every_cluster=every_cluster)
