@@ -46,9 +46,11 @@ class Sweep:
     out_engines: list[str] = field(default_factory=list)  #: required engines of clusters now waiting
 
     def warnings(self, since: dict[str, float]) -> list[str]:
-        out = [f"cluster {c!r} is waiting for capacity since {time.strftime('%H:%M:%S', time.localtime(since[c]))}: no "
+        """The report's warnings: every cluster waiting for capacity (``since``: when each began), and what
+        this sweep changed."""
+        out = [f"cluster {c!r} is waiting for capacity since {time.strftime('%H:%M:%S', time.localtime(t))}: no "
                f"live node offers what its engines ask; refits commit without it, and its engines heal when a "
-               f"node with its resources joins (Refit.status()['capacity'])" for c in self.waiting]
+               f"node with its resources joins (Refit.status()['capacity'])" for c, t in sorted(since.items())]
         out += [f"cluster {c!r} can be hosted again: its relays were re-created and its engines heal in the "
                 f"background" for c in self.regained]
         out += [f"engine {e}'s node is gone: it left this refit and is re-created and healed after the commit"
