@@ -17,10 +17,15 @@ during the refit:
   attempt is lost, sent twice, sent after the next one, or held :data:`~dcr_ray.testing.payload_faults.
   DELAY_S` (:class:`~dcr_ray.testing.payload_faults.PayloadFaults` wraps the real relay transport);
 * ``stall_engine``: a random engine's flush hangs past the stage timeout (it is evicted, the others
-  commit, and it rejoins when it answers).
+  commit, and it rejoins when it answers);
+* node faults, real ones (``Cluster.remove_node(node, allow_graceful=False)``: the raylet, the object
+  store and every worker of the node at once): ``kill_node_mid_refit`` (a random rollout node, during
+  the refit), ``kill_node_between_refits`` (before it) and ``lose_cluster`` (every node of a random
+  rollout cluster, before it). After the refit a node of that cluster is added again (``add_node``:
+  capacity returns), and its engines heal in the background.
 
 The last refit of a run longer than one pass over the kinds is quiet, so the fleet shows whether it
-healed.
+healed. Cluster ``a`` starts on two nodes and ``b`` on one.
 
 After every committed version every required engine is compared bit for bit (integer views) with the
 owners. The JSON has the fields of the issue's chaos suite: refits, committed, faults_injected,
@@ -29,7 +34,9 @@ hung_waits, engines_at_end, engines_configured (counted after the engines healin
 are done), dense_rebootstraps (engines the owners sent the whole model to: heals with no peer left in
 the cluster, and restores after abandoned refits), recreated_engines (re-created after a death),
 healed_from_peer / healed_from_window / healed_from_owners (where healing engines got their bits first;
-``owners`` if the owners sent anything), in_place_rollbacks.
+``owners`` if the owners sent anything), in_place_rollbacks, node_faults (each node fault and each
+``add_node`` counted), generation_refused (required engines that refused a generate call after a
+committed refit: a cluster that is fine must serve, whatever happened to the others).
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ import time
 from collections import Counter
 
 FAULT_KINDS = ("kill_engine", "kill_relay", "kill_coordinator", "kill_owner", "flip_bytes", "wrong_key",
-               "truncate", "stale_replay", "drop", "duplicate", "reorder", "delay", "stall_engine")
+               "truncate", "stale_replay", "drop", "duplicate", "reorder", "delay", "stall_engine",
+               "kill_node_mid_refit", "kill_node_between_refits", "lose_cluster")
+NODE_KINDS = ("kill_node_mid_refit", "kill_node_between_refits", "lose_cluster")
 PAYLOAD_KINDS = ("drop", "duplicate", "reorder", "delay")
 #: Stage timeout of the chaos topology (``run_chaos(stage_timeout_s=...)``), and how much longer than it a
 #: stalled engine hangs.
@@ -120,7 +129,7 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from dcr_ray.testing.clusters import start_local_clusters, stop_local_clusters
+    from dcr_ray.testing.clusters import LocalClusters
 
     import dcr_ray
     from dcr_ray.testing import payload_faults
@@ -133,7 +142,8 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
     from dcr_ray import progress as bars
 
     say = (lambda m: tqdm.write(f"[chaos] {m}", file=progress)) if progress else (lambda m: None)
-    cluster = start_local_clusters(("a", "b"))
+    nodes = LocalClusters(("a", "b"))
+    nodes.add("a")  # a on two nodes: a node fault there leaves the cluster capacity; b on one
     spec = ModelSpec(size="tiny")
     Trainer = ray.remote(num_cpus=0, resources={"train": 0.01})(TinyTrainer)
     steps: list[int] = []
@@ -152,7 +162,7 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
     config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(key=KEY, bucket_bytes=1 << 17, chunk_elems=1 << 13),
                                  commit=dcr_ray.CommitConfig(dir=os.path.join(work, "commit"),
                                                              timeout_s=stage_timeout_s),
-                                 actor_options={"coordinator": {"resources": {"train": 0.01}}})
+                                 actor_options={"coordinator": {"resources": LocalClusters.HEAD}})
     # signal files armed per refit: all "nodes" of this cluster share this machine's file system
     payload_signal, stall_signal = os.path.join(work, "payload_fault"), os.path.join(work, "stall")
     refit = dcr_ray.launch(owners=owners, clusters=clusters, config=config,
@@ -163,7 +173,8 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
     rng = random.Random(seed + 1)
     stats = Counter()
     by_kind, survived = Counter(), Counter()
-    mismatched, recreated, t0 = 0, 0, time.monotonic()
+    mismatched, recreated, refused, t0 = 0, 0, 0, time.monotonic()
+    node_faults = Counter()
     healed: dict[tuple, list] = {}  # (engine, when) -> where its bits came from, round by round
     failures: list[str] = []  # messages of refits that failed (they name engines restored densely)
     try:
@@ -189,6 +200,9 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
             elif kind == "stall_engine":
                 with open(stall_signal, "w") as f:
                     f.write(rng.choice(sorted(handles["engines"])))
+            elif kind in NODE_KINDS:
+                lost = _node_fault(kind, nodes, rng, threads)
+                node_faults[kind] += 1
             elif kind in ("kill_engine", "kill_relay"):
                 pool = handles["engines"] if kind == "kill_engine" else handles["relays"]
                 victim = pool[rng.choice(sorted(pool))]
@@ -212,6 +226,9 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
                 ok = _try_refit(refit, say, failures)
             for th in threads:
                 th.join()
+            if kind in NODE_KINDS:  # capacity returns: a node of the cluster that lost one joins again
+                nodes.add(lost)
+                node_faults["add_node"] += 1
             payload_faults.disarm(payload_signal)
             if os.path.exists(stall_signal):
                 os.remove(stall_signal)
@@ -222,8 +239,9 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
             if ok:
                 stats["committed"] += 1
                 committed_steps = len(steps)
-                recreated += sum("died; it is re-created" in w for w in ok.warnings)
+                recreated += sum("died; it is re-created" in w or "node is gone" in w for w in ok.warnings)
                 bad_engines = _check(refit, owners[0])
+                refused += _refusing(refit, ok.version)
                 mismatched += len(bad_engines)
                 if kind is not None and not bad_engines:
                     survived[kind] += 1
@@ -237,7 +255,7 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
         at_end = sum(e.get("phase") == "ready" and e.get("version") == st["version"] for e in st["engine_states"])
         rollbacks = sum(ray.get(h.info.remote()).get("rollbacks", 0) for h in refit.engines().values())
     finally:
-        stop_local_clusters(cluster, refit)
+        nodes.shutdown(refit)
     return {"refits": refits, "seed": seed, "committed": stats["committed"],
             "faults_injected": stats["faults_injected"], "faults_by_kind": dict(by_kind),
             "faults_survived": sum(survived.values()), "mismatched_engines": mismatched,
@@ -246,8 +264,39 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
             "dense_rebootstraps": dense + sum(_restored(m) for m in failures),
             "recreated_engines": recreated, "healed_from_peer": len(healed) - dense - window,
             "healed_from_window": window, "healed_from_owners": dense,
-            "in_place_rollbacks": rollbacks,
+            "in_place_rollbacks": rollbacks, "node_faults": dict(node_faults), "generation_refused": refused,
             "seconds": round(time.monotonic() - t0, 1)}
+
+
+def _node_fault(kind: str, nodes, rng, threads: list) -> str:
+    """Kill a random rollout node (during the refit: a timer in ``threads``; or now), or every node of a
+    random cluster; returns the cluster that lost capacity (a node is added to it after the refit)."""
+    if kind == "lose_cluster":
+        cluster = rng.choice(sorted(c for c, ns in nodes.nodes.items() if ns))
+        nodes.lose(cluster)
+        return cluster
+    cluster, node = rng.choice(sorted(((c, n) for c, ns in nodes.nodes.items() for n in ns),
+                                      key=lambda cn: (cn[0], cn[1].node_id)))
+    if kind == "kill_node_mid_refit":
+        threads.append(threading.Timer(rng.uniform(0.0, 0.2), lambda: nodes.kill(node)))
+    else:
+        nodes.kill(node)
+    return cluster
+
+
+def _refusing(refit, version: int) -> int:
+    """Required engines that do not answer a short generate call with ``version`` (they must serve)."""
+    import ray
+
+    st = refit.status()
+    calls = {e: h.generate.remote([[1, 2, 3]], 1) for e, h in refit.engines().items() if e in st["required"]}
+    bad = 0
+    for e, ref in calls.items():
+        try:
+            bad += ray.get(ref, timeout=30)["version"] < version
+        except Exception:  # noqa: BLE001 - refused, dead or hung: it did not serve
+            bad += 1
+    return bad
 
 
 def _try_refit(refit, say, failures: list[str]):
@@ -314,9 +363,9 @@ def _check(refit, owner) -> list[str]:
         if eid not in st["required"]:
             continue
         try:
-            got = ray.get(eng.tensors.remote())
-        except ray.exceptions.RayActorError:
-            continue  # killed after the commit (a late fault): the next refit re-creates it
+            got = ray.get(eng.tensors.remote(), timeout=60)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            continue  # killed after the commit (a late fault, its node gone): the next refit re-creates it
         if any(not torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)) for n in want):
             bad.append(eid)
     return bad
@@ -336,4 +385,4 @@ def _wait(cond, timeout: float = 120.0) -> None:
     raise TimeoutError("the condition did not hold in time")
 
 
-__all__ = ["FAULT_KINDS", "add_parser", "run", "run_chaos", "schedule"]
+__all__ = ["FAULT_KINDS", "NODE_KINDS", "add_parser", "run", "run_chaos", "schedule"]

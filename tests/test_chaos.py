@@ -1,6 +1,8 @@
 """``dcr-ray chaos``, short seed: every fault kind once on a multi-node cluster (actor deaths, hostile
-frames, dropped / duplicated / reordered / delayed payloads, a stalled engine); nothing mismatched,
-nothing hostile applied, the fleet back at its configured size (the README names the longer soak)."""
+frames, dropped / duplicated / reordered / delayed payloads, a stalled engine, a node killed during and
+between refits, a whole cluster lost, and capacity back after each); nothing mismatched, nothing hostile
+applied, every engine of a cluster that is fine serving, the fleet back at its configured size (the
+README names the longer soak)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import raytools  # noqa: F401
 
 import pytest
 
-from benchmarks.chaos import FAULT_KINDS, run_chaos, schedule
+from benchmarks.chaos import FAULT_KINDS, NODE_KINDS, run_chaos, schedule
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +29,8 @@ def test_a_short_chaos_run_survives_every_fault_kind_bit_exactly():
     assert out["committed"] == len(FAULT_KINDS) + 1  # a dead owner's refit commits after replace_owner
     assert out["bad_frames_rejected"] >= 3  # flipped, wrong-key and truncated frames (stale ones are ignored)
     assert out["engines_at_end"] == out["engines_configured"]
+    assert out["node_faults"] == {**{k: 1 for k in NODE_KINDS}, "add_node": len(NODE_KINDS)}
+    assert out["generation_refused"] == 0
     # an engine re-created after a death heals from the peer of its cluster; the owners send the dense
     # model to nobody (a stalled one is activated, hostile frames and rollbacks write nothing densely)
     assert out["recreated_engines"] >= 1 and out["healed_from_peer"] >= out["recreated_engines"]
