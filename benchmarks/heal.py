@@ -28,6 +28,9 @@ while a re-created engine was still starting; the refit that met the fault is re
 (how long the heals held the coordinator's lock: the only wait the design puts on a refit; the rest of a
 refit's slowdown during a heal is the machine's CPU shared with the healing engine),
 and ``bit_exact`` (every engine's tensors vs the trainer's on integer views after the case).
+
+Then real node faults on a cluster of their own, behind 10 Mbit/s emulated links (``node_cases``,
+:mod:`benchmarks.heal_nodes`): a node killed mid-refit, and a whole cluster lost and regained.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ import statistics
 import sys
 
 from benchmarks import write_json_and_plot
+from benchmarks.heal_nodes import format_lines as node_lines
+from benchmarks.heal_nodes import markdown as node_markdown
+from benchmarks.heal_nodes import run_node_cases
 import tempfile
 import time
 
@@ -131,9 +137,10 @@ def run(quick: bool = False, progress=None) -> dict:
         cases["whole_cluster_lost"] = _case(refit, one, base, "b", lose_b, expect=2)
         say(f"whole_cluster_lost: {cases['whole_cluster_lost']}")
         out["targets_met"] = _targets_met(cases)
-        return out
     finally:
         stop_local_clusters(cluster, refit)
+    out["node_cases"] = run_node_cases(spec, say)  # real node faults, on a cluster of their own
+    return out
 
 
 def _head_bytes(refit, cluster: str) -> dict[str, int]:
@@ -237,6 +244,8 @@ def format_table(result: dict) -> str:
                      f"{c['fault_refit_seconds']:>8.2f}  "
                      + ", ".join(f"{h['engine']}<-{'+'.join(h['sources'])}" for h in c["heals"]))
     lines.append("targets: " + ", ".join(f"{k}={'met' if v else 'UNMET'}" for k, v in result["targets_met"].items()))
+    if "node_cases" in result:
+        lines += node_lines(result["node_cases"])
     return "\n".join(lines)
 
 
@@ -254,6 +263,8 @@ def markdown(result: dict) -> str:
                     f"| {c['refit_blocked_ratio_copying']:.2f}x | {c.get('coordinator_lock_seconds') or 0:.2f} "
                     f"| {c['fault_refit_seconds']:.2f} "
                     f"| {'yes' if c['bit_exact'] else 'NO'} |")
+    if "node_cases" in result:
+        rows += ["", node_markdown(result["node_cases"])]
     return "\n".join(rows)
 
 
@@ -264,7 +275,9 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = list(result["cases"])
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    nodes = result.get("node_cases")
+    fig, axes = plt.subplots(1, 3 if nodes else 2, figsize=(16 if nodes else 11, 4))
+    a1, a2 = axes[0], axes[1]
     w = 0.2
     for i, (key, label) in enumerate([("cross_cluster_bytes", "crossed the cluster link"),
                                       ("owner_bytes", "sent by the owners"), ("copy_bytes", "copied from a peer"),
@@ -279,7 +292,29 @@ def plot(result: dict, path: str) -> None:
     a2.set_ylabel("slowest refit while healing / quiet refit")
     a2.tick_params(axis="x", labelsize=8)
     a2.legend(fontsize=8)
+    if nodes:
+        _plot_nodes(axes[2], nodes)
     fig.suptitle(f"dcr-ray bench heal ({result['model']} model, measured on this machine)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_nodes(ax, nodes: dict) -> None:
+    """The node cases: each measured figure over its target (1.0 = at the target; below is met)."""
+    from benchmarks.heal_nodes import TARGETS
+
+    nd, cl = nodes["node_death_mid_refit"], nodes["cluster_lost"]
+    base = statistics.median(nodes["quiet_refit_seconds"])
+    bars = {"node death:\nrefit / 3x quiet": nd["ratio"] / TARGETS["node_death_ratio_max"],
+            "node death:\nfleet back / 30 s": nd["fleet_back_seconds"] / TARGETS["fleet_back_s_max"],
+            "cluster lost:\nnext refit / bound": cl["next_refit_seconds"] / max(3 * base, 10.0),
+            "cluster lost:\nlater / 1.5x quiet": cl["later_ratio"] / TARGETS["lost_later_ratio_max"],
+            "survivors paused\nafter apply / 1 s": cl["paused_after_apply_s"] / TARGETS["paused_after_apply_s_max"],
+            "capacity back:\nserving / 60 s": cl["capacity_back_seconds"] / TARGETS["capacity_back_s_max"]}
+    ax.bar(range(len(bars)), list(bars.values()), color="tab:blue")
+    ax.axhline(1.0, color="tab:red", ls="--", label="target")
+    ax.set_xticks(range(len(bars)), list(bars), fontsize=7)
+    ax.set_ylabel("measured / target")
+    ax.set_title(f"node faults ({nodes['link_mbps']:g} Mbit/s links)", fontsize=9)
+    ax.legend(fontsize=8)

@@ -11,8 +11,10 @@ A pause opens when generation must stop serving the committed version and closes
 Generation calls already running when a pause opens finish first (their answers come from the old
 version); that time is serving, not pause, so it is kept apart (``inflight``) and left out of
 ``pause_s``. Each closed pause keeps its seconds split into where they went (``apply``: the writes and
-the backend's flush; ``commit``: waiting for the commit record and activation), and the seconds
-``generate`` calls actually waited (``blocked``). :meth:`PauseClock.recent` is what
+the backend's flush; ``commit``: the rest, payloads still arriving included), the seconds from its own
+flush (every payload written) to its end (``after_apply_s``: waiting only for the other engines and the
+commit record; None when it ended before a flush), and the seconds ``generate`` calls actually waited
+(``blocked``). :meth:`PauseClock.recent` is what
 ``EngineActor.pauses()`` returns, read by the GRPO example and ``dcr-ray bench live``.
 """
 
@@ -41,6 +43,13 @@ class PauseClock:
                 self._open = {"transfer": transfer, "mode": mode, "t0": time.perf_counter(), "at": time.time(),
                               "apply_s": 0.0, "blocked_s": 0.0, "inflight_s": 0.0}
 
+    def flushed(self) -> None:
+        """Every payload of the open pause's transfer is written (the engine's flush): from here the pause
+        waits only for the others and the commit record (``after_apply_s``)."""
+        with self._lock:
+            if self._open is not None and self._open.get("t_flushed") is None:
+                self._open["t_flushed"] = time.perf_counter()
+
     def applied(self, seconds: float) -> None:
         """The open pause spent ``seconds`` writing (and flushing the backend)."""
         with self._lock:
@@ -68,7 +77,10 @@ class PauseClock:
             if p is None or p["transfer"] != transfer:
                 return
             self._open = None
-            secs = time.perf_counter() - p.pop("t0") - p["inflight_s"]
+            now = time.perf_counter()
+            secs = now - p.pop("t0") - p["inflight_s"]
+            flushed = p.pop("t_flushed", None)
+            p["after_apply_s"] = None if flushed is None else now - flushed
             self._closed.append({**p, "at": p["at"] + p["inflight_s"], "pause_s": secs,
                                  "commit_s": max(0.0, secs - p["apply_s"]), "outcome": outcome, "version": version})
 

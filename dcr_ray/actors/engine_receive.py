@@ -262,6 +262,7 @@ class Receiver:
             if not (self._staged or self._forwarded == transfer):
                 c.backend.flush()  # in place: the writes are visible to the runtime now
             st.flushed_now()  # staged: every frame validated and decoded, written at activate
+            c.pause.flushed()
             self._apply_s += time.perf_counter() - t0
             metrics.record("engine_apply_seconds", self._apply_s, tags=c.tags)
             return {"engine": c.engine_id, "cluster": c.cluster, "applied": len(want),

@@ -120,11 +120,16 @@ class Outages:
         lost = topo.nodes.lost(f"engine:{e}" for e in s.required)
         found.lost_engines = sorted(k.split(":", 1)[1] for k in lost)
         s.standings.heal(found.lost_engines)
-        relays = topo.nodes.lost(f"relay:{r}" for r in topo.transport.actors())
+        relays = sorted(k.split(":", 1)[1] for k in topo.nodes.lost(f"relay:{r}" for r in topo.transport.actors()))
         if relays:
-            found.relays = topo.transport.repair(list(topo.clusters[c] for c in topo.clusters if c not in self.waiting),
-                                                 topo.engines, topo.engine_cluster,
-                                                 lost=[k.split(":", 1)[1] for k in relays])
+            # a relay is re-created now only where a required engine needs it; elsewhere it comes back with
+            # the engines re-created there, off this refit's path
+            needed = {topo.engine_cluster[e] for e in s.required}
+            now = [r for r in relays if r.split("/", 1)[0] in needed]
+            found.relays = topo.transport.repair([topo.clusters[c] for c in topo.clusters if c not in self.waiting],
+                                                 topo.engines, topo.engine_cluster, lost=now,
+                                                 later=[r for r in relays if r not in now])
             topo.locate()
-            log.warning("dcr_ray: relay(s) %s were on a lost node; re-created on a live one", found.relays)
+            log.warning("dcr_ray: relay(s) %s were on a lost node: %s re-created on a live one, the others come "
+                        "back with their cluster's engines", relays, found.relays or "none")
         return found

@@ -104,7 +104,7 @@ class ObjectStoreTransport:
         self.build(clusters, engines, engine_cluster)
 
     def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
-               timeout_s: float = 10.0, lost: Iterable[str] = ()) -> list[str]:
+               timeout_s: float = 10.0, lost: Iterable[str] = (), later: Iterable[str] = ()) -> list[str]:
         return []  # no actors of its own
 
     def place_with(self, near) -> None:

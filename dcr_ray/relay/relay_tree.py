@@ -91,10 +91,20 @@ class RelayTransport:
         self._wire([c for c in clusters if c.name not in self.suspended], engines, engine_cluster, find=True)
 
     def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
-               timeout_s: float = 10.0, lost: Iterable[str] = ()) -> list[str]:
+               timeout_s: float = 10.0, lost: Iterable[str] = (), later: Iterable[str] = ()) -> list[str]:
         """Re-create relays that died, and those in ``lost`` (their node is gone: a call to them would wait
         until Ray notices), re-planning each cluster's tree around them; returns their ids. The others are
-        asked at once whether they live, and given ``timeout_s`` together to answer."""
+        asked at once whether they live, and given ``timeout_s`` together to answer. Relays in ``later``
+        (gone, in a cluster no required engine is left in) are killed and forgotten, not re-created now:
+        an engine re-created there brings them back (:meth:`reconnect`)."""
+        for rid in [r for r in later if r in self.relays]:
+            try:
+                ray.kill(self.relays.pop(rid), no_restart=True)
+            except Exception:
+                pass
+            cluster = rid.split("/", 1)[0]
+            if rid == f"{cluster}/head":
+                self.heads.pop(cluster, None)
         lost = {r for r in lost if r in self.relays}
         ask = {rid: r.stats.remote() for rid, r in self.relays.items() if rid not in lost}
         ready, _ = ray.wait(list(ask.values()), num_returns=len(ask), timeout=timeout_s) if ask else ([], [])
@@ -111,8 +121,9 @@ class RelayTransport:
                     ray.kill(self.relays[rid], no_restart=True)  # frees its name at once, even on a lost node
                 except Exception:
                     pass
-            live = [c for c in clusters if c.name not in self.suspended]
-            self._wire(live, engines, engine_cluster, find=True, replace=dead)
+            hit = {r.split("/", 1)[0] for r in dead}
+            self._wire([c for c in clusters if c.name in hit and c.name not in self.suspended], engines,
+                       engine_cluster, find=True, replace=dead)
         return sorted(dead)
 
     def place_with(self, near: Callable[[str], dict]) -> None:

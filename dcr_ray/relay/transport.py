@@ -64,9 +64,11 @@ class Transport(Protocol):
         coordinator, a re-created engine); create any that are gone."""
 
     def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
-               timeout_s: float = 10.0, lost: Iterable[str] = ()) -> list[str]:
+               timeout_s: float = 10.0, lost: Iterable[str] = (), later: Iterable[str] = ()) -> list[str]:
         """Re-create the transport's actors that died, and those in ``lost`` (ids of actors whose node is
-        gone), re-planning around them; returns their ids. Never waits on an actor in ``lost``."""
+        gone), re-planning around them; returns their ids. Never waits on an actor in ``lost``. Actors in
+        ``later`` (gone, where no required engine is left) are dropped, and come back with the engines
+        re-created there (:meth:`reconnect`)."""
 
     def place_with(self, near: Callable[[str], dict]) -> None:
         """``near(cluster)``: extra Ray options (a scheduling strategy) of the actors the transport creates

@@ -124,8 +124,8 @@ class EmulatedLinks:
     def reconnect(self, clusters, engines, engine_cluster) -> None:
         self.inner.reconnect(clusters, engines, engine_cluster)
 
-    def repair(self, clusters, engines, engine_cluster, timeout_s: float = 10.0, lost=()) -> list[str]:
-        return self.inner.repair(clusters, engines, engine_cluster, timeout_s, lost)
+    def repair(self, clusters, engines, engine_cluster, timeout_s: float = 10.0, lost=(), later=()) -> list[str]:
+        return self.inner.repair(clusters, engines, engine_cluster, timeout_s, lost, later)
 
     def place_with(self, near) -> None:
         self.inner.place_with(near)
