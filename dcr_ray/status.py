@@ -4,8 +4,9 @@ Connects to a Ray cluster (``--address``, default: the local one), finds the coo
 and prints the committed version and record, the refit in flight and its phase, each engine's version
 and state (its phase: ``empty`` / ``ready`` / ``staging`` / ``open`` / ``written`` / ``dirty``, or ``dead``)
 and standing (``required`` / ``joining`` / ``evicted`` / ``healing`` / ``out``), the engines healing in the
-background (phase, source: a peer of their cluster or the owners) and the last heals, the relays per cluster,
-and the last refits (seconds per stage, wire bytes per cluster link, change rate, retries).
+background (phase, source: a peer of their cluster or the owners) and the last heals, the clusters waiting
+for capacity (no live node can host them: since when), the relays per cluster, and the last refits (seconds
+per stage, wire bytes per cluster link, change rate, retries).
 ``--json`` prints the same as one JSON object (what :meth:`dcr_ray.Refit.status` returns with
 ``detail=True``).
 """
@@ -66,6 +67,11 @@ def format_status(st: dict) -> str:
     for e in st.get("engine_states", []):
         lines.append(f"{e['engine']:<20} {str(e.get('cluster')):<12} {str(e.get('version')):>7}  "
                      f"{e.get('phase', '?'):<14} {e.get('standing') or ('required' if e.get('required') else '-')}")
+    for c, w in sorted((st.get("capacity") or {}).items()):
+        since = w.get("waiting_since") or time.time()
+        lines += ["", f"cluster {c} is waiting for capacity since {time.strftime('%H:%M:%S', time.localtime(since))} "
+                      f"({time.time() - since:.0f} s): no live node offers {w.get('needs')}; refits commit without it "
+                      f"and its engines heal when a node with those resources joins"]
     healing, healed = st.get("healing") or {}, st.get("healed") or []
     if healing or healed:
         lines += ["", f"{'healing engine':<20} {'phase':<14} {'source':<14} {'for s':>6}  reason / error"]

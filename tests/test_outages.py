@@ -19,6 +19,7 @@ import pytest
 import ray
 
 import dcr_ray
+from dcr_ray.status import format_status
 from dcr_ray.testing.clusters import LocalClusters
 from dcr_ray.testing.models import ModelSpec
 from dcr_ray.testing.trainer import TinyTrainer
@@ -97,6 +98,7 @@ def test_a_node_lost_mid_refit_costs_one_retry_and_a_lost_cluster_waits_for_capa
                                                                       "b/e1": "waiting for capacity"}
         assert sorted(st["required"]) == ["a/e0", "a/e1"]
         assert any("waiting for capacity" in w for w in report.warnings), report.warnings
+        assert "cluster b is waiting for capacity since" in format_status(refit.status(detail=True))
 
         # capacity returns: b heals from a peer of a (one crossing), then inside b, and takes part again
         nodes.add("b")
