@@ -275,9 +275,21 @@ class EngineConfig:
     dropped at commit), so it keeps serving without owners; ``"dense"`` (and backends that cannot read
     their bits, such as adopted engines) marks it dirty and the coordinator re-bootstraps it densely."""
 
+    hold_s: float | None = 0.5
+    """How long an in-place engine holds the writes of a refit it has applied (flushed) while the refit
+    waits for others (slower clusters, a retry, a lost node). Past it the engine sets its writes aside
+    (swaps them with the bits they replaced, from its undo record) and serves its committed version again;
+    activation writes them back (a short second pause). ``None`` holds them, paused, until the commit.
+    Needs an undo record (``rollback="in_place"`` and a backend that reads its tensors); staged engines
+    serve throughout anyway."""
+
     def __post_init__(self):
         _choice("EngineConfig", "apply", self.apply, get_args(ApplyMode))
         _choice("EngineConfig", "rollback", self.rollback, get_args(RollbackMode))
+        if self.hold_s is not None and (isinstance(self.hold_s, bool) or not isinstance(self.hold_s, (int, float))
+                                        or not self.hold_s >= 0):
+            raise ConfigError(f"EngineConfig.hold_s must be a number of seconds >= 0, or None to hold applied "
+                              f"writes until the commit, got {self.hold_s!r}")
         if isinstance(self.staging_budget_bytes, bool) or not isinstance(self.staging_budget_bytes, int) \
                 or self.staging_budget_bytes < 1:
             raise ConfigError(f"EngineConfig.staging_budget_bytes must be a positive integer, got "

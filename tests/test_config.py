@@ -29,6 +29,9 @@ BAD = [
     (lambda: dcr_ray.CodecConfig(link_mbps={"us-east": -5}), r"cluster name -> such a number"),
     (lambda: dcr_ray.CodecConfig(link_mbps={}), "name every cluster"),
     (lambda: dcr_ray.CodecConfig(coding="plain", link_mbps=100), r"informs coding='auto' only; .* drop link_mbps"),
+    (lambda: dcr_ray.EngineConfig(hold_s=-1), r"EngineConfig.hold_s must be a number of seconds >= 0, or None"),
+    (lambda: dcr_ray.EngineConfig(hold_s=True), "hold_s"),
+    (lambda: dcr_ray.EngineConfig(hold_s=float("nan")), "hold_s"),
 ]
 
 
@@ -45,6 +48,8 @@ def test_good_settings_still_pass():
     dcr_ray.TransportConfig(max_inflight_payloads=2)
     dcr_ray.CodecConfig(link_mbps=100)
     dcr_ray.CodecConfig(link_mbps={"us-east": 1000, "eu": 250.5})
+    dcr_ray.EngineConfig(hold_s=None)
+    dcr_ray.EngineConfig(hold_s=0)
 
 
 def test_a_link_figure_per_cluster_must_name_exactly_the_clusters():

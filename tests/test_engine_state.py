@@ -1,9 +1,11 @@
 """An engine's lifecycle (:mod:`dcr_ray.actors.engine_state`): each transition lands in the phase the
 module doc names, with the data that phase carries."""
 
+import pytest
+
 from dcr_ray.actors.attempt import Attempt
 from dcr_ray.actors.engine_state import EngineState, Phase
-from dcr_ray.errors import FrameError
+from dcr_ray.errors import EngineStateError, FrameError
 
 
 def _ready(version: int = 3, version_id: str = "v3-x") -> EngineState:
@@ -85,13 +87,37 @@ def test_a_staged_retry_over_in_place_writes_of_the_same_transfer_opens_paused()
 
 
 def test_a_transition_the_phase_does_not_allow_is_refused_naming_the_phase():
-    import pytest
-
-    from dcr_ray.errors import EngineStateError
-
     st = _ready()
     with pytest.raises(EngineStateError, match="wrote\\(\\) is not allowed in phase ready"):
         st.wrote()
     with pytest.raises(EngineStateError, match="rolled_back\\(\\) is not allowed in phase ready"):
         st.rolled_back()
     assert (st.phase, st.version) == (Phase.READY, 3)
+
+
+def test_a_flushed_attempt_parks_its_writes_serves_its_version_and_unparks_at_activation():
+    st = _ready()
+    st.open(Attempt("v4-a", 0, 3, 4, "v3-x"))
+    st.wrote()
+    with pytest.raises(EngineStateError, match="park\\(\\) needs a flushed attempt"):
+        st.park()
+    st.flushed_now()
+    st.park()
+    assert (st.phase, st.paused, st.version, st.transfer, st.written) == (Phase.PARKED, False, 3, "v4-a", None)
+    st.flushed_now()  # a repeated flush of the same attempt is still answered
+    st.unpark()
+    assert (st.phase, st.paused, st.written) == (Phase.OPEN, True, "v4-a")
+    st.activate(4, "v4-a")
+    assert (st.phase, st.parked, st.version) == (Phase.READY, None, 4)
+
+
+def test_closing_a_parked_attempt_drops_its_set_aside_writes_and_serves_what_the_engine_held():
+    st = _ready()
+    st.open(Attempt("v4-a", 0, 3, 4, "v3-x"))
+    st.wrote()
+    st.flushed_now()
+    st.park()
+    st.close("v4-a")
+    assert (st.phase, st.parked, st.written, st.version, st.settled) == (Phase.READY, None, None, 3, True)
+    with pytest.raises(EngineStateError, match="unpark\\(\\) is not allowed in phase ready"):
+        st.unpark()

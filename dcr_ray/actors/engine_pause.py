@@ -13,8 +13,9 @@ version); that time is serving, not pause, so it is kept apart (``inflight``) an
 ``pause_s``. Each closed pause keeps its seconds split into where they went (``apply``: the writes and
 the backend's flush; ``commit``: the rest, payloads still arriving included), the seconds from its own
 flush (every payload written) to its end (``after_apply_s``: waiting only for the other engines and the
-commit record; None when it ended before a flush), and the seconds ``generate`` calls actually waited
-(``blocked``). :meth:`PauseClock.recent` is what
+commit record; None when it ended before a flush), the seconds it served inside the pause's transfer
+with its writes set aside (``parked_s``, left out of ``pause_s``: ``EngineConfig.hold_s``), and the
+seconds ``generate`` calls actually waited (``blocked``). :meth:`PauseClock.recent` is what
 ``EngineActor.pauses()`` returns, read by the GRPO example and ``dcr-ray bench live``.
 """
 
@@ -50,6 +51,26 @@ class PauseClock:
             if self._open is not None and self._open.get("t_flushed") is None:
                 self._open["t_flushed"] = time.perf_counter()
 
+    def park(self) -> None:
+        """The engine set its applied writes aside and serves again, inside the open pause's transfer: the
+        seconds until :meth:`unpark` are serving, not pause (``parked_s``)."""
+        with self._lock:
+            p = self._open
+            if p is not None and p.get("t_parked") is None:
+                now = time.perf_counter()
+                p["t_parked"] = now
+                if p.get("t_flushed") is not None:
+                    p["after_apply_s"] = p.get("after_apply_s", 0.0) + now - p.pop("t_flushed")
+
+    def unpark(self) -> None:
+        """Activation writes the set-aside writes back: the pause goes on from here."""
+        with self._lock:
+            p = self._open
+            if p is not None and p.get("t_parked") is not None:
+                now = time.perf_counter()
+                p["parked_s"] = p.get("parked_s", 0.0) + now - p.pop("t_parked")
+                p["t_flushed"] = now  # from here to the end it is paused after its own apply again
+
     def applied(self, seconds: float) -> None:
         """The open pause spent ``seconds`` writing (and flushing the backend)."""
         with self._lock:
@@ -78,9 +99,15 @@ class PauseClock:
                 return
             self._open = None
             now = time.perf_counter()
-            secs = now - p.pop("t0") - p["inflight_s"]
+            if p.get("t_parked") is not None:  # it ends while the writes are set aside: serving since
+                p["parked_s"] = p.get("parked_s", 0.0) + now - p.pop("t_parked")
+            p.setdefault("parked_s", 0.0)
+            secs = now - p.pop("t0") - p["inflight_s"] - p["parked_s"]
             flushed = p.pop("t_flushed", None)
-            p["after_apply_s"] = None if flushed is None else now - flushed
+            after = p.pop("after_apply_s", None)
+            if flushed is not None:
+                after = (after or 0.0) + now - flushed
+            p["after_apply_s"] = after
             self._closed.append({**p, "at": p["at"] + p["inflight_s"], "pause_s": secs,
                                  "commit_s": max(0.0, secs - p["apply_s"]), "outcome": outcome, "version": version})
 

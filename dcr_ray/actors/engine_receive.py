@@ -12,7 +12,10 @@ One transfer (version v -> v+1) as the engine sees it::
                                         makes the writes visible) or staged; acknowledge
     activate(v+1)                       after the commit record: staged frames are written now (the
                                         serving pause: the writes and the backend's flush only); the
-                                        engine holds v+1, serving resumes
+                                        engine holds v+1, serving resumes. An in-place engine that
+                                        waited past ``EngineConfig.hold_s`` after its flush had set
+                                        its writes aside and served v meanwhile: they go back now
+                                        (:mod:`~dcr_ray.actors.engine_park`)
     abort(T, final)                     leave the attempt; final: roll back in place (the undo record),
                                         else hold no version
 
@@ -38,6 +41,8 @@ import time
 from dcr_ray import metrics
 from dcr_ray.actors.attempt import Attempt
 from dcr_ray.actors.engine_context import EngineContext, log
+from dcr_ray.actors.engine_park import Parking
+from dcr_ray.actors.engine_state import Phase
 from dcr_ray.actors.owner import BOOTSTRAP_BASE
 from dcr_ray.codec import DIGEST_SIZE, PayloadKey, open_frame
 from dcr_ray.engines.base import TensorBackend
@@ -60,6 +65,7 @@ class Receiver:
         self._staged: list[tuple[PayloadKey, object, list]] = []
         self._staged_bytes = 0
         self._forwarded: str | None = None  # staged transfer whose frames a wire backend already holds
+        self._parking = Parking(ctx)  # flushed in-place writes set aside while the commit waits on others
         self._apply_s = 0.0
         self._bytes = 0
         self._raw = 0  # decompressed bytes of the frames validated in this attempt (progress)
@@ -101,6 +107,7 @@ class Receiver:
                 st.open(Attempt(transfer, attempt, base, target, None if base == BOOTSTRAP_BASE else base_id),
                         staged=staged)
                 self._staged, self._staged_bytes = [], 0
+                self._parking.drop()
                 self._apply_s, self._bytes, self._raw = 0.0, 0, 0
             return {"engine": c.engine_id, "version": st.version}
 
@@ -263,6 +270,7 @@ class Receiver:
                 c.backend.flush()  # in place: the writes are visible to the runtime now
             st.flushed_now()  # staged: every frame validated and decoded, written at activate
             c.pause.flushed()
+            self._parking.after_flush(transfer, attempt)  # past hold_s it serves while the refit waits
             self._apply_s += time.perf_counter() - t0
             metrics.record("engine_apply_seconds", self._apply_s, tags=c.tags)
             return {"engine": c.engine_id, "cluster": c.cluster, "applied": len(want),
@@ -277,6 +285,8 @@ class Receiver:
         renew = []
         with c.lock:
             if transfer is None or c.state.is_in(transfer):
+                if transfer is not None and c.state.phase is Phase.PARKED:
+                    self._parking.write_back(transfer)
                 if transfer is not None and (self._staged or self._forwarded == transfer):
                     renew = self._write_staged(transfer)
                 self._forwarded = None
@@ -330,6 +340,12 @@ class Receiver:
         c = self._c
         st = c.state
         with c.lock:
+            if st.parked == transfer and st.is_in(transfer):  # its writes are already out of the weights
+                st.close(transfer)
+                self._parking.drop()
+                c.pause.end(transfer, "rolled back", st.version)
+                c.lock.notify_all()
+                return {"engine": c.engine_id, "dirty": False, "rolled_back": True}
             if st.is_in(transfer):
                 st.close(transfer)
                 self._staged, self._staged_bytes = [], 0

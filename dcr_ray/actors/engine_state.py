@@ -12,18 +12,22 @@ naming the phase::
     OPEN    --wrote()------------------------------------> OPEN      (its transfer wrote in place: ``written``)
     OPEN / STAGING --close(transfer)---------------------> WRITTEN   (it wrote in place: the next attempt repairs)
                                                        \\-> READY / EMPTY / DIRTY   (it wrote nothing)
+    OPEN    --park()-------------------------------------> PARKED    (flushed, its writes set aside: it serves)
+    PARKED  --unpark()-----------------------------------> OPEN      (activate writes them back)
+    PARKED  --close(transfer)----------------------------> READY     (abandoned: nothing of it is in the weights)
     OPEN / WRITTEN --rolled_back()-----------------------> READY     (the undo record restored the bits)
     any     --activate(v, id)----------------------------> READY(v, id)  (a commit, a digest match, a verified
                                                                        copy, a replayed delta)
     any     --dirty(why)---------------------------------> DIRTY(why) (its bits match no version)
 
-Generation serves in READY and STAGING (the weights hold the committed version) and waits in OPEN and
-WRITTEN (:attr:`EngineState.paused`); EMPTY and DIRTY refuse it.
+Generation serves in READY, STAGING and PARKED (the weights hold the committed version) and waits in OPEN
+and WRITTEN (:attr:`EngineState.paused`); EMPTY and DIRTY refuse it.
 
 Data: ``version`` / ``version_id`` (what it holds: READY, and beneath an OPEN, STAGING or WRITTEN
 transfer; None otherwise), ``why`` (its bits match no version: DIRTY, and beneath a dense bootstrap that
 repairs them), ``attempt`` (OPEN and STAGING), ``written`` (the transfer that wrote in place: WRITTEN,
-and OPEN once its frames landed), ``flushed`` (the last attempt whose every payload was applied) and
+and OPEN once its frames landed), ``parked`` (the transfer whose flushed writes are set aside: PARKED),
+``flushed`` (the last attempt whose every payload was applied) and
 ``error`` (the first error of the attempt, which fails its flush).
 """
 
@@ -41,6 +45,7 @@ class Phase(enum.Enum):
     STAGING = "staging"  #: inside ``attempt``, staging its frames while it serves ``version``
     OPEN = "open"  #: inside ``attempt``, writing (generation waits)
     WRITTEN = "written"  #: between attempts of ``written``: in-place writes neither committed nor rolled back
+    PARKED = "parked"  #: flushed ``attempt`` in place, its writes set aside until activate: serves ``version``
     DIRTY = "dirty"  #: its bits match no version (``why``): a dense bootstrap or a verified copy restores it
 
 
@@ -56,11 +61,13 @@ class EngineState:
         self.why: str | None = None
         self.attempt: Attempt | None = None
         self.written: str | None = None
+        self.parked: str | None = None
         self.flushed: tuple[str, int] | None = None
         self.error: DcrError | None = None
 
     def __repr__(self) -> str:
         inner = {Phase.READY: f"v{self.version}", Phase.OPEN: self.attempt and self.attempt.transfer,
+                 Phase.PARKED: self.parked,
                  Phase.STAGING: self.attempt and self.attempt.transfer, Phase.WRITTEN: self.written,
                  Phase.DIRTY: self.why}.get(self.phase)
         return f"{self.phase.value}({inner})" if inner else self.phase.value
@@ -97,6 +104,7 @@ class EngineState:
         (never over in-place writes of the same transfer: those are repaired in place). A new attempt
         forgets the previous one's error."""
         self.attempt, self.error = attempt, None
+        self.parked = None  # writes set aside are out of the weights: a new attempt starts from the version held
         self.phase = Phase.STAGING if staged and self.written is None else Phase.OPEN
 
     def wrote(self) -> None:
@@ -115,13 +123,32 @@ class EngineState:
         self.error = self.error or error
 
     def flushed_now(self) -> None:
-        self._need("flushed_now()", Phase.OPEN, Phase.STAGING)
+        self._need("flushed_now()", Phase.OPEN, Phase.STAGING, Phase.PARKED)
         self.flushed = (self.attempt.transfer, self.attempt.attempt)
 
+    def park(self) -> None:
+        """The flushed attempt's in-place writes were set aside (the engine holds its version's bits again,
+        the writes kept to be written back at activate): generation serves meanwhile."""
+        self._need("park()", Phase.OPEN)
+        if self.written != self.attempt.transfer or self.flushed != (self.attempt.transfer, self.attempt.attempt):
+            raise EngineStateError(f"engine state: park() needs a flushed attempt that wrote in place (written "
+                                   f"{self.written!r}, flushed {self.flushed!r}, attempt {self.attempt!r})")
+        self.parked, self.written = self.written, None
+        self.phase = Phase.PARKED
+
+    def unpark(self) -> None:
+        """The set-aside writes go back into the weights (activate): generation waits again."""
+        self._need("unpark()", Phase.PARKED)
+        self.written, self.parked = self.parked, None
+        self.phase = Phase.OPEN
+
     def close(self, transfer: str) -> None:
-        """Leave the open attempt of ``transfer`` (its next attempt re-prepares); in-place writes stay."""
+        """Leave the open attempt of ``transfer`` (its next attempt re-prepares); in-place writes stay,
+        set-aside ones are dropped."""
         if self.is_in(transfer):
             self.attempt = None
+            if self.parked == transfer:
+                self.parked = None
             self._settle()
 
     def rolled_back(self) -> None:
@@ -134,18 +161,19 @@ class EngineState:
     def activate(self, version: int, version_id: str | None) -> None:
         """Hold committed ``version`` of ``version_id`` settled (after the record, or a verified copy)."""
         self.version, self.version_id = version, version_id
-        self.attempt = self.written = self.why = None
+        self.attempt = self.written = self.parked = self.why = None
         self.phase = Phase.READY
 
     def dirty(self, why: str) -> None:
         """Its bits match no version (``why``); nothing it wrote in place can be rolled back any more."""
-        self.written = None
+        self.written = self.parked = None
         self.why = why
         self.version = self.version_id = None
         self._settle()
 
     def _settle(self) -> None:
         """The phase that the data now say (every transition ends here or sets it directly)."""
-        self.phase = (Phase.OPEN if self.attempt is not None else Phase.WRITTEN if self.written is not None
+        self.phase = (Phase.PARKED if self.attempt is not None and self.parked is not None
+                      else Phase.OPEN if self.attempt is not None else Phase.WRITTEN if self.written is not None
                       else Phase.DIRTY if self.why is not None else Phase.EMPTY if self.version is None
                       else Phase.READY)

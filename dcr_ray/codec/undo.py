@@ -143,6 +143,21 @@ class UndoLog:
         self.clear()
         return n
 
+    def set_aside(self, backend, tensors: Mapping[str, torch.Tensor]) -> "UndoLog":
+        """Undo every recorded write (newest first), reading back before each inverse the bits it replaces,
+        and return those reads as a log of their own: the transfer's writes, set aside. ``rollback`` of the
+        returned log writes them back exactly (newest read first, so overlapping writes of several attempts
+        land in their order). This log is empty afterwards; memory stays O(changes)."""
+        redo = UndoLog()
+        transfer = self.transfer
+        for inv in reversed(self._inverse):
+            f = inv.frame()
+            redo.record(transfer, f, tensors)
+            backend.apply(f)
+        backend.flush()
+        self.clear()
+        return redo
+
     def clear(self) -> None:
         self.transfer = None
         self._inverse = []
