@@ -121,3 +121,19 @@ def test_closing_a_parked_attempt_drops_its_set_aside_writes_and_serves_what_the
     assert (st.phase, st.parked, st.written, st.version, st.settled) == (Phase.READY, None, None, 3, True)
     with pytest.raises(EngineStateError, match="unpark\\(\\) is not allowed in phase ready"):
         st.unpark()
+
+
+def test_a_delta_does_not_open_over_another_transfers_writes_or_a_dirty_engine_but_a_dense_bootstrap_does():
+    from dcr_ray.codec.format import BOOTSTRAP_BASE
+
+    st = _ready()
+    st.open(Attempt("v4-a", 0, 3, 4, "v3-x"))
+    st.wrote()
+    st.close("v4-a")
+    with pytest.raises(EngineStateError, match="over in-place writes of transfer v4-a"):
+        st.open(Attempt("v4-b", 0, 3, 4, "v3-x"))
+    st.dirty("abandoned")
+    with pytest.raises(EngineStateError, match="not allowed in phase dirty"):
+        st.open(Attempt("v4-b", 0, 3, 4, "v3-x"))
+    st.open(Attempt("boot3", 0, BOOTSTRAP_BASE, 3))
+    assert st.phase is Phase.OPEN

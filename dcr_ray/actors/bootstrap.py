@@ -23,7 +23,7 @@ import uuid
 
 from dcr_ray.actors.calls import get_all
 from dcr_ray.actors.coordinator_state import CoordinatorState
-from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.codec.format import BOOTSTRAP_BASE
 
 log = logging.getLogger("dcr_ray")
 

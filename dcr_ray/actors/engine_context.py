@@ -32,7 +32,7 @@ from dcr_ray import metrics
 from dcr_ray.actors.attempt import Attempt
 from dcr_ray.actors.engine_pause import PauseClock
 from dcr_ray.actors.engine_state import EngineState
-from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.codec.format import BOOTSTRAP_BASE
 from dcr_ray.codec import PayloadKey, context, decode_frame
 from dcr_ray.codec.undo import UndoLog
 from dcr_ray.config import RefitConfig

@@ -102,7 +102,15 @@ class EngineState:
     def open(self, attempt: Attempt, *, staged: bool = False) -> None:
         """Enter ``attempt`` (prepare): OPEN, or STAGING when its frames are staged while the engine serves
         (never over in-place writes of the same transfer: those are repaired in place). A new attempt
-        forgets the previous one's error."""
+        forgets the previous one's error. A delta is refused over writes of another transfer and in
+        DIRTY; a dense bootstrap opens from any phase."""
+        if self.written not in (None, attempt.transfer) and not attempt.dense:
+            raise EngineStateError(f"engine state: open() of {attempt.transfer} over in-place writes of transfer "
+                                   f"{self.written} that were neither committed nor rolled back (only a dense "
+                                   f"bootstrap may replace them)")
+        if self.phase is Phase.DIRTY and not attempt.dense:
+            raise EngineStateError(f"engine state: open() of a delta ({attempt.transfer}) is not allowed in phase "
+                                   f"dirty (only a dense bootstrap)")
         self.attempt, self.error = attempt, None
         self.parked = None  # writes set aside are out of the weights: a new attempt starts from the version held
         self.phase = Phase.STAGING if staged and self.written is None else Phase.OPEN

@@ -52,6 +52,7 @@ from dcr_ray import metrics
 from dcr_ray.actors.bootstrap import Bootstrap
 from dcr_ray.actors.coordinator_state import CoordinatorState
 from dcr_ray.actors.outages import Outages
+from dcr_ray.actors.standings import Standing
 from dcr_ray.errors import RefitError
 
 log = logging.getLogger("dcr_ray")
@@ -67,8 +68,6 @@ TOOK = ("owner_bytes", "copy_bytes", "cross_bytes", "delta_bytes", "steps", "loc
 RETRY_PAUSE_S = 0.5
 #: How often engines waiting for capacity, and a re-created engine still starting, are looked at again.
 CAPACITY_POLL_S = 1.0
-#: The phase of an engine whose cluster no live node can host.
-WAITING = "waiting for capacity"
 
 
 class NoCapacity(Exception):
@@ -93,10 +92,15 @@ class _TimedLock:
 
 
 def _record(e: str, reason: str | None, respawn: bool) -> dict:
-    """A healing engine's row: its phase, why it heals, and what it took so far (``sources`` in order)."""
-    return {"engine": e, "phase": "queued", "reason": reason, "respawn": respawn, "source": None,
+    """A healing engine's row: why it heals, and what it took so far (``sources`` in order); its phase is
+    its standing (:mod:`~dcr_ray.actors.standings`)."""
+    return {"engine": e, "reason": reason, "respawn": respawn, "source": None,
             "since": time.time(), "waiting_since": None, "rounds": 0, "error": None, "sources": [],
             "start_seconds": None, "created_at": None, **dict.fromkeys(TOOK, 0)}
+
+
+def _phase(standing: Standing | None) -> str:
+    return standing.value if standing is not None else "unknown"
 
 
 class Healing:
@@ -115,14 +119,15 @@ class Healing:
     # -- what the coordinator calls ----------------------------------------------------------------
     def schedule(self, engine_ids, reason: str, *, respawn: bool) -> None:
         """Heal ``engine_ids`` in the background (re-created first with ``respawn``: their actors died);
-        they stand HEALING until they join."""
-        self._s.standings.heal(engine_ids)
+        they stand ``queued`` until the worker takes them (an engine already healing keeps its place)."""
+        standings = self._s.standings
         with self._guard:
             for e in engine_ids:
                 rec = self._table.get(e)
-                if rec is not None and rec["phase"] not in ("failed",):
+                if rec is not None and standings.of(e) is not Standing.FAILED:
                     rec["respawn"] = rec["respawn"] or respawn
                     continue
+                standings.heal([e])
                 self._table[e] = _record(e, reason, respawn)
             metrics.record("healing_engines", len(self._table))
             if self._worker is None or not self._worker.is_alive():
@@ -145,8 +150,8 @@ class Healing:
 
     def heal_now(self, engine_id: str, reason: str, *, respawn: bool) -> dict:
         """Heal one engine in the caller's thread (``Refit.rejoin``); raises what made it fail."""
-        self._s.standings.heal([engine_id])
         with self._guard:
+            self._s.standings.heal([engine_id])
             self._table[engine_id] = _record(engine_id, reason, respawn)
         try:
             return self._heal(engine_id)
@@ -158,16 +163,19 @@ class Healing:
 
     def status(self) -> dict:
         """``{"healing": {engine id: {"phase", "reason", "source", "since", "rounds", "error", ...}},
-        "healed": [...]}``: every engine healing now or whose healing failed (``phase == "failed"``;
-        ``Refit.rejoin`` retries it), and the last completed heals. ``sources`` lists where each round's
+        "healed": [...]}``: every engine healing now or whose healing failed (``phase``: its standing, one
+        of :data:`~dcr_ray.actors.standings.HEALING` or ``joining``; ``failed``: ``Refit.rejoin`` retries
+        it), and the last completed heals. ``sources`` lists where each round's
         bits came from (a peer's id, ``window`` or ``owners``; a later round starts from what an earlier
         one landed when a refit committed meanwhile), ``source`` the last one (``held``: none was
         needed); ``owner_bytes``: what the owners sent for it; ``copy_bytes``: what peers handed over
         (``cross_bytes``: the part a peer of another cluster handed over, across a cluster link);
         ``delta_bytes`` / ``steps``: the missed deltas replayed from the catch-up window;
         ``lock_seconds``: how long it held the coordinator's lock (refits wait only for that)."""
+        standings = self._s.standings
         with self._guard:
-            return {"healing": {e: {k: v for k, v in r.items() if k not in ("respawn", "created_at")}
+            return {"healing": {e: {"phase": _phase(standings.of(e)),
+                                    **{k: v for k, v in r.items() if k not in ("respawn", "created_at")}}
                                 for e, r in self._table.items()},
                     "healed": list(self.healed)}
 
@@ -175,14 +183,14 @@ class Healing:
     def _run(self) -> None:
         while True:
             with self._guard:
-                todo = sorted(e for e, r in self._table.items() if r["phase"] == "queued")
-                waiting = sorted(e for e, r in self._table.items() if r["phase"] == WAITING)
+                todo = sorted(e for e in self._table if self._s.standings.of(e) is Standing.QUEUED)
+                waiting = sorted(e for e in self._table if self._s.standings.of(e) is Standing.WAITING)
                 if not todo and not waiting:
                     self._worker = None
                     return
             for e in waiting:  # capacity came back: heal it now
                 if self._outages.can_host(self._s.topology.engine_cluster[e]):
-                    self._set(e, phase="queued")
+                    self._set(e, Standing.QUEUED)
                     todo.append(e)
             self._recreate([e for e in todo if self._table[e]["respawn"]])
             for e in todo:
@@ -195,8 +203,11 @@ class Healing:
             if not todo:
                 time.sleep(CAPACITY_POLL_S)
 
-    def _set(self, e: str, **kw) -> None:
+    def _set(self, e: str, standing: Standing | None = None, **kw) -> None:
+        """``e`` moves to ``standing`` (its phase), and its row takes ``kw``."""
         with self._guard:
+            if standing is not None:
+                self._s.standings.move([e], standing)
             self._table[e].update(kw)
 
     def _heal(self, e: str) -> dict:
@@ -206,12 +217,12 @@ class Healing:
             out = self._rounds(e)
         except NoCapacity:
             with self._guard:
-                rec = self._table[e]
-                if rec["phase"] != WAITING:
-                    rec.update(phase=WAITING, waiting_since=time.time(), respawn=True)
+                if self._s.standings.of(e) is not Standing.WAITING:
+                    self._s.standings.move([e], Standing.WAITING)
+                    self._table[e].update(waiting_since=time.time(), respawn=True)
             raise
         except Exception as err:
-            self._set(e, phase="failed", error=f"{type(err).__name__}: {err}")
+            self._set(e, Standing.FAILED, error=f"{type(err).__name__}: {err}")
             raise
         secs = time.perf_counter() - t0
         with self._guard:
@@ -250,14 +261,14 @@ class Healing:
         s = self._s
         ready = [e for e in engine_ids if self._outages.can_host(s.topology.engine_cluster[e])]
         for e in ready:
-            self._set(e, phase="re-creating")
+            self._set(e, Standing.RECREATING)
             s.topology.retire(e, s.config)  # its name is released before the lock is taken
         for e in ready:
             with self._holding(e, s.lock):
                 if not self._outages.regain(s.topology.engine_cluster[e]):  # its relays come back first
                     continue
                 s.topology.respawn(e, s.config)
-            self._set(e, respawn=False, phase="starting", created_at=time.perf_counter())
+            self._set(e, Standing.STARTING, respawn=False, created_at=time.perf_counter())
 
     def _start(self, e: str) -> None:
         """Re-create ``e`` if its actor died (now or while it starts), and wait until its backend loaded
@@ -272,7 +283,7 @@ class Healing:
                 self._recreate([e])
                 if self._table[e]["respawn"]:  # its cluster lost its capacity meanwhile
                     raise NoCapacity(cluster)
-            self._set(e, phase="starting")
+            self._set(e, Standing.STARTING)
             try:
                 self._started(e, cluster)
                 created = self._table[e].get("created_at")
@@ -303,9 +314,10 @@ class Healing:
         """Queue again every engine whose healing failed (the coordinator calls it after each commit);
         returns their ids."""
         with self._guard:
-            failed = sorted(e for e, r in self._table.items() if r["phase"] == "failed")
+            failed = sorted(e for e in self._table if self._s.standings.of(e) is Standing.FAILED)
             for e in failed:
-                self._table[e].update(phase="queued", error=None, rounds=0)
+                self._s.standings.heal([e])
+                self._table[e].update(error=None, rounds=0)
         if failed:
             self.schedule([], "retry", respawn=False)  # starts the worker for them
         return failed
@@ -358,8 +370,7 @@ class Healing:
                 steps = None if peer is not None else steps
                 if not steps and (peer is None or s.topology.is_adopted(e)):  # no delta, no peer can hand
                     # it over (or it cannot take a copy: an adopted engine's bits are not addressable)
-                    self._set(e, phase="bootstrapping", source="owners")
-                    s.standings.joining([e])
+                    self._set(e, Standing.JOINING, source="owners")
                     sent = self._bootstrap.dense([e])  # joins the required set (an adopted engine by digest if it can)
                     self._took(e, "owners" if sent else "digest", owner_bytes=sent)
                     return {"engine": e, "version": version}
@@ -370,11 +381,11 @@ class Healing:
                     return err
             try:
                 if steps:
-                    self._set(e, phase="catching up", source="window")
+                    self._set(e, Standing.CATCHING_UP, source="window")
                     got = ray.get(handle.catch_up.remote(steps, t), timeout=t)
                     self._took(e, "window", delta_bytes=got["bytes"], steps=got["steps"])
                 else:
-                    self._set(e, phase="copying", source=peer)
+                    self._set(e, Standing.COPYING, source=peer)
                     ray.get(handle.heal_from.remote(snap, t), timeout=t)
                     cross = 0 if self._same_cluster(e, peer) else snap["bytes"]
                     self._took(e, peer, copy_bytes=snap["bytes"], cross_bytes=cross)

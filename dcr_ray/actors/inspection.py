@@ -48,7 +48,7 @@ class Inspection:
 
     def status(self, detail: bool = False) -> dict:
         """The committed version and record, the required engines and every engine's standing
-        (``standings``: required, joining, evicted, healing, out), the refit in flight (``phase``), the
+        (``standings``: :class:`~dcr_ray.actors.standings.Standing`, the heal's steps included), the refit in flight (``phase``), the
         engines healing in the background (``healing``, and the last completed heals in ``healed``), the
         clusters waiting for capacity (``capacity``: since when, and what their actors ask of a node) and,
         with ``detail``, each engine's state, the relays per cluster and the last refits

@@ -2,20 +2,18 @@
 
 An engine is *required* (it holds the committed version settled and takes part in the next refit),
 *evicted* (it did not answer a stage within the timeout: alive but hung; it leaves the required set
-and the refits go on without it), or *healing* (outside the required set, getting the committed
-version in the background: :mod:`~dcr_ray.actors.healing`). Transitions::
+and the refits go on without it), or heals in the background (*queued*, then the steps of its heal:
+:mod:`~dcr_ray.actors.healing`). The decisions this part makes (each a move of
+:class:`~dcr_ray.actors.standings.Standings`, whose table refuses any other)::
 
     required --no answer within a stage's timeout--> evicted        (:meth:`Membership.answers`)
-    required --died / failed to activate---------> healing          (:meth:`Membership.heal_later`)
+    required --died / failed to activate---------> queued           (:meth:`Membership.heal_later`)
     evicted  --answers, had flushed the committed transfer--> required   (activated: no bits move)
-    evicted  --answers otherwise / died meanwhile--> healing         (:meth:`Membership.readmit`)
-    any      --Refit.rejoin / Refit.invalidate----> healing, now    (:meth:`rejoin`, :meth:`invalidate`)
-    written by an abandoned refit, no rollback --> dense bootstrap, else out (:meth:`restore`)
-    healing  --holds the committed version--------> required        (under the coordinator's lock)
+    evicted  --answers otherwise / died meanwhile--> queued          (:meth:`Membership.readmit`)
+    any      --Refit.rejoin / Refit.invalidate----> queued, healed now   (:meth:`rejoin`, :meth:`invalidate`)
+    written by an abandoned refit, no rollback --> joining (dense bootstrap), else out (:meth:`restore`)
 
-Each engine's standing lives in one container (:class:`~dcr_ray.actors.standings.Standings`, in the
-shared :class:`~dcr_ray.actors.coordinator_state.CoordinatorState`), changed only through its methods;
-each evicted engine's pending readmission probe belongs to this part.
+Each evicted engine's pending readmission probe belongs to this part.
 """
 
 from __future__ import annotations
