@@ -137,9 +137,9 @@ def _cluster_lost(refit, nodes, trainer, one, base: float, limit_s: float) -> di
                  for e in survivors)
     paused = [p for e in survivors for p in ray.get(refit.engines()[e].pauses.remote(since))]
     waiting = refit.status()["capacity"]
+    healed_before = {(h["engine"], h["at"]) for h in refit.status()["healed"]}  # (the heal may end before add returns)
     t_join = time.perf_counter()
     nodes.add("b")
-    healed_before = {(h["engine"], h["at"]) for h in refit.status()["healed"]}
     deadline = time.monotonic() + limit_s
     while True:
         st = refit.status()

@@ -42,8 +42,8 @@ def test_the_heal_benchmark_heals_every_case_exactly_and_inside_the_cluster_wher
     # real node faults: one retry for a node lost mid-refit; a lost cluster commits for the other, which
     # serves, and heals from it (one crossing) when a node joins; everything exact (timings: the benchmark's)
     nd, cl = out["node_cases"]["node_death_mid_refit"], out["node_cases"]["cluster_lost"]
-    assert nd["attempts"] <= 2 and nd["required"] == 4 and nd["bit_exact"]
-    assert cl["next_refit_attempts"] == 1 and cl["survivors_served"] and cl["waiting_for_capacity"] == ["b"]
-    assert cl["cross_copies"] == 1 and cl["bit_exact"]
+    assert nd["attempts"] <= 2 and nd["required"] == 4 and nd["bit_exact"], nd
+    assert cl["next_refit_attempts"] == 1 and cl["survivors_served"] and cl["waiting_for_capacity"] == ["b"], cl
+    assert cl["cross_copies"] == 1 and cl["bit_exact"], cl
     assert "node_death_mid_refit" in text and "| node dies mid-refit |" in heal.markdown(out)
     assert (tmp_path / "heal.png").stat().st_size > 0  # the command wrote its plot beside the JSON
