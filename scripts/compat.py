@@ -252,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['seconds']} s (environment {r['build_seconds']} s) {json.dumps(r['versions'])}")
     if bad:
         print(f"[compat] FAILED: {', '.join(bad)}")
+    if results:
+        total = {k: sum(r[k] for r in results) for k in ("passed", "failed", "skipped")}
+        print(f"compat: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
     return 1 if bad else 0
 
 

@@ -65,11 +65,10 @@ def check_vllm_version(version: str | None = None) -> str:
 def reload_path() -> str:
     """Which in-place reload :func:`reload_weights` runs with the imported vLLM: ``"inplace"`` (0.32 and
     later: ``reload/inplace.py``'s ``reload_weights``) or ``"layerwise"`` (0.31: its three steps)."""
-    try:
-        from vllm.model_executor.model_loader.reload import inplace  # noqa: F401
-    except ModuleNotFoundError:
-        return "layerwise"
-    return "inplace"
+    import importlib.util
+
+    found = importlib.util.find_spec("vllm.model_executor.model_loader.reload.inplace") is not None
+    return "inplace" if found else "layerwise"
 
 
 def reload_weights(vllm_config: Any, model: torch.nn.Module, items: list) -> None:
