@@ -67,8 +67,9 @@ STACKS: dict[str, dict] = {
         "runs": [["tests/test_openrlhf_recipe.py", "tests/test_pipeline.py", "tests/test_multinode.py"]],
     },
     "verl": {
-        "why": "veRL 0.9.1's pins (transformers>=5.5.3,<5.11) and its declared dependencies",
-        "requires": ["verl==0.9.1", "transformers<5.11"],
+        "why": "veRL 0.9.1's pins (transformers>=5.5.3,<5.11) and its declared dependencies, plus uvicorn and "
+               "fastapi, which its rollout modules import without declaring them (its rollout servers bring them)",
+        "requires": ["verl==0.9.1", "transformers<5.11", "uvicorn", "fastapi"],
         "runs": [["tests/test_verl_checkpoint_engine.py", "tests/test_verl_shards.py", "tests/test_sharded_owners.py"]],
     },
     "floor": {
@@ -147,8 +148,8 @@ def build(name: str) -> float:
     overrides.write_text("".join(f"{d}; sys_platform == 'never'\n" for d in CUDA_ONLY + spec.get("drop", [])))
     lock = env / "requirements.lock"
     common = ["--python", str(py), *torch_source()]
-    run([uv(), "pip", "compile", "-q", *common, "--overrides", str(overrides), "--constraint", str(constraints), "--resolution",
-         spec.get("resolution", "highest"), "--no-header", "-o", str(lock), str(reqs)])
+    run([uv(), "pip", "compile", "-q", *common, "--overrides", str(overrides), "--constraint", str(constraints),
+         "--resolution", spec.get("resolution", "highest"), "--no-header", "-o", str(lock), str(reqs)])
     run([uv(), "pip", "sync", "-q", *common, str(lock)])
     return time.perf_counter() - t0
 
@@ -164,7 +165,7 @@ def vllm_sources(version: str) -> Path:
     uv()  # the tool venv has pip
     run([str(pip), "download", "-q", "--no-deps", "--only-binary", ":all:", f"vllm=={version}", "-d", str(dl)])
     wheel = next(dl.glob(f"vllm-{version}-*.whl"))
-    tmp = dest.with_suffix(".part")
+    tmp = dest.parent / f"{version}.part"
     shutil.rmtree(tmp, ignore_errors=True)
     with zipfile.ZipFile(wheel) as z:
         z.extractall(tmp, [n for n in z.namelist() if n.endswith(".py") or ".dist-info/" in n])
