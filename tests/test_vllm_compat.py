@@ -170,7 +170,17 @@ def test_a_source_with_only_local_pieces_is_refused_saying_the_dcr_trainer_sends
         compat.iter_source(LocalOnly())
 
 
-def real_worker(engine, model):
+class AnotherRankRefuses:
+    """This worker is rank 0 of two, and rank 1 refused the call: what dcr's agreement among the workers
+    (``dcr_ray.engines.vllm.ranks``) hands back to rank 0 then."""
+
+    rank, size = 0, 2
+
+    def gather(self, item):
+        return [item, "ConfigError: refused on rank 1"]
+
+
+def real_worker(engine, model, ranks=None):
     """vLLM's own ``Worker``, with the weight-update fields its ``__init__`` sets (see the module docstring)."""
     from vllm.v1.worker.gpu_worker import Worker
 
@@ -180,7 +190,7 @@ def real_worker(engine, model):
         _weight_update_is_draft=False, _incomplete_weight_updates=set(), _kv_cache_reclaimable=False,
         _weight_update_kv_cache_loan=ExitStack(),
         model_runner=SimpleNamespace(get_model=lambda: model, extensible_kv_cache=None, reset_lora_state=lambda: None))
-    engine.bind(worker, None)
+    engine.bind(worker, ranks)
     return worker
 
 
@@ -202,17 +212,18 @@ def test_a_refusal_on_another_rank_ends_this_workers_session_as_this_vllms_worke
     ends = []
     for how in ("vllm", "dcr"):
         engine = DcrWeightTransferEngine(WeightTransferConfig(backend="dcr"), vllm_config(), "cpu", model)
-        worker = real_worker(engine, model)
+        worker = real_worker(engine, model, ranks=None if how == "vllm" else AnotherRankRefuses())
         worker.start_weight_update()
         engine.model = torch.nn.Module()  # a session's target (vLLM retargets it for a draft model)
         returned: list = []
         worker._weight_update_kv_cache_loan.callback(returned.append, True)  # 0.34 lends KV-cache memory
         assert worker._weight_update_active
+        update = {"base": 0, "target": 1, "frames_b64": []}
         if how == "vllm":  # this worker's own update raises: the worker ends its session itself
             with pytest.raises(NotInitializedError):
-                worker.update_weights({"base": 0, "target": 1, "frames_b64": []})
-        else:  # another rank refused: dcr ends this rank's session (what its agreement runs on every rank)
-            engine._close_session()
+                worker.update_weights(update)
+        else:  # rank 1 refused, and rank 0 does not raise (only the last rank does): dcr ends its session
+            worker.update_weights(update)
         ends.append(session_state(worker, returned))
         worker.start_weight_update()  # a new session can start, and finishes
         worker.finish_weight_update()
