@@ -7,6 +7,11 @@
 #   4. the serving pause of dcr_ray-started vLLM engines on CUDA (loader capture: captured tensors are written
 #      sparsely into live storage at activate, no fused-group reload) beside a dense sync and a
 #      fetch-then-reload on the same engines (`bench live`, small model, staged and in place).
+#   5. vLLM 0.34 (no CPU wheel; on CPU its shims run only against its modules, `scripts/compat.sh vllm-0.34`):
+#      the shim tests and the vLLM GPU test of step 1 with vLLM 0.34.0 itself: the reload through its own
+#      start_reload/finish_reload (post-load hooks on every reload), the session end through its worker, outputs
+#      == a fresh engine. It runs in VLLM_034_PYTHON's environment, else .compat/gpu-vllm-0.34 (built here by
+#      uv: dcr_ray[test] and vllm==0.34.0 with its CUDA torch; needs PyPI), and says so when it has neither.
 # Without CuPy or a GPU the tests skip and the benchmark prints the numpy figures only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,3 +28,15 @@ timeout 30 "$PY" -m benchmarks.cuda.kernels --elems $((1 << 24)) --density 0.01 
 timeout 120 "$PY" -m benchmarks.cuda.patch --elems $((1 << 26)) --density 0.01
 timeout 420 "$PY" -m benchmarks live --quick --receivers vllm --data adamw --engines 1 --gpus-per-engine 1 \
   --json /tmp/dcr_live_gpu.json
+V034="${VLLM_034_PYTHON:-.compat/gpu-vllm-0.34/bin/python}"
+if [ ! -x "$V034" ] && [ -z "${VLLM_034_PYTHON:-}" ]; then
+  (python3 -m venv .compat/uv && .compat/uv/bin/pip install -q uv==0.13.9 \
+    && .compat/uv/bin/uv venv -q .compat/gpu-vllm-0.34 \
+    && .compat/uv/bin/uv pip install -q --python .compat/gpu-vllm-0.34/bin/python -e ".[test]" vllm==0.34.0) \
+    || echo "vLLM 0.34: no environment (set VLLM_034_PYTHON, or run where PyPI is reachable): step 5 skipped"
+fi
+if [ -x "$V034" ]; then
+  "$V034" -c "import vllm; print('vLLM', vllm.__version__)"
+  timeout 120 "$V034" -m pytest -q -p no:cacheprovider -rs tests/test_vllm_compat.py
+  timeout 300 "$V034" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_vllm_adopted.py
+fi

@@ -120,6 +120,10 @@ class BackendUnavailableError(BackendError):
     """The serving runtime a backend wraps is not installed (the message says what to install)."""
 
 
+class UnsupportedRuntimeError(BackendUnavailableError):
+    """The installed serving runtime is a release dcr_ray does not support (the message names the range)."""
+
+
 class LoaderCaptureError(BackendError):
     """The runtime's own loader wrote parameter storage in a way dcr_ray cannot follow bit-exactly.
 

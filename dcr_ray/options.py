@@ -70,8 +70,11 @@ def _ray_checks(kind: str, opts: dict) -> None:
 
     try:
         from ray._common.ray_option_utils import validate_actor_options
-    except ImportError:  # Ray moved its checks: each value is then checked when the actor starts
-        return
+    except ImportError:
+        try:  # Ray up to 2.4x keeps them here
+            from ray._private.ray_option_utils import validate_actor_options
+        except ImportError:  # Ray moved its checks: each value is then checked when the actor starts
+            return
     try:
         validate_actor_options(dict(opts), in_options=True)
     except (ValueError, TypeError) as e:

@@ -27,7 +27,8 @@ paused for the apply only. The fourth sync carries a corrupted frame: it fails i
 dcr_ray's ``BackendError``, and the server keeps serving version 3 exactly: digests, label, and greedy token ids
 and logprobs ``==`` a freshly started server loaded with the trainer's version-3 weights. Then the protocol
 object alone, in TRL's call order, refuses a wrong checkpoint without writing, and after another refused sync
-sends the same step from the same baseline. One server serves the whole module.
+sends the same step from the same baseline, and the server at version 4 again gives what a freshly started server
+loaded with those weights gives. One server serves the whole module.
 """
 
 from __future__ import annotations
@@ -346,9 +347,18 @@ def test_a_corrupt_frame_fails_the_trainers_sync_with_a_dcr_error_and_the_server
     v3 = next(c["state"] for c in transfer.checks if c.get("summary", {}).get("version") == 3)
     assert server.weight_version() == "3" and not server.is_paused()
     assert served_bits_equal(server.url, 3, v3)
-    got = server.greedy()
-    fresh = Server(write_checkpoint(grpo_run["checkpoint"], str(grpo_run["root"] / "fresh-v3"), v3),
-                   str(grpo_run["root"] / "fresh.log"))
+    assert_serves_as_a_fresh_server(grpo_run, 3, v3)
+
+
+def assert_serves_as_a_fresh_server(grpo_run, version: int, state: dict) -> None:
+    """The run's server, idle, gives the greedy token ids and logprobs (``==``) of a freshly started server
+    loaded with ``state`` (the trainer's tensors of ``version``)."""
+    got = grpo_run["server"].greedy()
+    root = grpo_run["root"]
+    directory = str(root / f"fresh-v{version}")
+    if not os.path.isdir(directory):
+        write_checkpoint(grpo_run["checkpoint"], directory, state)
+    fresh = Server(directory, str(root / f"fresh-v{version}.log"))
     try:
         fresh.wait()
         want = fresh.greedy()
@@ -394,5 +404,6 @@ def test_in_trls_call_order_a_refused_sync_changes_nothing_and_the_next_one_send
     transfer.resume()
     assert transfer.version == 4 and transfer.syncs[-1]["changed"] > 0
     assert server.weight_version() == "4" and not server.is_paused() and served_bits_equal(server.url, 4, step4)
+    assert_serves_as_a_fresh_server(grpo_run, 4, step4)
     transfer.destroy()
     assert transfer.version is None and server.weight_version() == "4"

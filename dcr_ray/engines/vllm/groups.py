@@ -205,13 +205,13 @@ def reload_groups(model: torch.nn.Module, vllm_config: Any, items: list[tuple[st
     Returns ``{"tensors": n, "reprocessed": [module paths]}``.
     """
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    from dcr_ray.engines.vllm.compat import reload_weights
 
     modules = reloaded_modules(model, (name for name, _ in items))
     with set_current_vllm_config(vllm_config):
         with quiet_partial_reload():
-            reload_weights(vllm_config, model, weights_iterator=list(items), weights_path=None,
-                           is_checkpoint_format=True)
+            reload_weights(vllm_config, model, list(items))
         experts = reprocess_moe_experts(model, modules)
         again = reprocess_aliases(model, modules)
     return {"tensors": len(items), "reprocessed": again + experts}

@@ -23,6 +23,11 @@ for the permission itself when it first uses AMX, so the death depended on which
 of the OpenRLHF recipe here.
 
 vLLM loads general plugins only when ``VLLM_PLUGINS`` is unset or names them (``VLLM_PLUGINS=dcr``).
+
+On a vLLM release outside :data:`~dcr_ray.engines.vllm.compat.SUPPORTED_VLLM` registration raises
+:class:`~dcr_ray.errors.UnsupportedRuntimeError` naming the supported range, before anything is registered
+(vLLM calls each plugin unguarded, so the engine does not start), instead of a missing vLLM module surfacing
+later at ``init_weight_transfer_engine``.
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ def register() -> None:
     """Register :class:`~dcr_ray.engines.vllm.transfer.DcrWeightTransferEngine` and its trainer twin as
     backend ``dcr``, let vLLM's HTTP client send frames, add ``dcr_transfer_status`` to vLLM's worker
     base class, and make this process ready for a CPU engine (:func:`~dcr_ray.engines.vllm.compat.prepare_cpu_process`;
-    all idempotent)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    all idempotent). An unsupported vLLM release raises :class:`~dcr_ray.errors.UnsupportedRuntimeError` first."""
+    from dcr_ray.engines.vllm.compat import check_vllm_version, prepare_cpu_process
 
-    from dcr_ray.engines.vllm.compat import prepare_cpu_process
+    check_vllm_version()
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     prepare_cpu_process()  # AMX and the llvmlite shim; nothing CUDA-related, so a later fork is unaffected
 
@@ -61,7 +67,11 @@ def register() -> None:
 
 def register_trainer() -> None:
     """The trainer-side half of :func:`register` (no worker is touched): the ``dcr`` entry of vLLM's
-    ``WeightTransferTrainerFactory`` and the HTTP client's frame encoding. Idempotent."""
+    ``WeightTransferTrainerFactory`` and the HTTP client's frame encoding. Idempotent; an unsupported vLLM
+    release raises :class:`~dcr_ray.errors.UnsupportedRuntimeError`."""
+    from dcr_ray.engines.vllm.compat import check_vllm_version
+
+    check_vllm_version()
     from vllm.distributed.weight_transfer import clients
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 

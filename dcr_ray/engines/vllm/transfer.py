@@ -81,6 +81,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from dcr_ray.engines.vllm.compat import end_weight_update_session
 from dcr_ray.engines.vllm.ranks import EngineRanks, find_worker, vllm_ranks
 from dcr_ray.engines.vllm.receiver import MirrorReceiver
 from dcr_ray.errors import BackendError, ConfigError, EngineStateError
@@ -254,8 +255,9 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         raises, so every rank's session agrees after a refusal whichever rank raised."""
         worker = self._worker() if self._worker is not None else None
         if worker is not None:
-            worker._weight_update_active = False
-        self.reset_weight_update_target()
+            end_weight_update_session(worker, self)  # vLLM 0.34 ends it through the worker
+        else:
+            self.reset_weight_update_target()
 
     # -- vLLM's calls ---------------------------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> DcrInitInfo:

@@ -56,6 +56,7 @@ from dcr_ray.actors.owner import DeltaOwner
 from dcr_ray.config import CodecConfig, OwnerConfig, RefitConfig
 from dcr_ray.engines.vllm.adopted import WeightSyncBackend
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, iter_checkpoint
+from dcr_ray.engines.vllm.compat import iter_source, source_sender_holds_all
 from dcr_ray.engines.vllm.plugin import BACKEND_NAME, frames_as_base64, register_trainer
 from dcr_ray.engines.vllm.sync import HttpWeightSync, RayWeightSync
 from dcr_ray.errors import BackendError, ConfigError
@@ -223,10 +224,10 @@ class DcrTrainerWeightTransferEngine(TrainerWeightTransferEngine[DcrTrainerInitI
         if source is not None and not isinstance(source, WeightSource):
             raise ConfigError(f"source must be a vLLM WeightSource (e.g. ModuleSource(model)), got "
                               f"{type(source).__name__}; or pass (name, tensor) pairs to send_weights")
-        if source is not None and source.held_names() is not None:  # checked on every rank alike
+        if source is not None and not source_sender_holds_all(source):  # the same answer on every rank
             raise ConfigError("the dcr trainer engine sends from rank 0, which must hold every parameter; a "
-                              "WeightSource split by held_names() needs one dcr_ray owner per rank "
-                              "(dcr_ray.launch with the ranks' owners)")
+                              "WeightSource split among ranks (held_names(), or owned_names(rank) from vLLM 0.33) "
+                              "needs one dcr_ray owner per rank (dcr_ray.launch with the ranks' owners)")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info, engine.version = init_info, init_info.version
         if not engine.is_sender:
@@ -259,7 +260,7 @@ class DcrTrainerWeightTransferEngine(TrainerWeightTransferEngine[DcrTrainerInitI
             raise ConfigError("send_weights after shutdown (or without trainer_init): build the engine with "
                               "WeightTransferTrainerFactory.trainer_init(DcrTrainerInitInfo(...), client=...)")
         t0 = time.perf_counter()
-        tensors, problems = self._collect(weights if weights is not None else self.source)
+        tensors, problems = self._collect(weights if weights is not None else iter_source(self.source))
         if not self.is_sender:
             return {}
         if problems:
