@@ -97,7 +97,7 @@ class OwnerMixin:
         return self._dcr
 
     def dcr_delta_owner(self) -> DeltaOwner:
-        """The :class:`~dcr_ray.owner.DeltaOwner` behind this actor (its committed store, its config), for
+        """The :class:`~dcr_ray.actors.owner.DeltaOwner` behind this actor (its committed store, its config), for
         inspection from inside the actor by tests and benchmarks; only the coordinator's calls change it."""
         return self._dcr_held().delta
 

@@ -12,7 +12,7 @@ along dim 0 alternating between q/k/v), fused gate/up halves, stacked experts (o
 vocab padding (a cell with no target). :mod:`dcr_ray.sharding.layouts` builds these.
 
 Because each cell is a box of its canonical tensor, ownership is checkable per element without
-enumerating elements (:meth:`ShardSpec.boxes`, :func:`dcr_ray.sharding.coverage.check_boxes`).
+enumerating elements (:meth:`ShardSpec.boxes`, :func:`dcr_ray.sharding.coverage.check_tiling`).
 
 What is not affine (a value-changing conversion such as a norm stored as ``w - 1``, scales of
 quantized weights) is *residual*: the owner converts it to the canonical tensor itself and marks it
