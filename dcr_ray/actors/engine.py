@@ -17,10 +17,12 @@ An engine actor is composed of parts, as the coordinator is, each handed the eng
 =============================  =========================================================================
 
 Its phases are :class:`~dcr_ray.actors.engine_state.Phase` (empty, ready, staging, open, written,
-dirty), every transition one method of :class:`~dcr_ray.actors.engine_state.EngineState`. With in-place
+parked, dirty), every transition one method of :class:`~dcr_ray.actors.engine_state.EngineState`. With in-place
 apply (default) generation pauses from ``prepare`` to ``activate``, so no output ever mixes versions;
 with ``EngineConfig(apply="staged")`` payloads are validated and decoded while the engine keeps serving
-the old version, and written together at ``flush`` (the only pause, until ``activate``).
+the old version, and written together at ``activate``, once the commit record is durable (the only pause).
+An in-place engine that waits past ``EngineConfig.hold_s`` after its flush sets its writes aside and
+serves meanwhile (:mod:`~dcr_ray.actors.engine_park`).
 """
 
 from __future__ import annotations

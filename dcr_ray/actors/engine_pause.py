@@ -4,9 +4,12 @@ A pause opens when generation must stop serving the committed version and closes
 
 - ``apply="in_place"``: from ``prepare`` of a delta transfer (writes land in live weights as frames
   arrive) to ``activate`` of the new version, or to the rollback of an abandoned transfer;
-- ``apply="staged"``: from the first write at ``flush`` (every frame was validated and decoded while the
-  engine served) to ``activate``. Generation must not run between the write and the commit record: a
-  refit that then fails rolls the weights back, and outputs would name a policy that was never committed.
+- ``apply="staged"``: inside ``activate``, after the commit record is durable, from the first write of the
+  staged frames (every frame was validated and decoded while the engine served) to the end of their
+  writes and the backend's flush. Nothing is written before the record, so no output ever names a policy
+  that was never committed.
+- an in-place engine that parked (``EngineConfig.hold_s``) serves between its park and the write-back:
+  those seconds are ``parked_s``, not pause.
 
 Generation calls already running when a pause opens finish first (their answers come from the old
 version); that time is serving, not pause, so it is kept apart (``inflight``) and left out of

@@ -8,7 +8,7 @@ naming the phase::
 
     EMPTY / READY / DIRTY --open(attempt)----------------> OPEN      (prepare, in place; a delta only from READY)
                           --open(attempt, staged=True)---> STAGING   (prepare, staged: it serves on meanwhile)
-    STAGING --wrote()------------------------------------> OPEN      (the flush writes the staged frames)
+    STAGING --wrote()------------------------------------> OPEN      (activate writes the staged frames)
     OPEN    --wrote()------------------------------------> OPEN      (its transfer wrote in place: ``written``)
     OPEN / STAGING --close(transfer)---------------------> WRITTEN   (it wrote in place: the next attempt repairs)
                                                        \\-> READY / EMPTY / DIRTY   (it wrote nothing)
