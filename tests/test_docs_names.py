@@ -25,9 +25,14 @@ def _resolves(name: str) -> bool | None:
                 return None
             continue
         for attr in parts[i:]:
-            if not hasattr(obj, attr):
-                return False
-            obj = getattr(obj, attr)
+            try:  # a package's lazy __getattr__ may import a peer's package here
+                if not hasattr(obj, attr):
+                    return False
+                obj = getattr(obj, attr)
+            except ModuleNotFoundError as e:
+                if e.name and not e.name.startswith("dcr_ray"):
+                    return None
+                raise
         return True
     return False
 
