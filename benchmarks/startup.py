@@ -79,14 +79,14 @@ def run_topology(prefork: bool) -> dict:
 
     import dcr_ray
     import dcr_ray.prefork
-    from dcr_ray.testing.models import ModelSpec
+    from dcr_ray.testing.models import MODELING_MODULES, ModelSpec
     from dcr_ray.testing.trainer import TinyTrainer
 
     out = {"cores": os.cpu_count(), "prefork": prefork}
     t0 = time.perf_counter()
-    server = dcr_ray.prefork.start() if prefork else None  # its imports overlap ray.init
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             **(server.ray_init_kwargs() if server else {}))
+    server = dcr_ray.prefork.start(extra=(MODELING_MODULES["qwen2"],)) if prefork else None  # beside ray.init
+    ray.init(**(server.ray_init_kwargs(address="local") if server else {"address": "local"}), num_cpus=2,
+             include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     if server:
         server.wait_ready()
     t_ray = time.perf_counter()

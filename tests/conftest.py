@@ -44,7 +44,10 @@ def pytest_collection_finish(session):
     # The benchmark tests put the checkout on PYTHONPATH (dcr_ray.cli.find_benchmarks, for their Ray
     # workers); done here first, the server starts with it and their workers are forked, not refused.
     find_benchmarks()
-    server = dcr_ray.prefork.start()  # its imports run beside the first tests
+    from dcr_ray.testing.models import MODELING_MODULES
+
+    # the library's preloads and the two architectures most tests build
+    server = dcr_ray.prefork.start(extra=(MODELING_MODULES["qwen2"], MODELING_MODULES["llama"]))  # beside the tests
     os.environ.update(server.environ())
     session.config._dcr_prefork = server
 
