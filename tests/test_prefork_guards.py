@@ -200,14 +200,28 @@ def test_a_worker_is_forked_with_its_own_value_of_torchs_nvml_check_since_no_imp
         assert _forked(proc, light) and proc.stdout.split()[-1] == str(value), proc.stderr[-500:]
 
 
-def test_the_installed_rays_private_hook_is_as_expected_and_a_ray_without_it_is_named(tmp_path):
-    assert guards.ray_hook_problem() is None
+def test_a_ray_whose_private_hook_changed_gets_no_forked_worker_and_the_server_says_why(tmp_path):
+    assert guards.ray_hook_problem() is None  # the Ray installed here is as expected
     fake = tmp_path / "ray" / "_private"
     fake.mkdir(parents=True)
+    (tmp_path / "ray" / "__init__.py").write_text("")
     (fake / "utils.py").write_text("def set_omp_num_threads_if_unset(num_cpus):\n    pass\n")
     assert "takes arguments now" in guards.ray_hook_problem(str(tmp_path / "ray"))
     (fake / "utils.py").write_text("def another():\n    pass\n")
     assert "has no set_omp_num_threads_if_unset()" in guards.ray_hook_problem(str(tmp_path / "ray"))
+    # a server that finds that Ray first on its path refuses every worker (a real server and client; the
+    # worker script never imports Ray)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.getcwd()}"}
+    proc = subprocess.Popen([sys.executable, "-m", "dcr_ray.prefork.server", str(tmp_path / "s.sock"), "--preload",
+                             "json"], stdout=subprocess.PIPE, text=True, env=env, stderr=subprocess.DEVNULL)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("refusing: ") and "has no set_omp_num_threads_if_unset()" in line, line
+        client = _client(str(tmp_path / "s.sock"), _script(tmp_path, WHO + "sys.exit(6)\n"), env=env)
+        assert client.returncode == 6 and client.stdout.split()[0] == str(os.getpid()), client.stderr[-500:]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_a_worker_whose_python_environment_ray_activated_starts_with_that_environments_python(light, tmp_path,
