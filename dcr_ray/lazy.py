@@ -9,26 +9,32 @@ neither torch nor transformers.
 from __future__ import annotations
 
 import importlib
+import os
 
 
 def exports(package: str, names: dict[str, str]):
     """``(__getattr__, __dir__)`` for ``package``: each of ``names`` (public name -> the submodule, relative
     to ``package``, that defines it) is imported on first use; any other attribute that names a submodule
-    imports it (``package.kernels``)."""
+    imports it (``package.kernels``).
+
+    A public name that is also a submodule's name cannot be lazy: once anything imports the submodule, Python
+    binds the package's attribute to it, and the name would then give the module. The package imports such a
+    name itself, and this refuses it."""
     module = importlib.import_module(package)
+    clash = sorted(n for n in names if any(os.path.exists(os.path.join(d, f"{n}.py")) or
+                                           os.path.isdir(os.path.join(d, n)) for d in module.__path__))
+    if clash:
+        raise ImportError(f"{package}: {clash} name submodules too; import them in the package itself")
 
     def __getattr__(name: str):
-        if name in names:
-            value = getattr(importlib.import_module(f"{package}.{names[name]}"), name)
-        else:
-            try:
-                value = importlib.import_module(f"{package}.{name}")
-            except ModuleNotFoundError as e:
-                if e.name != f"{package}.{name}":
-                    raise  # the submodule exists and lacks a dependency
-                raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
-        setattr(module, name, value)
-        return value
+        if name in names:  # read from its submodule at each use, never kept here (a patch there is seen)
+            return getattr(importlib.import_module(f"{package}.{names[name]}"), name)
+        try:
+            return importlib.import_module(f"{package}.{name}")  # which binds it here, as any import does
+        except ModuleNotFoundError as e:
+            if e.name != f"{package}.{name}":
+                raise  # the submodule exists and lacks a dependency
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
 
     def __dir__() -> list[str]:
         return sorted(set(vars(module)) | set(names))

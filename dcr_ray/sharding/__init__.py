@@ -11,6 +11,8 @@
 from typing import TYPE_CHECKING
 
 from dcr_ray.lazy import exports
+# ``project`` names a submodule too, so it is bound here, as it always was (numpy only: no torch)
+from dcr_ray.sharding.project import project, project_all
 
 #: Public name -> the submodule that defines it, imported on first use (the specs need torch; the
 #: coordinator reads coverage alone).
@@ -18,8 +20,8 @@ _EXPORTS = {
     "check_tiling": "coverage", "flat_range": "flat", "flat_shards": "flat", "experts_from_dtensor": "layouts",
     "from_dtensor": "layouts", "fused_gate_up": "layouts", "fused_qkv": "layouts", "replicated_share": "layouts",
     "row_slice": "layouts", "stacked_experts": "layouts", "Shard": "local", "canonical_specs": "local",
-    "resolve_shards": "local", "project": "project", "project_all": "project", "Box": "spec", "ShardSpec": "spec",
-    "ShardSpecError": "spec", "Target": "spec", "box_target": "spec",
+    "resolve_shards": "local", "Box": "spec", "ShardSpec": "spec", "ShardSpecError": "spec", "Target": "spec",
+    "box_target": "spec",
 }
 __all__ = [
     "Box", "Shard", "ShardSpec", "ShardSpecError", "Target", "box_target", "canonical_specs", "check_tiling",
@@ -34,5 +36,4 @@ if TYPE_CHECKING:  # what static tools see
     from dcr_ray.sharding.layouts import (experts_from_dtensor, from_dtensor, fused_gate_up, fused_qkv,
                                           replicated_share, row_slice, stacked_experts)
     from dcr_ray.sharding.local import Shard, canonical_specs, resolve_shards
-    from dcr_ray.sharding.project import project, project_all
     from dcr_ray.sharding.spec import Box, ShardSpec, ShardSpecError, Target, box_target
