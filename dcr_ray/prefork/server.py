@@ -289,10 +289,13 @@ class _Server:
         conn.settimeout(30.0)  # a client that connects and never sends does not hold the others up
         try:
             request, fds = _read_request(conn)
-            uid = _peer(conn)[1]
         except (OSError, ValueError, ConnectionError):
             conn.close()
             return
+        try:
+            uid = _peer(conn)[1]
+        except OSError:
+            uid = -1  # unknown: refused below
         conn.settimeout(None)  # the child keeps the connection: blocking, as its client is
         reply, why = self.refusal(uid, request.get("env", {}))
         if not why:
@@ -311,7 +314,8 @@ class _Server:
         except OSError:
             pass  # the client left; a child sees its connection closed and exits
         if reply > 0:
-            self.sel.register(pidfd := os.pidfd_open(reply), selectors.EVENT_READ)
+            pidfd = os.pidfd_open(reply)
+            self.sel.register(pidfd, selectors.EVENT_READ)
             self.children[pidfd] = (reply, conn)
         else:
             conn.close()
