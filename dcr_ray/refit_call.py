@@ -85,7 +85,8 @@ def coordinator_gone(namespace: str, commit_dir: str | None, request: str | None
 def warm(namespace: str) -> bool:
     """Make a handle to the coordinator of ``namespace`` where :func:`answer_refit` will run: ``launch``
     submits it while the topology starts, so the first refit does not wait for a Ray worker to start
-    and load the coordinator's class (Ray imports it to make a handle, about a second)."""
+    and load the coordinator's class (Ray imports its module to make a handle; that module imports neither
+    torch nor transformers, ``tests/test_import_rules.py``)."""
     from dcr_ray.options import COORDINATOR_NAME
 
     for _ in range(100):
@@ -101,9 +102,9 @@ def warm(namespace: str) -> bool:
 def answer_refit(namespace: str, request: str, retries: int, commit_dir: str | None):
     """Make the coordinator's ``refit(request)`` call and return its report (see the module docstring).
 
-    The coordinator is looked up by name here rather than passed as a handle: unpickling a handle
-    imports the actor's class (torch and all), which would cost the first refit of a fresh worker a
-    second; a handle made by name carries only the method names."""
+    The coordinator is looked up by name here rather than passed as a handle, in the worker that
+    :func:`warm` prepared: Ray imports the actor's class to make either, which a fresh worker would pay in
+    its first refit."""
     from dcr_ray.options import COORDINATOR_NAME
 
     try:

@@ -10,11 +10,12 @@ actors) that shard the model with FSDP2 over ``--dp`` ranks and tensor paralleli
 rank sends only its own DTensor shard, projected onto the checkpoint's tensors; nothing is gathered
 for a refit (the check at the end gathers the model once).
 
-On Linux the Ray workers are forked from a :mod:`dcr_ray.prefork` server that imported torch and
-transformers once (``--no-prefork``: each worker imports them itself, about 3.4 CPU-s per process).
+Its Ray workers start as ``dcr_ray.launch`` starts them for any user: ordinary Ray workers, each importing
+torch and transformers itself. ``--prefork`` (Linux, opt-in) forks them instead from a :mod:`dcr_ray.prefork`
+server that imported those once. The line that reports the start-up says which way they started.
 
     python examples/quickstart.py [--engine hf|vllm] [--transport relay|object_store] [--steps 5]
-                                  [--trainer replicas|fsdp [--dp 2 --tp 2]] [--no-prefork]
+                                  [--trainer replicas|fsdp [--dp 2 --tp 2]] [--prefork]
 """
 
 from __future__ import annotations
@@ -31,9 +32,22 @@ import ray  # noqa: E402
 
 import dcr_ray  # noqa: E402
 import dcr_ray.prefork  # noqa: E402
-from dcr_ray.testing.models import ModelSpec, build_model  # noqa: E402
+from dcr_ray.testing.models import MODELING_MODULES, ModelSpec, build_model  # noqa: E402
 from dcr_ray.codec.bits import bits_equal  # noqa: E402
 from dcr_ray.testing.trainer import TinyTrainer  # noqa: E402
+
+
+def workers_started(asked: bool, server) -> str:
+    """Which way this run's Ray workers start, in words for the start-up line."""
+    if server is not None and server.refusing is None:
+        return "Ray workers forked from a prefork server, --prefork"
+    if server is not None:
+        return f"ordinary Ray workers: the prefork server refuses to fork ({server.refusing})"
+    if asked:
+        return "ordinary Ray workers: --prefork needs Linux with pidfd_open"
+    if os.environ.get("RAY_RUNTIME_ENV_HOOK") == dcr_ray.prefork.HOOK and os.environ.get(dcr_ray.prefork.SOCKET_ENV):
+        return f"Ray workers forked from the prefork server that {dcr_ray.prefork.SOCKET_ENV} names"
+    return "ordinary Ray workers, as dcr_ray.launch starts them; --prefork forks them pre-imported"
 
 
 def main(argv=None) -> int:
@@ -47,17 +61,21 @@ def main(argv=None) -> int:
                     help="owners: data-parallel replicas (default) or FSDP2 x tensor-parallel ranks")
     ap.add_argument("--dp", type=int, default=2, help="--trainer fsdp: FSDP2 ranks (default 2)")
     ap.add_argument("--tp", type=int, default=2, help="--trainer fsdp: tensor-parallel ranks (default 2)")
-    ap.add_argument("--no-prefork", dest="prefork", action="store_false",
-                    help="start every Ray worker the ordinary way (default on Linux: fork them pre-imported)")
+    ap.add_argument("--prefork", action="store_true",
+                    help="fork the Ray workers from a dcr_ray.prefork server that imported torch and transformers "
+                         "once (opt-in, Linux; default: ordinary Ray workers, as dcr_ray.launch starts them)")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
-    server = dcr_ray.prefork.start() if args.prefork and dcr_ray.prefork.available() else None  # beside ray.init
+    server = None
+    if args.prefork and dcr_ray.prefork.available():  # the library's preloads and this model's module
+        server = dcr_ray.prefork.start(extra=(MODELING_MODULES[args.arch],))  # its imports overlap ray.init
     # a Ray of its own (address="local"), never a cluster that happens to run on this machine
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True, logging_level="ERROR",
-             **(server.ray_init_kwargs() if server else {}))
+    ray.init(**(server.ray_init_kwargs(address="local") if server else {"address": "local"}), num_cpus=2,
+             include_dashboard=False, log_to_driver=True, logging_level="ERROR")
     if server:
         server.wait_ready()
+    started = workers_started(args.prefork, server)
     spec = ModelSpec(arch=args.arch, size="tiny", seed=0)
 
     if args.trainer == "fsdp":
@@ -83,7 +101,7 @@ def main(argv=None) -> int:
     clusters = [dcr_ray.ClusterSpec(name="us-east", engines=2), dcr_ray.ClusterSpec(name="eu-west", engines=2)]
     refit = dcr_ray.launch(owners=trainers, clusters=clusters, engine=engine,
                            config=dcr_ray.RefitConfig(transport=dcr_ray.TransportConfig(kind=args.transport)))
-    print(f"topology up in {time.perf_counter() - t_start:.1f}s: {refit.status()['engines']}")
+    print(f"topology up in {time.perf_counter() - t_start:.1f}s ({started}): {refit.status()['engines']}")
 
     for step in range(args.steps):
         losses = ray.get([t.step.remote(seed=step) for t in trainers])

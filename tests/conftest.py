@@ -36,15 +36,19 @@ else:
 # environment differs from its own there. The summary says how many workers were forked and how many refused.
 def pytest_collection_finish(session):
     import dcr_ray.prefork
-
-    if os.environ.get("DCR_TEST_PREFORK", "1") != "1" or not dcr_ray.prefork.available():
-        return
     from dcr_ray.cli import find_benchmarks
 
-    # The benchmark tests put the checkout on PYTHONPATH (dcr_ray.cli.find_benchmarks, for their Ray
-    # workers); done here first, the server starts with it and their workers are forked, not refused.
+    # This checkout on PYTHONPATH (dcr_ray.cli.find_benchmarks, as the benchmark tests do for their Ray
+    # workers), whichever way workers start: Ray workers and the examples' subprocesses then import this
+    # checkout's dcr_ray, not an installed one. Done first, so that the server starts with it too and the
+    # benchmark tests' workers are forked, not refused.
     find_benchmarks()
-    server = dcr_ray.prefork.start()  # its imports run beside the first tests
+    if os.environ.get("DCR_TEST_PREFORK", "1") != "1" or not dcr_ray.prefork.available():
+        return
+    from dcr_ray.testing.models import MODELING_MODULES
+
+    # the library's preloads and the two architectures most tests build
+    server = dcr_ray.prefork.start(extra=(MODELING_MODULES["qwen2"], MODELING_MODULES["llama"]))  # beside the tests
     os.environ.update(server.environ())
     session.config._dcr_prefork = server
 

@@ -19,8 +19,8 @@ def init_local_ray(num_cpus: int = 2, **ray_init) -> None:
     if ray.is_initialized():
         ray.shutdown()
     # address="local": always a new instance, never another test's (or session's) cluster on this machine
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False, **ray_init)
+    ray.init(**{"address": "local", **ray_init}, num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
+             log_to_driver=False)
 
 
 def kill_topology() -> None:

@@ -51,3 +51,13 @@ def test_bench_startup_runs_both_worker_starts_and_writes_its_json(tmp_path):
     assert set(result["runs"]) == {"ordinary", "prefork"}
     for mode, run in result["runs"].items():
         assert run["topology_up_s"] > 0 and len(run["refit_s"]) == 5, mode
+    # started the ordinary way, the relays hold no model and load neither torch nor transformers; engines do
+    imports = result["runs"]["ordinary"]["imports"]
+    assert not {"torch", "transformers"} & set(imports["relays"]), imports
+    assert {"torch", "transformers"} <= set(imports["engines"]), imports
+    # and an earlier run given with --before is reported beside this one's ordinary topology
+    again = tmp_path / "again.json"
+    assert main(["bench", "startup", "--modes", "ordinary", "--before", str(out), "--json", str(again)]) == 0
+    result = json.loads(again.read_text())
+    assert set(result["runs"]) == {"ordinary"} and result["before"]["ordinary"]["topology_up_s"] > 0
+    assert any(t["target"].startswith("(reported) ordinary topology up, before") for t in result["targets"])

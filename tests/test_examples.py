@@ -4,6 +4,7 @@ subprocess with its own Ray)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -33,6 +34,11 @@ def _run(script: str, *args: str, output: bool = False):
 
 def test_the_quickstart_refits_five_times_and_every_engine_ends_bit_identical_and_prints_no_warning_of_ours():
     out = _run("quickstart.py", output=True)
+    # it says which way its workers started: the ordinary way, or forked where the run's environment says so
+    # (the suite's own prefork server, DCR_TEST_PREFORK=1)
+    way = ("Ray workers forked from the prefork server that DCR_PREFORK_SOCKET names"
+           if os.environ.get("DCR_PREFORK_SOCKET") else "ordinary Ray workers, as dcr_ray.launch starts them")
+    assert f"s ({way}" in out
     assert out.count("committed in") == 5
     assert out.count("bit-identical") == 4
     assert "OK: 5 refits" in out
@@ -41,6 +47,12 @@ def test_the_quickstart_refits_five_times_and_every_engine_ends_bit_identical_an
     ours = [line for line in out.splitlines()
             if any(n in line for n in OURS) and re.search(r"warn|deprecat|error|fail", line, re.IGNORECASE)]
     assert not ours, "\n".join(ours)
+
+
+def test_the_quickstart_with_prefork_forks_its_workers_and_says_so():
+    out = _run("quickstart.py", "--prefork", "--steps", "1")
+    assert "(Ray workers forked from a prefork server, --prefork)" in out
+    assert out.count("bit-identical") == 4 and "OK: 1 refits" in out
 
 
 def test_the_quickstart_with_fsdp2_by_tensor_parallel_ranks_as_owners_ends_bit_identical():

@@ -86,6 +86,20 @@ def test_importing_the_library_does_not_import_vllm(module):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+#: The modules whose classes' handles reach processes that hold no model: Ray imports an actor class's module
+#: in every process that receives a handle to the actor (relays hold the engines', the coordinator and the
+#: worker that answers ``refit.remote()`` hold each other's and the relays').
+MODEL_FREE = ["dcr_ray.relay.relay", "dcr_ray.actors.engine", "dcr_ray.actors.coordinator", "dcr_ray.refit_call",
+              "dcr_ray.config", "dcr_ray.codec"]
+
+
+@pytest.mark.parametrize("module", MODEL_FREE)
+def test_the_modules_whose_actors_reach_relays_and_the_coordinator_import_neither_torch_nor_transformers(module):
+    code = (f"import sys, {module}; loaded = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+            "assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 # --- the module graph -----------------------------------------------------------------------------
 def _module_name(path: Path, root: Path) -> str:
     parts = list(path.relative_to(root.parent).with_suffix("").parts)

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dcr_ray.prefork.available
 @ray.remote(num_cpus=0)
 class Probe:
     def __init__(self):
-        self.preloaded = "transformers.models.qwen2.modeling_qwen2" in sys.modules  # before any import here
+        self.preloaded = "transformers.modeling_utils" in sys.modules  # before any import here
 
     def facts(self) -> dict:
         import gc
@@ -132,10 +132,57 @@ def test_a_preload_that_imports_ray_is_refused_with_the_reason():
         dcr_ray.prefork.start(preload=("ray",), wait=True)
 
 
+def test_a_job_that_connects_to_a_running_ray_gets_only_the_arguments_such_a_ray_accepts(ray_on, tmp_path):
+    """A Ray that is already running refuses ``_system_config``: only a new local Ray is given it."""
+    import json
+
+    assert "_system_config" in ray_on.ray_init_kwargs(address="local")
+    kwargs = ray_on.ray_init_kwargs(address=ray.get_runtime_context().gcs_address)
+    assert set(kwargs) == {"address", "runtime_env"}
+    script = tmp_path / "connect.py"
+    script.write_text("import json, os, sys, ray\n"
+                      "ray.init(**json.loads(sys.argv[1]), logging_level='ERROR', log_to_driver=False)\n"
+                      "ppid = ray.get(ray.remote(num_cpus=0)(lambda: os.getppid()).remote(), timeout=120)\n"
+                      "print('ppid', ppid)\n")
+    proc = subprocess.run([sys.executable, str(script), json.dumps(kwargs)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"ppid {ray_on.process.pid}" in proc.stdout  # its workers are forked from the server
+
+
+def test_an_actor_whose_runtime_env_installs_pip_packages_runs_them_in_their_own_python_not_forked(ray_on, tmp_path):
+    """Ray's ``pip`` runtime env activates a virtualenv and runs the worker with its Python; an actor that has
+    one beside the server's ``py_executable`` (its own, or inherited from its job) is refused by the server
+    and started with that Python, so the packages it installed are the ones it imports. A real pip install
+    of a local wheel, offline."""
+    import zipfile
+
+    wheel = tmp_path / "dcr_prefork_probe-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("dcr_prefork_probe/__init__.py", "WHERE = __file__\n")
+        z.writestr("dcr_prefork_probe-0.1.dist-info/METADATA",
+                   "Metadata-Version: 2.1\nName: dcr-prefork-probe\nVersion: 0.1\n")
+        z.writestr("dcr_prefork_probe-0.1.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("dcr_prefork_probe-0.1.dist-info/RECORD", "")
+
+    @ray.remote(num_cpus=0)
+    def where():
+        import dcr_prefork_probe
+
+        return sys.prefix, dcr_prefork_probe.WHERE, os.getppid()
+
+    env = {**ray_on.runtime_env(), "pip": {"packages": [str(wheel)], "pip_install_options": ["--no-index"]}}
+    prefix, module, ppid = ray.get(where.options(runtime_env=env).remote(), timeout=600)
+    assert module.startswith(prefix) and "runtime_resources" in prefix and ppid != ray_on.process.pid
+    with open(ray_on.log_path) as f:
+        assert "Ray activated another Python environment for it (VIRTUAL_ENV)" in f.read()
+
+
 def test_a_ray_started_for_forked_workers_starts_no_ordinary_worker_that_none_of_its_actors_could_use(server):
     import psutil
 
-    init_local_ray(**server.ray_init_kwargs())
+    init_local_ray(**server.ray_init_kwargs(address="local"))
     try:
         f = ray.get(Probe.remote().facts.remote(), timeout=120)  # Ray has prestarted by now, if it does
         assert f["ppid"] == server.process.pid

@@ -18,15 +18,16 @@ optimizer step between a transfer's ``stream`` and its ``promote``/``discard``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from dcr_ray.actors.owner import DeltaOwner
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
 from dcr_ray.relay.transport import Sink
 from dcr_ray.sharding import Shard
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 
 class Owner:

@@ -30,9 +30,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from typing import Iterable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from dcr_ray import metrics
 from dcr_ray.actors.coding_choice import stream_coding
@@ -47,6 +45,9 @@ from dcr_ray.sharding.digest import shard_digests
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
 from dcr_ray.relay.transport import Sink
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 
 def stable_hash(name: str) -> int:

@@ -33,21 +33,31 @@ positions against the old bits), :mod:`~dcr_ray.codec.apply` (in-place writes), 
 (in-place rollback).
 """
 
-from dcr_ray.codec.apply import apply_decoded, apply_frame
-from dcr_ray.codec.baseline import BaselineStore
-from dcr_ray.codec.bits import bits_equal, bits_view
-from dcr_ray.codec.decode import decode_frame, read_frame
-from dcr_ray.codec.decoded import DecodedFrame, DecodedItem
-from dcr_ray.codec.diff import ChunkDelta, TensorDelta, diff_tensor, full_delta
-from dcr_ray.codec.encode import FrameBuilder, encode_frames
-from dcr_ray.codec.format import (BOOTSTRAP_BASE, DIGEST_SIZE, FORMAT_VERSION, Encoding, FrameMeta, LocationMode,
-                                  PayloadKey)
-from dcr_ray.codec.header import FrameHeader, open_frame, peek_meta
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "BOOTSTRAP_BASE", "BaselineStore", "ChunkDelta", "DIGEST_SIZE", "DecodedFrame", "DecodedItem", "Encoding",
-    "FORMAT_VERSION",
-    "FrameBuilder", "FrameHeader", "FrameMeta", "LocationMode", "PayloadKey", "TensorDelta", "apply_decoded",
-    "apply_frame", "bits_equal", "bits_view", "decode_frame", "diff_tensor", "encode_frames", "full_delta",
-    "open_frame", "peek_meta", "read_frame",
-]
+from dcr_ray.lazy import exports
+
+#: Public name -> the submodule that defines it, imported on first use: a process that needs the wire format
+#: alone (a relay, the coordinator, ``dcr_ray.config``) imports neither torch nor the kernels.
+_EXPORTS = {
+    "apply_decoded": "apply", "apply_frame": "apply", "BaselineStore": "baseline", "bits_equal": "bits",
+    "bits_view": "bits", "decode_frame": "decode", "read_frame": "decode", "DecodedFrame": "decoded",
+    "DecodedItem": "decoded", "ChunkDelta": "diff", "TensorDelta": "diff", "diff_tensor": "diff", "full_delta": "diff",
+    "FrameBuilder": "encode", "encode_frames": "encode", "BOOTSTRAP_BASE": "format", "DIGEST_SIZE": "format",
+    "FORMAT_VERSION": "format", "Encoding": "format", "FrameMeta": "format", "LocationMode": "format",
+    "PayloadKey": "format", "FrameHeader": "header", "open_frame": "header", "peek_meta": "header",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # what static tools see
+    from dcr_ray.codec.apply import apply_decoded, apply_frame
+    from dcr_ray.codec.baseline import BaselineStore
+    from dcr_ray.codec.bits import bits_equal, bits_view
+    from dcr_ray.codec.decode import decode_frame, read_frame
+    from dcr_ray.codec.decoded import DecodedFrame, DecodedItem
+    from dcr_ray.codec.diff import ChunkDelta, TensorDelta, diff_tensor, full_delta
+    from dcr_ray.codec.encode import FrameBuilder, encode_frames
+    from dcr_ray.codec.format import (BOOTSTRAP_BASE, DIGEST_SIZE, FORMAT_VERSION, Encoding, FrameMeta,
+                                      LocationMode, PayloadKey)
+    from dcr_ray.codec.header import FrameHeader, open_frame, peek_meta

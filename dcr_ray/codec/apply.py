@@ -17,16 +17,18 @@ record covers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
-import torch
 
 from dcr_ray.codec import context, kernels, ptrkernels, threads
 from dcr_ray.codec.bits import bits_view
 from dcr_ray.codec.decode import read_frame
 from dcr_ray.codec.decoded import DecodedFrame, DecodedItem, DecodedPack
 from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES, Encoding
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 #: Frames with at least this many written elements are applied by several codec threads.
 APPLY_PARALLEL_MIN = 1 << 16

@@ -38,10 +38,9 @@ import mmap
 import os
 import shutil
 import tempfile
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
-import torch
 
 from dcr_ray.codec import packed, ptrkernels
 from dcr_ray.codec.arena import Arena, address, advise_small_folios as _advise_small_folios
@@ -54,6 +53,9 @@ from dcr_ray.codec.diff import (
 )
 from dcr_ray.codec.packdiff import PackDelta, diff_pack
 from dcr_ray.errors import BaselineError
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 
 class BaselineStore:
@@ -131,6 +133,8 @@ class BaselineStore:
 
     def tensor(self, name: str) -> torch.Tensor:
         """A fresh tensor holding the committed bits of ``name`` (for dense bootstrap and checks)."""
+        import torch
+
         dt, shape = self._meta[name]
         out = torch.empty(shape, dtype=dtype_of(dt))
         bits_view(out)[:] = self._bits[name]

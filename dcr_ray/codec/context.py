@@ -17,15 +17,16 @@ old bits.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from dcr_ray.codec import classcounts, classorder, threads
 from dcr_ray.codec.bits import bits_view, wire_name
 from dcr_ray.codec.decoded import DecodedItem
 from dcr_ray.codec.format import Encoding
 from dcr_ray.errors import TargetMismatchError
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 #: Frames whose class-mode items span at least this many elements resolve them on several threads.
 PARALLEL_MIN_SPAN = 1 << 20

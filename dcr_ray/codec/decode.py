@@ -15,10 +15,9 @@ calls :func:`decode_frame` on it and the header is parsed once. The decoded type
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
-import torch
 import zstandard
 
 from dcr_ray.codec import classorder, intdiff, locations, planes, threads
@@ -47,6 +46,9 @@ from dcr_ray.errors import (
     TruncatedFrameError,
     UnknownEncodingError,
 )
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 #: Frames with at least this many raw section bytes decompress their sections in parallel.
 PARALLEL_MIN_RAW_BYTES = 256 << 10
@@ -207,6 +209,8 @@ def _sections(header: FrameHeader, sections: list, max_raw_bytes: int) -> tuple[
 def _item_jobs(items: list, rd: SectionReader, targets, shapes) -> tuple[list[ItemJob], dict]:
     """Check every item's header fields against the receiver and take its bytes from the sections;
     also the ranges each tensor's items cover (name -> [(lo, hi)])."""
+    import torch
+
     take = rd.take
     seen: dict[str, list[tuple[int, int]]] = {}
     jobs = []

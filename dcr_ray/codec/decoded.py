@@ -15,13 +15,15 @@ old bits just before the first write.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
-import torch
 
 from dcr_ray.codec.format import Encoding, FrameMeta, PayloadKey
 from dcr_ray.codec.packed import per_tensor
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 
 @dataclass(slots=True)

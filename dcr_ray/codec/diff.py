@@ -20,14 +20,17 @@ each when a tensor has several, or share a lone chunk's blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from dcr_ray.codec import classorder, estimate, locations
 from dcr_ray.codec.bits import bits_view, wire_name
 from dcr_ray.codec.scan import PARALLEL_MIN_ELEMS, gather, join_column, scan_parts
 from dcr_ray.codec.threads import codec_threads, run_all
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 #: Default chunk: 4 Mi elements (8 MiB of BF16).
 DEFAULT_CHUNK_ELEMS = 1 << 22

@@ -47,7 +47,7 @@ planes (``pxor2.0``, ...). A frame without packs is byte for byte what earlier r
 
 Writing is :mod:`~dcr_ray.codec.encode`; reading is :mod:`~dcr_ray.codec.header` (prefix, digest,
 header) and :mod:`~dcr_ray.codec.decode` (everything else); :mod:`~dcr_ray.codec.apply` writes.
-Wire dtype names are :data:`dcr_ray.codec.bits.WIRE_DTYPES`; location coding is
+Wire dtype names are :data:`dcr_ray.codec.bits.WIRE_NAMES`; location coding is
 :mod:`~dcr_ray.codec.locations`, byte planes :mod:`~dcr_ray.codec.planes`.
 """
 

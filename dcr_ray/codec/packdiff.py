@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import torch
 
 from dcr_ray.codec import ptrkernels
 from dcr_ray.codec.arena import address
 from dcr_ray.codec.bits import bits_view, wire_name
 from dcr_ray.codec.packed import pack_offsets
 from dcr_ray.codec.scan import changed_positions
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 
 @dataclass(slots=True)

@@ -9,9 +9,9 @@ than one location stream can address raises a ``FrameError``.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from dcr_ray.codec import locations
 from dcr_ray.codec.bits import dtype_of, itemsize, np_uint
@@ -35,6 +35,9 @@ from dcr_ray.errors import (
     UnknownEncodingError,
 )
 
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
+
 #: Encodings a pack may use (whole tensors, sparse: never DENSE).
 _PACK_ENCODINGS = (Encoding.XOR.value, Encoding.ADD.value, Encoding.OVERWRITE.value)
 
@@ -42,6 +45,8 @@ _PACK_ENCODINGS = (Encoding.XOR.value, Encoding.ADD.value, Encoding.OVERWRITE.va
 def pack_jobs(packs: list, rd: SectionReader, targets, shapes, seen: dict) -> list[tuple[ItemJob, tuple]]:
     """Check every pack's declaration, names and shapes against the receiver (each tensor once in the
     frame, not also in an item); (decode job over the pack space, (names, offsets)) per pack."""
+    import torch
+
     if not packs:
         return []
     decl = []

@@ -21,16 +21,18 @@ for backends that cannot read their bits cheaply (``EngineBackend.undo_tensors()
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
-import torch
 
 from dcr_ray.codec import context, kernels, ptrkernels, threads
 from dcr_ray.codec.apply import APPLY_PARALLEL_MIN
 from dcr_ray.codec.bits import bits_view
 from dcr_ray.codec.decoded import DecodedFrame, DecodedItem, DecodedPack
 from dcr_ray.codec.format import Encoding
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 
 def _inverse_item(it, tensors: Mapping[str, torch.Tensor]) -> DecodedItem:

@@ -7,15 +7,18 @@ engine factories ``launch(engine=...)`` takes, from one namespace:
   ``ClusterSpec(adopt=[AdoptedVllmEngine(...)])`` (:mod:`dcr_ray.engines.vllm`).
 """
 
-from dcr_ray.engines.base import EngineBackend, canonical_state_dict
-from dcr_ray.engines.hf import HFEngine, TransformersBackend
+from typing import TYPE_CHECKING
 
+from dcr_ray.lazy import exports
+
+#: Public name -> the submodule that defines it, imported on first use (vLLM, transformers and torch only
+#: where an engine is built).
+_EXPORTS = {"EngineBackend": "base", "canonical_state_dict": "base", "HFEngine": "hf", "TransformersBackend": "hf",
+            "VllmEngine": "vllm"}
 __all__ = ["EngineBackend", "HFEngine", "TransformersBackend", "VllmEngine", "canonical_state_dict"]
+__getattr__, __dir__ = exports(__name__, _EXPORTS)
 
-
-def __getattr__(name: str):
-    if name == "VllmEngine":
-        from dcr_ray.engines.vllm import VllmEngine
-
-        return VllmEngine
-    raise AttributeError(f"module 'dcr_ray.engines' has no attribute {name!r}")
+if TYPE_CHECKING:  # what static tools see
+    from dcr_ray.engines.base import EngineBackend, canonical_state_dict
+    from dcr_ray.engines.hf import HFEngine, TransformersBackend
+    from dcr_ray.engines.vllm import VllmEngine

@@ -32,13 +32,14 @@ asked whether it already serves the committed version; if so it joins without a 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec import DecodedFrame
 from dcr_ray.codec.undo import FrameUndo
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 
 def canonical_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

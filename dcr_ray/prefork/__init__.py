@@ -7,8 +7,8 @@ imports those modules (and loads the codec kernels) once, and :meth:`PreforkServ
 ``runtime_env`` under which Ray's workers on this machine are forked from it instead
 (:mod:`~dcr_ray.prefork.client` is the executable Ray runs, through Ray's ``py_executable`` field)::
 
-    server = dcr_ray.prefork.start()           # returns at once; imports run beside ray.init
-    ray.init(**server.ray_init_kwargs())         # runtime_env=server.runtime_env(), _system_config=...
+    server = dcr_ray.prefork.start(extra=("my_model.modeling",))  # returns at once; imports run beside ray.init
+    ray.init(**server.ray_init_kwargs(address="local"))  # a new Ray: runtime_env and _system_config
     server.wait_ready()                          # before the first actor, or it starts the ordinary way
     ...
     ray.shutdown()
@@ -18,12 +18,21 @@ It is opt-in, Linux only, and per machine: a server serves the Ray nodes on the 
 ``ray.cluster_utils.Cluster`` on one machine included). On a cluster, run
 ``python -m dcr_ray.prefork.server PATH`` on each node and give every job the runtime env of
 :func:`runtime_env_for` ``(PATH)``. Ray identifies, kills and restarts forked workers as it does any
-other (they register under their own pid); where no server answers, a worker starts the ordinary way.
+other (they register under their own pid), and the process Ray started exits with its worker's status.
+
+Every doubt ends in the ordinary start: a worker starts the ordinary way where no server answers, where
+the server closes or fails before it names a forked pid, where this kernel lacks ``pidfd_open``, where
+its environment differs from the server's where imports read it, where Ray's runtime env activated
+another Python environment for it (``pip``, ``uv``, ``conda``), and where the server found its own
+process unsafe to fork from (:mod:`~dcr_ray.prefork.guards`: CUDA initialised or a thread running after
+the preloads, Ray's private hook not as expected). The server serves its own user only (its socket is
+mode 0600, and it checks each client's uid).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import selectors
 import shlex
@@ -35,22 +44,33 @@ import time
 
 from dcr_ray.errors import ConfigError
 
-#: What a dcr_ray engine or trainer on ``transformers`` loads before it can work: torch, the model classes
-#: (``transformers`` itself with them), and the codec's compiled kernels; then the third-party modules that
-#: every Ray worker's ``import ray`` loads (Ray requires them), since Ray itself cannot be preloaded (its
-#: core library reads the worker's job id when it is loaded). ``module:function`` entries are imported,
-#: then called.
-DEFAULT_PRELOAD = ("torch", "transformers.models.qwen2.modeling_qwen2", "dcr_ray.codec.kernels:warm_up_here",
-                   "requests", "jsonschema", "google.protobuf.json_format")
+#: What every dcr_ray engine or trainer on ``transformers`` loads before it can work, whatever its model:
+#: torch, ``transformers``' model and generation base (most of a model's import time), and the codec's
+#: compiled kernels; then the third-party modules that every Ray worker's ``import ray`` loads (Ray requires
+#: them), since Ray itself cannot be preloaded (its core library reads the worker's job id when it is
+#: loaded). A model's own modules (``transformers.models.qwen2.modeling_qwen2``, say) are the caller's to
+#: add: ``start(extra=...)``. ``module:function`` entries are imported, then called.
+DEFAULT_PRELOAD = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
+                   "dcr_ray.codec.kernels:warm_up_here", "requests", "jsonschema", "google.protobuf.json_format")
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client.py")
 
 #: How the server's log begins its line for each worker it forked and each it refused (:meth:`PreforkServer.counts`).
 FORKED_LINE, REFUSED_LINE = "forked worker", "refused a worker"
 
 
+log = logging.getLogger(__name__)
+
+
 def available() -> bool:
-    """Whether this platform can fork workers (Linux: ``pidfd`` and ``SCM_RIGHTS``)."""
-    return sys.platform == "linux" and hasattr(os, "pidfd_open")
+    """Whether this platform can fork workers: Linux, with a kernel that has ``pidfd_open`` (5.3 and later;
+    an older one answers ``ENOSYS``) and ``SCM_RIGHTS``."""
+    if sys.platform != "linux" or not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False
+    return True
 
 
 #: Set to a server's socket path, with ``RAY_RUNTIME_ENV_HOOK`` set to :data:`HOOK`, and every
@@ -60,10 +80,10 @@ HOOK = "dcr_ray.prefork.runtime_env_hook"
 
 
 def ray_system_config() -> dict:
-    """``ray.init(_system_config=...)`` for a Ray whose workers fork from a server (a new dict each call:
-    ``ray.init`` adds to the one it is given). Ray starts one ordinary worker per CPU when the first driver
-    connects, for a job without a runtime env; a job whose runtime env forks its workers never uses them,
-    and on 2 cores they took 0.6 CPU-s from the start-up."""
+    """``ray.init(_system_config=...)`` for a new Ray whose workers fork from a server (a new dict each call:
+    ``ray.init`` adds to the one it is given; a Ray that is already running refuses it). Ray starts one
+    ordinary worker per CPU when the first driver connects, for a job without a runtime env; a job whose
+    runtime env forks its workers never uses them, and on 2 cores they took 0.6 CPU-s from the start-up."""
     return {"prestart_worker_first_driver": False}
 
 
@@ -73,12 +93,20 @@ def runtime_env_for(socket_path: str) -> dict:
     return {"py_executable": client}
 
 
+#: ``runtime_env`` fields under which a worker runs another Python (``pip``, ``uv`` and ``conda`` activate an
+#: environment of their own; a container or image brings its own) or names its own executable: a job with
+#: one is never given the server's :func:`runtime_env_for`.
+OWN_PYTHON_FIELDS = ("py_executable", "pip", "uv", "conda", "container", "image_uri")
+
+
 def runtime_env_hook(runtime_env: dict | None) -> dict:
     """Ray's ``RAY_RUNTIME_ENV_HOOK``: the job's ``runtime_env``, forking from the server at
-    ``$DCR_PREFORK_SOCKET`` unless the job names a ``py_executable`` of its own."""
+    ``$DCR_PREFORK_SOCKET`` unless the job runs another Python (:data:`OWN_PYTHON_FIELDS`). An actor
+    whose own ``runtime_env`` adds ``pip``, ``uv`` or ``conda`` inherits the job's executable; its client
+    sees the environment Ray activated and starts it the ordinary way, with that environment's Python."""
     env = dict(runtime_env or {})
     sock = os.environ.get(SOCKET_ENV)
-    if sock and "py_executable" not in env:
+    if sock and not any(env.get(k) for k in OWN_PYTHON_FIELDS):
         deadline = time.monotonic() + 60.0
         while not os.path.exists(sock) and os.path.isdir(os.path.dirname(sock)) and time.monotonic() < deadline:
             time.sleep(0.05)  # a server still importing: its socket appears when it accepts workers
@@ -95,19 +123,29 @@ class PreforkServer:
     process: subprocess.Popen
     preload: tuple[str, ...]
     ready: bool = False
+    #: Why the server forks no worker (its guards found its process unsafe to fork from), or None.
+    refusing: str | None = None
 
     def runtime_env(self) -> dict:
         """The ``runtime_env`` (for ``ray.init`` or one actor's options) that forks workers from here."""
         return runtime_env_for(self.socket_path)
 
-    def ray_init_kwargs(self) -> dict:
-        """``ray.init``'s arguments for a job whose workers fork from here: its :meth:`runtime_env` and
-        :func:`ray_system_config`. A job with a runtime env of its own adds its fields to ``["runtime_env"]``
-        (a ``py_executable`` of its own would start its workers the ordinary way)."""
-        return {"runtime_env": self.runtime_env(), "_system_config": ray_system_config()}
+    def ray_init_kwargs(self, address: str | None = None) -> dict:
+        """``ray.init``'s arguments for a job whose workers fork from here: ``address`` (passed on as
+        ``ray.init`` takes it) and this server's :meth:`runtime_env`; with ``address="local"`` (a new Ray of
+        this job's own) also :func:`ray_system_config`, which a Ray that is already running refuses (any
+        other address, None included, may connect to one). A job with a runtime env of its own adds its
+        fields to ``["runtime_env"]`` (one of :data:`OWN_PYTHON_FIELDS` starts its workers the ordinary way)."""
+        kwargs = {"address": address, "runtime_env": self.runtime_env()}
+        if address == "local":
+            kwargs["_system_config"] = ray_system_config()
+        return kwargs
 
     def wait_ready(self, timeout_s: float = 120.0) -> "PreforkServer":
-        """Block until the server accepts workers (its preloads done); raise ``ConfigError`` if it died."""
+        """Block until the server answers workers (its preloads done); raise ``ConfigError`` if it died.
+
+        A server whose guards found its process unsafe to fork from still answers, sending every worker
+        to the ordinary start: :attr:`refusing` says why, and a warning is logged once."""
         if self.ready:
             return self
         sel = selectors.DefaultSelector()
@@ -118,7 +156,10 @@ class PreforkServer:
             if sel.select(max(0.0, deadline - time.monotonic())):
                 line = self.process.stdout.readline().strip() or "exited"
         sel.close()
-        if line != "ready":
+        if line.startswith("refusing: "):
+            self.refusing = line[len("refusing: "):]
+            log.warning("dcr_ray.prefork: every Ray worker starts the ordinary way: %s", self.refusing)
+        elif line != "ready":
             with open(self.log_path, errors="replace") as f:
                 tail = f.read()[-2000:]
             self.stop()
@@ -164,12 +205,14 @@ class PreforkServer:
         self.stop()
 
 
-def start(preload=DEFAULT_PRELOAD, wait: bool = False, timeout_s: float = 120.0) -> PreforkServer:
-    """Start a prefork server that loads ``preload``; with ``wait``, return once it accepts workers.
+def start(preload=DEFAULT_PRELOAD, extra=(), wait: bool = False, timeout_s: float = 120.0) -> PreforkServer:
+    """Start a prefork server that loads ``preload`` and then ``extra`` (a model's own modules, say
+    ``("transformers.models.qwen2.modeling_qwen2",)``); with ``wait``, return once it answers workers.
 
     Without ``wait`` it returns at once, so its imports overlap the caller's ``ray.init``; call
     :meth:`PreforkServer.wait_ready` before the first actor that should be forked.
     """
+    preload = (*preload, *extra)
     if not available():
         raise ConfigError(f"dcr_ray.prefork needs Linux (pidfd, SCM_RIGHTS); this is {sys.platform}: "
                           "leave it off and workers start the ordinary way")

@@ -7,15 +7,25 @@ its imports are done. A child forked from this server starts with those modules 
 
 Protocol (one Unix-socket connection per worker, opened by :mod:`dcr_ray.prefork.client`): the client
 sends a 4-byte big-endian length and a JSON object ``{"argv", "cwd", "env"}`` with its stdin, stdout and
-stderr attached as ``SCM_RIGHTS`` file descriptors; the server forks and replies with the child's pid as
-4 bytes. The child takes the client's streams, directory and environment (replacing the server's
-entirely), starts a new session, and runs ``argv[0]`` as ``__main__`` with ``argv`` as ``sys.argv``, as the
-interpreter would have. It keeps the connection and exits as soon as the client closes it.
+stderr attached as ``SCM_RIGHTS`` file descriptors; the server replies with a signed 4-byte integer: the
+forked child's pid, or a refusal (:data:`REFUSED`: start the ordinary way; :data:`REFUSED_OWN_PYTHON`: the
+same, with the Python that Ray's runtime env activated for this worker). After a pid, one more such
+integer follows when the child ends: its exit status as ``os.waitstatus_to_exitcode`` gives it (negative:
+the signal that ended it), sent by the child itself as it exits and by the server when it reaps it. The
+child takes the client's streams, directory and environment (replacing the server's entirely), starts a
+new session, and runs ``argv[0]`` as ``__main__`` with ``argv`` as ``sys.argv``, as the interpreter would
+have. It keeps the connection and exits as soon as the client closes it.
+
+Who is served: the socket is created with mode 0600, and the server answers only clients whose uid
+(``SO_PEERCRED``) is its own; any other is refused, so that no other user chooses a script, an environment
+or a directory that would run as this one.
 
 Fork safety: the server imports modules and runs no threads of its own, no Ray connection, no CUDA and no
-parallel region; each child reseeds Python's ``random`` (``os.register_at_fork``). The OpenMP runtime
-read ``OMP_NUM_THREADS`` when the server loaded it (1 unless the server was started with another value),
-so a worker that sets another value itself is refused and starts the ordinary way.
+parallel region, and :mod:`~dcr_ray.prefork.guards` checks that the preloads left it so (or it refuses every
+worker, saying why). Each child reseeds Python's ``random`` (``os.register_at_fork``), numpy's global
+random state and torch's default CPU generator from the OS, as an ordinary process seeds them. The OpenMP
+runtime read ``OMP_NUM_THREADS`` when the server loaded it (1 unless the server was started with another
+value), so a worker that sets another value itself is refused and starts the ordinary way.
 
 Copy-on-write, as Python's ``gc`` documentation advises for processes that fork without exec: the server
 imports with the garbage collector off, then moves every object it holds into the collector's permanent
@@ -33,6 +43,7 @@ import importlib
 import json
 import os
 import runpy
+import selectors
 import signal
 import socket
 import struct
@@ -40,6 +51,7 @@ import sys
 import threading
 
 from dcr_ray.prefork import DEFAULT_PRELOAD, FORKED_LINE, REFUSED_LINE
+from dcr_ray.prefork.guards import NVML_CHECK, RAY_HOOK, why_not_fork
 
 
 #: Environment variables that modules read when they are imported (torch, transformers and the hub,
@@ -53,18 +65,38 @@ PINNED_PREFIXES = ("DCR_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYT
                    "PYTHONWARNINGS", "PYTHONOPTIMIZE")
 
 
+#: Variables under the prefixes above that no import reads (:data:`~dcr_ray.prefork.guards.NVML_CHECK`: torch
+#: reads it at each availability check), so a worker may have its own value.
+UNPINNED = frozenset({NVML_CHECK})
+
+#: Set by Ray's runtime env when it activates another Python environment for a worker (``pip`` and ``uv``
+#: activate a virtualenv, ``conda`` an environment): such a worker runs that environment's Python.
+ACTIVATED = ("VIRTUAL_ENV", "CONDA_PREFIX")
+
+#: The server's replies other than a pid: start the worker the ordinary way with this interpreter, or with
+#: ``python`` as the worker's PATH finds it (the one Ray's runtime env activated, as Ray itself runs it).
+REFUSED, REFUSED_OWN_PYTHON = -1, -2
+
 #: Set in each forked worker: the pid of the process Ray started for it (the client standing in for it).
 CLIENT_PID_ENV = "DCR_PREFORK_CLIENT_PID"
 
 
-def _peer_pid(conn: socket.socket) -> int:
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """The connected client's ``(pid, uid)``, as the kernel gives them (``SO_PEERCRED``)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[0]
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
 
 
 def pinned(env: dict) -> dict:
     return {k: v for k, v in env.items()
-            if k.startswith(PINNED_PREFIXES) and k != "OMP_NUM_THREADS" and not k.startswith("DCR_PREFORK_")}
+            if k.startswith(PINNED_PREFIXES) and k != "OMP_NUM_THREADS" and not k.startswith("DCR_PREFORK_")
+            and k not in UNPINNED}
+
+
+def activated(server_env: dict, worker_env: dict) -> list[str]:
+    """The :data:`ACTIVATED` variables whose values differ: another Python environment for this worker."""
+    return [k for k in ACTIVATED if server_env.get(k) != worker_env.get(k)]
 
 
 def differs(server_env: dict, worker_env: dict) -> list[str]:
@@ -113,7 +145,9 @@ def _report_a_thread_count_ray_changes(loaded: str) -> None:
     which vLLM's CPU attention refuses) and says so in its log."""
     import ray._private.utils as ray_utils  # loaded here, after the worker's environment is in place
 
-    ray_sets = ray_utils.set_omp_num_threads_if_unset
+    ray_sets = getattr(ray_utils, RAY_HOOK, None)
+    if not callable(ray_sets):  # the server checked Ray's source before it forked (guards); never wrap a stranger
+        return
 
     def set_then_check() -> bool:
         changed = ray_sets()
@@ -124,16 +158,33 @@ def _report_a_thread_count_ray_changes(loaded: str) -> None:
                   "runtime_env env_vars to start it the ordinary way", file=sys.stderr, flush=True)
         return changed
 
-    ray_utils.set_omp_num_threads_if_unset = set_then_check
+    setattr(ray_utils, RAY_HOOK, set_then_check)
 
 
-def _become_worker(listener: socket.socket, conn: socket.socket, request: dict, fds: list[int],
-                   loaded_threads: str) -> None:
-    """In the child: take the client's place and run the worker. Never returns."""
+def _reseed() -> None:
+    """Random state a child must not share with its siblings or the server, reseeded from the OS as each
+    library seeds itself in an ordinary process: numpy's global state and torch's default CPU generator
+    (Python's ``random`` reseeds itself at fork)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "default_generator"):
+        torch.default_generator.seed()
+
+
+def _become_worker(inherited: list, conn: socket.socket, request: dict, fds: list[int], loaded_threads: str) -> None:
+    """In the child: take the client's place and run the worker. Never returns; its last act is to send its
+    exit status to the client (the server sends it too, when it reaps the child: a worker that ends through
+    ``os._exit`` or a signal never reaches this function's end)."""
     code = 1
     try:
         gc.enable()  # the server ran without collections since its imports (serve)
-        listener.close()
+        for other in inherited:  # the listener, the selector, other workers' connections and pidfds
+            if isinstance(other, int):
+                os.close(other)
+            else:
+                other.close()
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         os.setsid()
@@ -143,7 +194,8 @@ def _become_worker(listener: socket.socket, conn: socket.socket, request: dict, 
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        os.environ[CLIENT_PID_ENV] = str(_peer_pid(conn))
+        os.environ[CLIENT_PID_ENV] = str(_peer(conn)[0])
+        _reseed()
         _report_a_thread_count_ray_changes(loaded_threads)
         threading.Thread(target=_exit_when_closed, args=(conn,), daemon=True, name="dcr-prefork-client").start()
         argv = request["argv"]
@@ -161,6 +213,9 @@ def _become_worker(listener: socket.socket, conn: socket.socket, request: dict, 
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            conn.sendall(struct.pack("!i", code))
+        except BaseException:  # noqa: BLE001 - the client may be gone; exiting is all that is left
+            pass
         finally:
             os._exit(code)
 
@@ -176,8 +231,6 @@ def preload_all(preload: list[str]) -> None:
         # Ray's core library reads its environment (the worker's job id among it) when it is loaded, so a
         # child would start with the server's: each worker loads Ray itself, after taking its environment.
         raise SystemExit(f"preload {preload} imports ray; leave out every module that does")
-    if threading.active_count() > 1:
-        raise SystemExit(f"preload {preload} left Python threads running; a forked child would lack them")
 
 
 def _exit_with_parent() -> None:
@@ -188,44 +241,112 @@ def _exit_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def serve(sock_path: str, preload: list[str]) -> None:
-    """Preload, then fork a worker for each connection until terminated."""
-    own_env = dict(os.environ)
-    gc.disable()  # imports run ~20% faster without collections, and leave no freed holes in shared pages
-    preload_all(preload)
-    gc.freeze()  # the children's collections leave what was imported here alone: no copy-on-write of it
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+def _listen(sock_path: str) -> socket.socket:
+    """The server's socket, mode 0600 from its creation (the umask is set around ``bind``)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(sock_path)
+    old = os.umask(0o177)
+    try:
+        listener.bind(sock_path)
+    finally:
+        os.umask(old)
+    os.chmod(sock_path, 0o600)
     listener.listen(64)
-    print("ready", flush=True)
-    while True:
-        conn, _ = listener.accept()
+    return listener
+
+
+class _Server:
+    """The serving loop: one selector over the listener and each live child's pidfd."""
+
+    def __init__(self, listener: socket.socket, own_env: dict, refusing: str | None):
+        self.listener, self.own_env, self.refusing = listener, own_env, refusing
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(listener, selectors.EVENT_READ)
+        self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the client's connection)
+
+    def run(self) -> None:
+        while True:
+            for key, _ in self.sel.select():
+                if key.fileobj is self.listener:
+                    self.answer(*self.listener.accept())
+                else:
+                    self.reap(key.fd)
+
+    def refusal(self, uid: int, env: dict) -> tuple[int, str | None]:
+        """``(REFUSED or REFUSED_OWN_PYTHON, why)`` for a worker this server must not fork, else ``(0, None)``."""
+        if uid != os.getuid():
+            return REFUSED, f"its uid {uid} is not this server's ({os.getuid()})"
+        if self.refusing:
+            return REFUSED, self.refusing
+        own_python = activated(self.own_env, env)
+        if own_python:
+            return REFUSED_OWN_PYTHON, f"Ray activated another Python environment for it ({', '.join(own_python)})"
+        different = differs(self.own_env, env)
+        if different:
+            return REFUSED, f"its {', '.join(different)} differ from this server's"
+        return 0, None
+
+    def answer(self, conn: socket.socket, _addr) -> None:
         conn.settimeout(30.0)  # a client that connects and never sends does not hold the others up
         try:
             request, fds = _read_request(conn)
         except (OSError, ValueError, ConnectionError):
             conn.close()
-            continue
+            return
+        try:
+            uid = _peer(conn)[1]
+        except OSError:
+            uid = -1  # unknown: refused below
         conn.settimeout(None)  # the child keeps the connection: blocking, as its client is
-        refused = differs(own_env, request["env"])
-        if refused:
-            print(f"{REFUSED_LINE}: its {', '.join(refused)} differ from this server's", file=sys.stderr,
-                  flush=True)
-            pid = -1
-        else:
-            pid = os.fork()
-            if pid > 0:
-                print(f"{FORKED_LINE} {pid}", file=sys.stderr, flush=True)
-            if pid == 0:
-                _become_worker(listener, conn, request, fds, own_env.get("OMP_NUM_THREADS", ""))
+        reply, why = self.refusal(uid, request.get("env", {}))
+        if not why:
+            try:
+                reply = os.fork()
+            except OSError as e:
+                reply, why = REFUSED, f"fork failed ({e})"
+            if reply == 0:
+                inherited = [self.listener, self.sel, *self.children, *(c for _, c in self.children.values())]
+                _become_worker(inherited, conn, request, fds, self.own_env.get("OMP_NUM_THREADS", ""))
+        print(f"{FORKED_LINE} {reply}" if reply > 0 else f"{REFUSED_LINE}: {why}", file=sys.stderr, flush=True)
         for fd in fds:
             os.close(fd)
         try:
-            conn.sendall(struct.pack("!i", pid))
+            conn.sendall(struct.pack("!i", reply))
         except OSError:
-            pass  # the client left; the child sees its connection closed and exits
+            pass  # the client left; a child sees its connection closed and exits
+        if reply > 0:
+            pidfd = os.pidfd_open(reply)
+            self.sel.register(pidfd, selectors.EVENT_READ)
+            self.children[pidfd] = (reply, conn)
+        else:
+            conn.close()
+
+    def reap(self, pidfd: int) -> None:
+        """A child ended: tell its client how (the server is its parent, so it alone sees a signal)."""
+        pid, conn = self.children.pop(pidfd)
+        self.sel.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        try:
+            conn.sendall(struct.pack("!i", os.waitstatus_to_exitcode(status)))
+        except OSError:
+            pass
         conn.close()
+
+
+def serve(sock_path: str, preload: list[str]) -> None:
+    """Preload, check the process is safe to fork from, then answer each connection until terminated."""
+    # torch's availability check, if a preload makes one, must not initialise the CUDA driver here (guards)
+    os.environ.setdefault(NVML_CHECK, "1")
+    own_env = dict(os.environ)
+    gc.disable()  # imports run ~20% faster without collections, and leave no freed holes in shared pages
+    preload_all(preload)
+    gc.freeze()  # the children's collections leave what was imported here alone: no copy-on-write of it
+    refusing = why_not_fork()
+    listener = _listen(sock_path)
+    if refusing:
+        print(f"refusing every worker: {refusing}", file=sys.stderr, flush=True)
+    print("ready" if not refusing else f"refusing: {refusing}", flush=True)
+    _Server(listener, own_env, refusing).run()
 
 
 def main(argv=None) -> None:
@@ -233,6 +354,7 @@ def main(argv=None) -> None:
     parser.add_argument("socket", help="Unix socket path to listen on")
     parser.add_argument("--preload", default=",".join(DEFAULT_PRELOAD),
                         help="comma-separated modules to import before forking (module:function also calls it)")
+    parser.add_argument("--extra", default="", help="more modules to import after --preload (a model's own, say)")
     parser.add_argument("--exit-with-parent", action="store_true", help="stop when the starting process ends")
     args = parser.parse_args(argv)
     # Before anything loads OpenMP: Ray's value for an actor with at most one CPU (see
@@ -240,7 +362,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.exit_with_parent:
         _exit_with_parent()
-    serve(args.socket, [m for m in args.preload.split(",") if m])
+    serve(args.socket, [m for m in f"{args.preload},{args.extra}".split(",") if m])
 
 
 if __name__ == "__main__":

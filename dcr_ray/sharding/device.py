@@ -18,17 +18,22 @@ tested) on CPU tensors.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from dcr_ray.codec.bits import np_uint, torch_int, wire_name
 from dcr_ray.codec.diff import TensorDelta
 from dcr_ray.sharding.project import _grid_chunks
 
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
+
 
 def _int_view(t: torch.Tensor) -> torch.Tensor:
     """The flat integer view of ``t``'s bits (no copy)."""
+    import torch
+
     t = t.detach().reshape(-1)
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
@@ -60,6 +65,8 @@ class DeviceBaseline:
     def changes(self, name: str, tensor: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Changed flat positions of ``tensor`` against the baseline of ``name`` and their new bits, on
         the host (increasing positions); the device copies are kept as ``name``'s pending changes."""
+        import torch
+
         base = self._bits[name]
         cur = _int_view(tensor)
         if cur.shape != base.shape or cur.dtype != base.dtype or cur.device != base.device:

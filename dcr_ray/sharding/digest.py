@@ -9,12 +9,13 @@ tensor it hashes the cell's bits in the *canonical* element order of the box the
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from dcr_ray.codec.bits import bits_view
 from dcr_ray.sharding.spec import Box, ShardSpec, _target_box
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 BoxKey = tuple[str, tuple[int, ...], tuple[int, ...]]
 

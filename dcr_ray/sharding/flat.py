@@ -19,12 +19,13 @@ uncovered or twice-owned box there, reported with the tensor's name.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from dcr_ray.sharding.local import Shard
 from dcr_ray.sharding.spec import ShardSpec, ShardSpecError
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 
 class FlatPiece(NamedTuple):

@@ -9,11 +9,12 @@ projection cost is one binary search per change.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from dcr_ray.sharding.spec import ShardSpec, ShardSpecError, Target, box_target
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 
 def _rows(local_shape: tuple[int, ...], parts: Sequence[tuple[int, Target | None]]) -> ShardSpec:

@@ -12,12 +12,13 @@
 from __future__ import annotations
 
 import functools
-from typing import Mapping, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Mapping, NamedTuple
 
 from dcr_ray.sharding.layouts import from_dtensor
 from dcr_ray.sharding.spec import ShardSpec, ShardSpecError
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it runs
+    import torch
 
 
 class Shard(NamedTuple):
@@ -60,6 +61,8 @@ def resolve_shards(tensors: Mapping[str, object], *, to_host: bool = True) -> di
     GPU are copied to host memory whole; owners with a device baseline
     (:mod:`~dcr_ray.sharding.device`) pass ``False`` and copy only the changes.
     """
+    import torch
+
     out: dict[str, Shard] = {}
     for name, t in tensors.items():
         if isinstance(t, Shard):

@@ -3,6 +3,7 @@
 - :mod:`~dcr_ray.testing.links`  emulated cross-cluster links (a link model and a transport wrapper)
 - :mod:`~dcr_ray.testing.faults` fault injection (an engine whose apply fails once, an owner whose
   promote fails once)
+- :mod:`~dcr_ray.testing.prefork_faults` preloads that leave a prefork server unsafe to fork from
 - :mod:`~dcr_ray.testing.sharded_trainer` Ray actors as the ranks of a gloo group training a tiny HF model
   with FSDP2 x tensor parallelism, whose ``dcr_tensors()`` are their DTensor shards
 """

@@ -27,6 +27,9 @@ PRESETS: dict[str, dict] = {
 #: Architectures :func:`build_model` knows. The MoE ones have 4 experts of which each token uses 2, and
 #: expert MLPs a quarter as wide as the dense preset's (a multiple of 32, as vLLM's CPU MoE kernels need).
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral")
+#: Each architecture's ``transformers`` modelling module: what a prefork server adds to the library's preloads
+#: (``dcr_ray.prefork.start(extra=...)``) so that workers building that model start with it imported.
+MODELING_MODULES = {arch: f"transformers.models.{arch}.modeling_{arch}" for arch in ARCHS}
 MOE_EXPERTS = 4
 MOE_TOP_K = 2
 
