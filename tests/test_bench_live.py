@@ -13,9 +13,16 @@ from raytools import local_ray  # noqa: F401  (loopback environment before ray i
 
 from dcr_ray.cli import build_parser, main
 
-CASE_FIELDS = ("method", "mode", "receiver", "data", "size", "pause_seconds", "trainer_stall_seconds",
-               "construct_seconds", "freshness_seconds", "refit_seconds", "tokens_per_second_quiet",
+CASE_FIELDS = ("method", "mode", "receiver", "data", "size", "link_mbps", "pause_seconds", "drain_seconds",
+               "client_gap_seconds", "client_gap_p99_seconds", "client_gap_quiet_seconds", "trainer_stall_seconds",
+               "construct_seconds", "freshness_seconds", "refit_seconds", "link_bytes", "tokens_per_second_quiet",
                "tokens_per_second_refit", "bit_exact", "samples")
+
+
+def _tiny_state() -> dict:
+    from dcr_ray.testing.models import ModelSpec, build_model
+
+    return dict(build_model(ModelSpec(size="tiny")).named_parameters())
 
 
 def test_the_cli_offers_bench_live_with_its_sizes_and_json():
@@ -24,7 +31,9 @@ def test_the_cli_offers_bench_live_with_its_sizes_and_json():
     from benchmarks.live.settings import LiveSettings
 
     s = LiveSettings.from_args(args)
-    assert (s.size, s.vllm_size, s.refits) == ("small", "small", 2)
+    assert (s.size, s.vllm_size, s.refits, s.data) == ("small", "small", 2, ("adamw",))
+    assert s.links == (100.0, 1000.0, 10000.0, 100000.0, None)  # 0.1 to 100 Gbit/s, and no emulated link
+    assert s.methods == ("dcr", "dense_sync", "full_fetch_reload", "skyrl_delta")
     s = LiveSettings.from_args(build_parser().parse_args(["bench", "live", "--size", "tiny"]))
     assert (s.size, s.vllm_size) == ("tiny", "tiny")
     s = LiveSettings.from_args(build_parser().parse_args(["bench", "live"]))
@@ -32,26 +41,37 @@ def test_the_cli_offers_bench_live_with_its_sizes_and_json():
 
 
 @pytest.mark.slow
-def test_the_tiny_live_bench_measures_every_method_on_serving_hf_engines_and_ends_bit_exact(tmp_path, local_ray):
+def test_the_tiny_live_bench_measures_every_method_at_every_link_on_serving_hf_engines_and_ends_bit_exact(
+        tmp_path, local_ray):
     from benchmarks import markdown
 
     path = tmp_path / "bench_live.json"  # run as a user runs it: the command line, its JSON read back
-    assert main(["bench", "live", "--quick", "--size", "tiny", "--refits", "1", "--receivers", "hf", "--data",
-                 "adamw", "--json", str(path)]) == 0
+    assert main(["bench", "live", "--quick", "--size", "tiny", "--refits", "1", "--receivers", "hf", "--links",
+                 "10000,none", "--tokens", "8", "--clients", "2", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
-    got = [(c["method"], c["mode"]) for c in result["cases"]]
-    assert got == [("dcr", "in_place"), ("dense_sync", "n/a"), ("fetch_reload", "n/a"), ("dcr", "staged")]
+    got = [(c["method"], c["mode"], c["link_mbps"]) for c in result["cases"]]
+    assert got == [(m, mode, link) for m, mode in (("dcr", "in_place"), ("dense_sync", "n/a"),
+                                                   ("full_fetch_reload", "n/a"), ("skyrl_delta", "n/a"),
+                                                   ("dcr", "staged")) for link in (10000.0, None)]
     for c in result["cases"]:
         assert all(k in c for k in CASE_FIELDS), c["method"]
         assert c["bit_exact"] and c["size"] == "tiny" and len(c["samples"]) == 1
         assert c["refit_seconds"] > 0 and c["tokens_per_second_quiet"] > 0
         # every engine paused (a refit that never paused its engines did not reach them) and served again
         assert c["pause_seconds"] > 0 and c["samples"][0]["pauses"]
+        # clients saw tokens through the refit: their longest gap is at least the engines' admission window
+        assert c["client_gap_seconds"] >= c["pause_seconds"] > 0
+        if c["method"] in ("dense_sync", "full_fetch_reload"):  # the whole model crossed the cluster boundary
+            assert c["link_bytes"] >= sum(t.numel() * 2 for t in _tiny_state().values())
+    assert {c["peer_code"] for c in result["cases"] if c["method"] == "skyrl_delta"} <= {"own", "reimplemented"}
     names = [t["target"] for t in result["targets"]]
-    assert "HF staged pause <= 0.1x dense sync's (adamw)" in names
-    assert "HF staged pause <= 0.5x fetch-then-reload's (adamw)" in names
+    assert "staged admission window <= 0.5x skyrl_delta's (hf, adamw, 10 Gbit/s)" in names
+    assert "staged client gap <= 0.5x skyrl_delta's (hf, adamw, no link)" in names
+    assert "staged freshness <= skyrl_delta's (hf, adamw, 10 Gbit/s)" in names
     assert all(isinstance(t["met"], bool) for t in result["targets"])
-    assert result["bench"] == "live" and result["git"]["commit"]
+    assert {(x["peer"], x["mode"]) for x in result["crossovers"]} == {
+        (p, m) for p in ("dense_sync", "full_fetch_reload", "skyrl_delta") for m in ("in_place", "staged")}
+    assert result["bench"] == "live" and result["git"]["commit"] and len(result["loadavg_start"]) == 3
     assert (tmp_path / "bench_live.png").stat().st_size > 1000
     md = markdown.render(result, str(path))
-    assert "| hf | tiny | adamw | dcr | staged |" in md and "HF staged pause <= 0.1x dense sync's" in md
+    assert "| hf | tiny | adamw | no link | dcr | staged |" in md and "crossover, dense_sync vs dcr staged" in md

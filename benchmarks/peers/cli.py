@@ -50,4 +50,5 @@ def _run_from_args(args: argparse.Namespace) -> int:
     if args.json:
         write_json_and_plot(result, args.json, plot)
         _log(f"wrote {args.json} and its PNG beside it")
-    return 0 if all(r["bit_exact"] for r in result["cases"]) else 1
+    # a peer whose receiver raised on this engine (its error is in the row) is a result, not a failed run
+    return 0 if all(r["bit_exact"] for r in result["cases"] if not r.get("error")) else 1
