@@ -59,8 +59,9 @@ def test_the_tiny_live_bench_measures_every_method_at_every_link_on_serving_hf_e
         assert c["refit_seconds"] > 0 and c["tokens_per_second_quiet"] > 0
         # every engine paused (a refit that never paused its engines did not reach them) and served again
         assert c["pause_seconds"] > 0 and c["samples"][0]["pauses"]
-        # clients saw tokens through the refit: their longest gap is at least the engines' admission window
-        assert c["client_gap_seconds"] >= c["pause_seconds"] > 0
+        # clients streamed tokens through the refit, and the longest gap is split into where it went
+        assert c["client_gap_seconds"] > 0 and set(c["client_gap_parts"]) == {"before_s", "drain_s", "window_s",
+                                                                                "after_s"}
         if c["method"] in ("dense_sync", "full_fetch_reload"):  # the whole model crossed the cluster boundary
             assert c["link_bytes"] >= sum(t.numel() * 2 for t in _tiny_state().values())
     assert {c["peer_code"] for c in result["cases"] if c["method"] == "skyrl_delta"} <= {"own", "reimplemented"}

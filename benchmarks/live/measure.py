@@ -8,6 +8,7 @@ is measured, per refit:
   answering them), ``apply_s``: what the pause spent writing;
 - ``client_gap_s``: the longest gap any client saw between two of its tokens, over the gaps that overlap
   the refit window (:func:`~benchmarks.live.load.client_gaps`), and every such gap for the case's p99;
+  ``client_gap_parts``: where that longest gap went against its engine's pauses (:func:`gap_parts`);
 - ``trainer_stall_s``: from the call until the trainer's tensors are free again (dcr_ray: the owners'
   streams returned, the report's ``release``; the peers: see :mod:`.peers`); ``construct_s``;
 - ``freshness_s``: from the end of the optimizer step until the last engine serves the new bits;
@@ -36,9 +37,11 @@ def _median(xs):
 
 
 def _pauses(engines, since: float) -> list[dict]:
+    """Every engine's pauses since ``since`` that ended serving again, each tagged with its engine's index."""
     import ray
 
-    return [p for ps in ray.get([e.pauses.remote(since) for e in engines]) for p in ps]
+    return [{**p, "engine": i} for i, ps in enumerate(ray.get([e.pauses.remote(since) for e in engines]))
+            for p in ps if p["outcome"] in ("activated", "resumed")]
 
 
 def _link_bytes(topo) -> int:
@@ -115,7 +118,7 @@ def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step,
                 t_step, b0 = time.time(), _link_bytes(topo)
                 smp = _refit(topo, method, skyrl)
                 smp["link_bytes"] = _link_bytes(topo) - b0
-                pauses = [p for p in _pauses(engines, smp["t_call"] - 0.05) if p["outcome"] in ("activated", "resumed")]
+                pauses = _pauses(engines, smp["t_call"] - 0.05)
                 served_at = max((p["at"] + p["pause_s"] for p in pauses), default=smp["t_done"])
                 smp.update({
                     "refit_s": smp["t_done"] - smp["t_call"], "freshness_s": served_at - t_step, "pauses": pauses,
@@ -133,29 +136,53 @@ def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step,
     ray.get(running)
     quiet = _gap_stats(records, [(t_q0, t_q1)])
     for c in cases:
-        _summarise(c, records, quiet, t_q0, t_q1)
+        _summarise(c, records, quiet, t_q0, t_q1, s.clients)
     return cases
 
 
 def _gap_stats(records: list[list[tuple]], windows: list[tuple[float, float]]) -> dict:
-    """Per window, the longest client gap overlapping it; and every such gap, pooled."""
+    """Per window, the longest client gap overlapping it (seconds, client index, its ends); and every such gap,
+    pooled."""
     per_client = [load.client_gaps(r) for r in records]
-    longest, pooled = [], []
+    longest, where, pooled = [], [], []
     for t0, t1 in windows:
-        gaps = [g for c in per_client for g in load.gaps_within(c, t0, t1)]
-        longest.append(max(gaps, default=t1 - t0))
-        pooled += gaps
-    return {"longest": longest, "pooled": pooled}
+        gaps = [(b - a, c, a, b) for c, gs in enumerate(per_client) for a, b in gs if a < t1 and b > t0]
+        top = max(gaps, default=(t1 - t0, None, t0, t1))
+        longest.append(top[0])
+        where.append(top[1:])
+        pooled += [g[0] for g in gaps]
+    return {"longest": longest, "where": where, "pooled": pooled}
 
 
-def _summarise(c: dict, records: list, quiet: dict, t_q0: float, t_q1: float) -> None:
+def _overlap(a: float, b: float, lo: float, hi: float) -> float:
+    return max(0.0, min(b, hi) - max(a, lo))
+
+
+def gap_parts(a: float, b: float, pauses: list[dict]) -> dict:
+    """Where a client's gap ``(a, b)`` went, against its engine's pauses: ``drain`` (admission closed while the
+    requests already running finished), ``window`` (the admission window: writes, flush, commit), ``before``
+    (from its previous token until the drain began: decode slowed by what else ran on the engine's cores,
+    or the request's own prefill) and ``after`` (from the window's end until its next token: its prefill and
+    first decode step, after waiting its turn)."""
+    drain = sum(_overlap(a, b, p["at"] - p["inflight_s"], p["at"]) for p in pauses)
+    window = sum(_overlap(a, b, p["at"], p["at"] + p["pause_s"]) for p in pauses)
+    starts = [p["at"] - p["inflight_s"] for p in pauses if p["at"] + p["pause_s"] > a and p["at"] - p["inflight_s"] < b]
+    ends = [p["at"] + p["pause_s"] for p in pauses if p["at"] + p["pause_s"] > a and p["at"] - p["inflight_s"] < b]
+    before = max(0.0, min(starts) - a) if starts else b - a
+    after = max(0.0, b - max(ends)) if ends else 0.0
+    return {"drain_s": drain, "window_s": window, "before_s": before, "after_s": after}
+
+
+def _summarise(c: dict, records: list, quiet: dict, t_q0: float, t_q1: float, clients: int) -> None:
     """The case's medians over its refits, its client gaps and its tokens per second."""
     samples = c["samples"]
     g = _gap_stats(records, [(x["t_call"], x["t_done"]) for x in samples])
     per_client = [load.client_gaps(r) for r in records]
     flat = [r for recs in records for r in recs]
-    for x, longest in zip(samples, g["longest"]):
+    for x, longest, (client, a, b) in zip(samples, g["longest"], g["where"]):
         x["client_gap_s"] = longest
+        engine = None if client is None else client // clients
+        x["client_gap_parts"] = gap_parts(a, b, [p for p in x["pauses"] if p["engine"] == engine])
         x["client_gaps_s"] = sorted(gap for gaps in per_client
                                     for gap in load.gaps_within(gaps, x["t_call"], x["t_done"]))[-KEPT_GAPS:]
         x["tokens_per_second"] = load.tokens_per_second(flat, x["t_call"], x["t_done"])
@@ -163,6 +190,9 @@ def _summarise(c: dict, records: list, quiet: dict, t_q0: float, t_q1: float) ->
     c.update({
         "pause_seconds": med("pause_s"), "pause_apply_seconds": med("pause_apply_s"), "drain_seconds": med("drain_s"),
         "client_gap_seconds": med("client_gap_s"), "client_gap_p99_seconds": load.percentile(g["pooled"], 99),
+        "client_gap_parts": {k: _median(x["client_gap_parts"][k] for x in samples)
+                             for k in ("before_s", "drain_s", "window_s", "after_s")},
+        "client_gap_undrained_seconds": _median(x["client_gap_s"] - x["client_gap_parts"]["drain_s"] for x in samples),
         "client_gap_quiet_seconds": max(quiet["longest"]), "client_gap_quiet_p99_seconds":
             load.percentile(quiet["pooled"], 99),
         "trainer_stall_seconds": med("trainer_stall_s"), "construct_seconds": med("construct_s"),

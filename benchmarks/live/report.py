@@ -14,21 +14,31 @@ def _s(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _parts(p) -> str:
+    if not p:
+        return "-"
+    return " / ".join(_ms(p[k]) for k in ("before_s", "drain_s", "window_s", "after_s"))
+
+
 def format_table(result: dict) -> str:
+    old_link = result.get("settings", {}).get("link_mbps")  # a run from before the sweep had one link
+    for c in result["cases"]:
+        c.setdefault("link_mbps", old_link)
     rows = ["| receiver | model | data | link | method | mode | admission window (ms) | drain before it (ms) | "
-            "client gap, longest (ms) | client gap p99 (ms) | trainer stall (s) | freshness (s) | refit (s) | "
+            "client gap, longest (ms) | its parts: before / drain / window / after (ms) | client gap p99 (ms) | trainer stall (s) | freshness (s) | refit (s) | "
             "link MB | tok/s refit / quiet | bit-exact |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in sorted(result["cases"], key=lambda c: (c["receiver"], c["data"], _order(c["link_mbps"]),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(result["cases"], key=lambda c: (c["receiver"], c["data"], _order(c.get("link_mbps")),
                                                     c["method"] != "dcr", c["method"], c["mode"])):
-        rows.append(f"| {c['receiver']} | {c.get('size', '-')} | {c['data']} | {_link(c['link_mbps'])} | {c['method']} | "
-                    f"{c['mode']} | {_ms(c['pause_seconds'])} | {_ms(c['drain_seconds'])} | "
-                    f"{_ms(c['client_gap_seconds'])} | {_ms(c['client_gap_p99_seconds'])} | "
+        rows.append(f"| {c['receiver']} | {c.get('size', '-')} | {c['data']} | {_link(c.get('link_mbps'))} | "
+                    f"{c['method']} | {c['mode']} | {_ms(c['pause_seconds'])} | {_ms(c.get('drain_seconds'))} | "
+                    f"{_ms(c.get('client_gap_seconds'))} | {_parts(c.get('client_gap_parts'))} | "
+                    f"{_ms(c.get('client_gap_p99_seconds'))} | "
                     f"{_s(c['trainer_stall_seconds'])} | {_s(c['freshness_seconds'])} | {_s(c['refit_seconds'])} | "
-                    f"{(c['link_bytes'] or 0) / 1e6:.1f} | {(c['tokens_per_second_refit'] or 0):.0f} / "
+                    f"{(c.get('link_bytes') or 0) / 1e6:.1f} | {(c['tokens_per_second_refit'] or 0):.0f} / "
                     f"{c['tokens_per_second_quiet']:.0f} | {'yes' if c['bit_exact'] else 'NO'} |")
     lines = ["\n".join(rows), ""]
-    quiet = {(c["receiver"], c["data"]): c for c in result["cases"]}
+    quiet = {(c["receiver"], c["data"]): c for c in result["cases"] if "client_gap_quiet_seconds" in c}
     for (receiver, data), c in sorted(quiet.items()):
         lines.append(f"- quiet clients ({receiver}, {data}): longest gap {_ms(c['client_gap_quiet_seconds'])} ms, "
                      f"p99 {_ms(c['client_gap_quiet_p99_seconds'])} ms")
@@ -45,7 +55,7 @@ def format_table(result: dict) -> str:
 def markdown(result: dict) -> str:
     """The table, the crossovers and the targets, met or unmet with their numbers (BENCHMARKS.md)."""
     s = result.get("settings", {})
-    links = ", ".join(_link(x) for x in s.get("links", []))
+    links = ", ".join(_link(x) for x in s.get("links", [s.get("link_mbps")]))
     head = (f"HF engines: {s.get('size')} model, vLLM engines: {s.get('vllm_size', s.get('size'))} model; "
             f"{s.get('engines')} engines behind an emulated link of {links} ({1e3 * s.get('latency_s', 0):.0f} ms "
             f"one way when emulated), relay transport, {s.get('refits')} refits per method and link (medians), "

@@ -86,6 +86,12 @@ def targets(cases: list[dict]) -> list[dict]:
                     r = c[key] / sky[key]
                     out.append({"target": f"staged {what} <= {PAUSE_VS_SKYRL}x skyrl_delta's ({where})", "value": r,
                                 "met": r <= PAUSE_VS_SKYRL})
+            # the longest gap less its drain (the requests already running finishing first, which every method
+            # that answers a request from one version pays alike): what the method itself adds
+            mine, theirs = c.get("client_gap_undrained_seconds"), sky.get("client_gap_undrained_seconds")
+            if mine is not None and theirs:
+                out.append({"target": f"(reported) staged client gap less its drain / skyrl_delta's ({where})",
+                            "value": mine / theirs, "met": None})
         for c in cases:
             if (c["receiver"], c["data"], c["method"]) != (receiver, data, "dcr"):
                 continue
