@@ -64,11 +64,17 @@ def _prompt(client: int) -> list[int]:
     return [1 + (7 * k + 13 * client) % 97 for k in range(16)]
 
 
+def _tokens(client: int, s) -> int:
+    """Tokens per request of ``client``: from 0.625x to 1.375x ``s.tokens`` across an engine's clients (mean
+    ``s.tokens``), so their requests do not start and end in lockstep."""
+    return max(1, round(s.tokens * (0.5 + (client + 0.5) / s.clients)))
+
+
 def _start_clients(engines, s):
     import ray
 
     Loop = ray.remote(num_cpus=0, max_concurrency=2)(load.GenerationLoop)
-    loops = [Loop.remote(e, _prompt(c), s.tokens) for e in engines for c in range(s.clients)]
+    loops = [Loop.remote(e, _prompt(c), _tokens(c, s)) for e in engines for c in range(s.clients)]
     running = [lp.run.remote() for lp in loops]
     deadline = time.time() + 300
     while time.time() < deadline and min(len(r) for r in ray.get([lp.snapshot.remote() for lp in loops])) < 2:

@@ -60,7 +60,7 @@ def markdown(result: dict) -> str:
             f"{s.get('engines')} engines behind an emulated link of {links} ({1e3 * s.get('latency_s', 0):.0f} ms "
             f"one way when emulated), relay transport, {s.get('refits')} refits per method and link (medians), "
             f"AdamW lr {s.get('lr'):g}; each engine serves {s.get('clients')} concurrent clients, each a closed loop "
-            f"of {s.get('tokens')}-token requests.\n\n")
+            f"of requests of {s.get('tokens')} tokens on average.\n\n")
     return head + format_table(result) + "\n"
 
 

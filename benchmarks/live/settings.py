@@ -52,7 +52,7 @@ class LiveSettings:
     latency_s: float  #: one-way latency of an emulated link (none without one)
     lr: float
     quiet_s: float  #: seconds of generation measured before the refits, with nothing else running
-    tokens: int  #: tokens per request of the load
+    tokens: int  #: mean tokens per request of the load (an engine's clients ask for 0.625x to 1.375x of it)
     clients: int  #: concurrent requests per engine (closed loops)
     seed: int = 0
     gpus_per_engine: float = 0  #: a GPU machine: engines on GPUs (vLLM then takes the CUDA capture path)
@@ -90,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS, help="one-way latency of an emulated link")
     p.add_argument("--lr", type=float, default=1e-6,
                    help="AdamW learning rate of the adamw steps (1e-6: about 1-2%% of BF16 elements change per step)")
-    p.add_argument("--tokens", type=int, default=32, help="tokens per request of the load")
+    p.add_argument("--tokens", type=int, default=32,
+                   help="mean tokens per request of the load (an engine's clients ask for 0.625x to 1.375x of it)")
     p.add_argument("--clients", type=int, default=4,
                    help="concurrent requests per engine (each a closed loop; an engine answers 8 calls at once, "
                         "refit calls included)")
