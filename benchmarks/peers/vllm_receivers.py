@@ -24,8 +24,10 @@ A receiver that raises keeps its error (``error``) and is not bit-exact.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import sys
 import time
 
 from benchmarks.codec.timing import Timed
@@ -153,8 +155,9 @@ def skyrl(engine: VllmEngine, code, versions: dict, fps: dict, repeats: int, wor
         return pub.version
 
     def receive(version: int):
-        llm.collective_rpc(skyrl_vllm.worker_fetch, args=(version, sync))
-        llm.collective_rpc(skyrl_vllm.worker_reload, args=(version,))
+        with contextlib.redirect_stdout(sys.stderr):  # SkyRL prints its timings; stdout is the bench's table
+            llm.collective_rpc(skyrl_vllm.worker_fetch, args=(version, sync))
+            llm.collective_rpc(skyrl_vllm.worker_reload, args=(version,))
         llm.reset_prefix_cache()
 
     try:
