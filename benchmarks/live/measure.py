@@ -82,6 +82,18 @@ def _start_clients(engines, s):
     return loops, running
 
 
+def _settle(loops, t_last: float, timeout_s: float = 120.0) -> None:
+    """Wait until every client has a request sent after ``t_last`` answered: every gap that overlaps the last
+    refit window has both its ends recorded."""
+    import ray
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if all(any(r[0] > t_last for r in recs) for recs in ray.get([lp.snapshot.remote() for lp in loops])):
+            return
+        time.sleep(0.2)
+
+
 def _refit(topo, method: str, skyrl) -> dict:
     if method == "dcr":
         t_call = time.time()
@@ -119,9 +131,10 @@ def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step,
             set_link(link)
             samples = []
             for _ in range(s.refits):
+                b0 = _link_bytes(topo)
                 step(i)
                 i += 1
-                t_step, b0 = time.time(), _link_bytes(topo)
+                t_step = time.time()
                 smp = _refit(topo, method, skyrl)
                 smp["link_bytes"] = _link_bytes(topo) - b0
                 pauses = _pauses(engines, smp["t_call"] - 0.05)
@@ -137,7 +150,7 @@ def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step,
                           "data": data, "size": s.vllm_size if receiver == "vllm" else s.size, "link_mbps": link,
                           "peer_code": skyrl.peer_code if method == "skyrl_delta" else None,
                           "bit_exact": _exact(topo), "samples": samples})
-    time.sleep(1.0)  # the requests that waited through the last refit answer
+    _settle(loops, max((x["t_done"] for c in cases for x in c["samples"]), default=time.time()))
     records = ray.get([lp.stop.remote() for lp in loops])
     ray.get(running)
     quiet = _gap_stats(records, [(t_q0, t_q1)])
