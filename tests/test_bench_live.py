@@ -76,6 +76,7 @@ def test_the_tiny_live_bench_measures_every_method_at_every_link_on_serving_hf_e
     assert (tmp_path / "bench_live.png").stat().st_size > 1000
     md = markdown.render(result, str(path))
     assert "| hf | tiny | adamw | no link | dcr | staged |" in md and "crossover, dense_sync vs dcr staged" in md
+    assert "**hf engines, adamw**: longest client gap (admission window), ms | freshness, s" in md
 
 
 @pytest.mark.slow

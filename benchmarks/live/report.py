@@ -52,8 +52,35 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+#: The headline's columns: (method, mode) in the order they are shown.
+_HEADLINE = (("dcr", "staged"), ("dcr", "in_place"), ("skyrl_delta", "n/a"), ("full_fetch_reload", "n/a"),
+             ("dense_sync", "n/a"))
+
+
+def headline(result: dict) -> str:
+    """Per receiver and data, one row per link: every method's longest client gap with its admission window
+    in brackets (ms), then every method's freshness (s)."""
+    cases = result["cases"]
+    out = []
+    for receiver, data in sorted({(c["receiver"], c["data"]) for c in cases}):
+        got = {(c["method"], c["mode"], c.get("link_mbps")): c for c in cases
+               if (c["receiver"], c["data"]) == (receiver, data)}
+        cols = [m for m in _HEADLINE if any(k[:2] == m for k in got)]
+        names = [f"dcr {mode}" if method == "dcr" else method for method, mode in cols]
+        out += [f"**{receiver} engines, {data}**: longest client gap (admission window), ms | freshness, s", "",
+                "| link | " + " | ".join(names) + " | " + " | ".join(names) + " |",
+                "|---|" + "---|" * (2 * len(cols))]
+        for link in sorted({k[2] for k in got}, key=_order):
+            gaps = [got.get((*m, link)) for m in cols]
+            cell = [f"{_ms(c.get('client_gap_seconds'))} ({_ms(c['pause_seconds'])})" if c else "-" for c in gaps]
+            fresh = [_s(c["freshness_seconds"]) if c else "-" for c in gaps]
+            out.append(f"| {_link(link)} | " + " | ".join(cell) + " | " + " | ".join(fresh) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def markdown(result: dict) -> str:
-    """The table, the crossovers and the targets, met or unmet with their numbers (BENCHMARKS.md)."""
+    """The headline, the table, the crossovers and the targets, met or unmet with their numbers (BENCHMARKS.md)."""
     s = result.get("settings", {})
     links = ", ".join(_link(x) for x in s.get("links", [s.get("link_mbps")]))
     head = (f"HF engines: {s.get('size')} model, vLLM engines: {s.get('vllm_size', s.get('size'))} model; "
@@ -61,7 +88,7 @@ def markdown(result: dict) -> str:
             f"one way when emulated), relay transport, {s.get('refits')} refits per method and link (medians), "
             f"AdamW lr {s.get('lr'):g}; each engine serves {s.get('clients')} concurrent clients, each a closed loop "
             f"of requests of {s.get('tokens')} tokens on average.\n\n")
-    return head + format_table(result) + "\n"
+    return head + headline(result) + "\n" + format_table(result) + "\n"
 
 
 def plot(result: dict, path: str) -> None:
