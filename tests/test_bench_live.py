@@ -97,3 +97,19 @@ def test_on_vllm_engines_the_peers_reload_through_vllm_s_own_reload_and_every_en
         assert c["pause_seconds"] > 0 and c["client_gap_seconds"] > 0
     sky = result["cases"][-1]
     assert sky["peer_code"] in ("own", "reimplemented") and sky["samples"][0]["published_bytes"] > 0
+
+
+def test_a_client_s_gaps_run_across_its_requests_and_the_longest_is_split_by_its_engine_s_pause():
+    from benchmarks.live import load
+    from benchmarks.live.measure import gap_parts
+
+    # (t_sent, t_start, t_end, tokens, version, token_times): two requests, the second waited at admission
+    records = [(0.0, 0.0, 0.3, 3, 1, [0.1, 0.2, 0.3]), (0.3, 1.5, 1.7, 2, 2, [1.6, 1.7])]
+    gaps = load.client_gaps(records)
+    assert gaps == [(0.0, 0.1), (0.1, 0.2), (0.2, 0.3), (0.3, 1.6), (1.6, 1.7)]
+    assert [round(g, 6) for g in load.gaps_within(gaps, 1.0, 1.2)] == [1.3]  # waited through the whole window
+    assert load.percentile([1, 2, 3, 4], 99) == 4 and load.percentile([], 99) is None
+    # the engine closed admission at 0.25, drained until 1.0, wrote until 1.4; the client's next token at 1.6
+    parts = gap_parts(0.3, 1.6, [{"at": 1.0, "inflight_s": 0.75, "pause_s": 0.4}])
+    assert {k: round(v, 6) for k, v in parts.items()} == {"drain_s": 0.7, "window_s": 0.4, "before_s": 0.0,
+                                                          "after_s": 0.2}
