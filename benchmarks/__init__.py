@@ -14,8 +14,8 @@ matplotlib) inside the functions that run, so ``dcr-ray --help`` stays fast.
 - :mod:`~benchmarks.heal`  healing a dead, lagging or lost engine: bytes across the link, owner bytes, refit stall
 - :mod:`~benchmarks.peers`  the peers side by side on the same steps (SkyRL's own code where installed, vLLM
   sparse_nccl, XOR + zstd, and the compact AReaL-DTE- and slime-style encodings the other benchmarks count)
-- :mod:`~benchmarks.live`  while engines serve: serving pause, trainer stall, freshness, tokens/s, beside a
-  dense sync and a fetch-then-reload on the same engines
+- :mod:`~benchmarks.live`  while engines serve, at every link of a sweep: client stalls, serving pause, trainer
+  stall, freshness, tokens/s, beside a dense sync, a full fetch-then-reload and SkyRL's delta sync
 - :mod:`~benchmarks.startup`  where a topology's start-up goes (per actor), the first refits, an engine's
   re-creation
 - :mod:`~benchmarks.markdown`  a run's tables (BENCHMARKS.md) rendered from its JSON alone

@@ -5,8 +5,9 @@
 #   2. a codec micro-benchmark (64 Mi BF16-sized elements, 1% changed), which re-checks equality;
 #   3. apply GB/s of one 1% patch: dcr's sparse write vs vLLM sparse_nccl's NaN-masked load, same GPU;
 #   4. the serving pause of dcr_ray-started vLLM engines on CUDA (loader capture: captured tensors are written
-#      sparsely into live storage at activate, no fused-group reload) beside a dense sync and a
-#      fetch-then-reload on the same engines (`bench live`, small model, staged and in place).
+#      sparsely into live storage at activate, no fused-group reload) beside a dense sync, a full
+#      fetch-then-reload and SkyRL's delta sync on the same engines, each through vLLM's own reload
+#      (`bench live`, small model, staged and in place, at 1 Gbit/s and without an emulated link).
 #   5. vLLM 0.34 (no CPU wheel; on CPU its shims run only against its modules, `scripts/compat.sh vllm-0.34`):
 #      the shim tests and the vLLM GPU test of step 1 with vLLM 0.34.0 itself: the reload through its own
 #      start_reload/finish_reload (post-load hooks on every reload), the session end through its worker, outputs
@@ -27,7 +28,7 @@ timeout 90 "$PY" -m benchmarks.cuda.kernels --elems $((1 << 26)) --density 0.01
 timeout 30 "$PY" -m benchmarks.cuda.kernels --elems $((1 << 24)) --density 0.01 --width 1
 timeout 120 "$PY" -m benchmarks.cuda.patch --elems $((1 << 26)) --density 0.01
 timeout 420 "$PY" -m benchmarks live --quick --receivers vllm --data adamw --engines 1 --gpus-per-engine 1 \
-  --json /tmp/dcr_live_gpu.json
+  --links 1000,none --json /tmp/dcr_live_gpu.json
 V034="${VLLM_034_PYTHON:-.compat/gpu-vllm-0.34/bin/python}"
 if [ ! -x "$V034" ] && [ -z "${VLLM_034_PYTHON:-}" ]; then
   (python3 -m venv .compat/uv && .compat/uv/bin/pip install -q uv==0.13.9 \

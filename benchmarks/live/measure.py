@@ -1,15 +1,23 @@
-"""One case of the live benchmark: engines serve a closed loop of requests while the trainer steps and the
-new policy reaches them, refit after refit, by one method. Every figure is measured, per refit:
+"""One topology of the live benchmark: clients stream generations from the engines while the trainer steps and
+the new policy reaches them, refit after refit, by every method at every link of the sweep. Every figure
+is measured, per refit:
 
-- ``pause_s``: the longest serving pause of any engine, on the engine's own clock (the window in which it
-  could not admit a generate call: :mod:`dcr_ray.actors.engine_pause`), and ``gap_s``: the longest time
-  any engine's load saw no answer during the refit window;
+- ``pause_s``: the longest admission-closed window of any engine, on the engine's own clock
+  (:mod:`dcr_ray.actors.engine_pause`: generation could not be admitted), ``drain_s``: how long that
+  engine waited before it for the requests already running (admission closed, the old version still
+  answering them), ``apply_s``: what the pause spent writing;
+- ``client_gap_s``: the longest gap any client saw between two of its tokens, over the gaps that overlap
+  the refit window (:func:`~benchmarks.live.load.client_gaps`), and every such gap for the case's p99;
+  ``client_gap_parts``: where that longest gap went against its engine's pauses (:func:`gap_parts`);
 - ``trainer_stall_s``: from the call until the trainer's tensors are free again (dcr_ray: the owners'
-  streams returned, the report's ``release``; the peers: the full tensors were copied out of the trainer);
-- ``construct_s``: the owners' diff and encode (dcr_ray), or the copy out of the trainer (peers);
+  streams returned, the report's ``release``; the peers: see :mod:`.peers`); ``construct_s``;
 - ``freshness_s``: from the end of the optimizer step until the last engine serves the new bits;
-- ``refit_s``: the call's wall time;
+- ``refit_s``: the call's wall time; ``link_bytes``: what crossed the emulated link (its own counter);
 - tokens per second during the refit windows against the quiet window before them.
+
+Methods run one after another, each after one untimed refit of its own (imports, compiled kernels, first
+files) and then at every link (dcr_ray first: its owners' baseline is then what the engines hold); after
+each (method, link) the engines' bits are checked (:func:`.engine_side.exact`).
 """
 
 from __future__ import annotations
@@ -17,7 +25,10 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmarks.live import load
+from benchmarks.live import engine_side, load, peers
+
+#: Gaps kept per refit in the JSON (the longest; the p99 is computed over all of them).
+KEPT_GAPS = 20
 
 
 def _median(xs):
@@ -26,106 +37,184 @@ def _median(xs):
 
 
 def _pauses(engines, since: float) -> list[dict]:
+    """Every engine's pauses since ``since`` that ended serving again, each tagged with its engine's index."""
     import ray
 
-    return [p for ps in ray.get([e.pauses.remote(since) for e in engines]) for p in ps]
+    return [{**p, "engine": i} for i, ps in enumerate(ray.get([e.pauses.remote(since) for e in engines]))
+            for p in ps if p["outcome"] in ("activated", "resumed")]
+
+
+def _link_bytes(topo) -> int:
+    import ray
+
+    from benchmarks.refit.topology import _link_busy
+
+    return sum(b for _, b in ray.get([h.__ray_call__.remote(_link_busy) for h in topo.heads]))
 
 
 def _exact(topo) -> bool:
-    """Every engine's canonical tensors equal the owners' current bits (integer views)."""
-    import ray
-    import torch
-
-    want = {}
-    for h in topo.owners.values():
-        want.update(ray.get(h.bench_tensors.remote(ray.get(h.bench_names.remote()))))
-    for e in topo.engines.values():
-        got = ray.get(e.tensors.remote())
-        if sorted(got) != sorted(want):
-            return False
-        if not all(torch.equal(got[n].view(torch.int16), t.view(torch.int16)) for n, t in want.items()):
-            return False
-    return True
-
-
-def _full_state(topo) -> tuple[object, int]:
-    """The owners' current tensors, copied out of the trainer into the object store: (ref, bytes)."""
+    """Every engine serves exactly the owners' current bits (:func:`.engine_side.exact`)."""
     import ray
 
-    state = {}
-    for h in topo.owners.values():
-        state.update(ray.get(h.bench_tensors.remote(ray.get(h.bench_names.remote()))))
-    return ray.put(state), sum(t.numel() * t.element_size() for t in state.values())
+    refs, _ = peers._put(topo)
+    return all(ray.get([e.__ray_call__.remote(engine_side.exact, refs) for e in topo.engines.values()]))
 
 
-def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step) -> list[dict]:
-    """Measure ``methods`` on one launched topology; ``step(i)`` makes the i-th change (a real optimizer
-    step or a stress change) and returns when it is done. Returns one case dict per method."""
+def _prompt(client: int) -> list[int]:
+    return [1 + (7 * k + 13 * client) % 97 for k in range(16)]
+
+
+def _tokens(client: int, s) -> int:
+    """Tokens per request of ``client``: from 0.625x to 1.375x ``s.tokens`` across an engine's clients (mean
+    ``s.tokens``), so their requests do not start and end in lockstep."""
+    return max(1, round(s.tokens * (0.5 + (client + 0.5) / s.clients)))
+
+
+def _start_clients(engines, s):
     import ray
 
-    from benchmarks.live.peers import dense_sync, fetch_reload
+    Loop = ray.remote(num_cpus=0, max_concurrency=2)(load.GenerationLoop)
+    loops = [Loop.remote(e, _prompt(c), _tokens(c, s)) for e in engines for c in range(s.clients)]
+    running = [lp.run.remote() for lp in loops]
+    deadline = time.time() + 300
+    while time.time() < deadline and min(len(r) for r in ray.get([lp.snapshot.remote() for lp in loops])) < 2:
+        time.sleep(0.2)  # every client answered twice (an engine's first requests warm it up)
+    return loops, running
+
+
+def _settle(loops, t_last: float, timeout_s: float = 120.0) -> None:
+    """Wait until every client has a request sent after ``t_last`` answered: every gap that overlaps the last
+    refit window has both its ends recorded."""
+    import ray
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if all(any(r[0] > t_last for r in recs) for recs in ray.get([lp.snapshot.remote() for lp in loops])):
+            return
+        time.sleep(0.2)
+
+
+def _refit(topo, method: str, skyrl) -> dict:
+    if method == "dcr":
+        t_call = time.time()
+        report = topo.refit.run()
+        return {"t_call": t_call, "t_done": time.time(), "trainer_stall_s": report.seconds.get("release"),
+                "construct_s": report.seconds.get("construct")}
+    if method == "skyrl_delta":
+        return skyrl.refit(topo)
+    return {"dense_sync": peers.dense_sync, "full_fetch_reload": peers.full_fetch_reload}[method](topo)
+
+
+def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step, set_link) -> list[dict]:
+    """Measure ``methods`` at every link of ``s.links`` on one launched topology; ``step(i)`` makes the i-th
+    change (a real optimizer step or a stress change); ``set_link(mbps)`` sets the emulated link. Returns
+    one case dict per (method, link)."""
+    import ray
 
     engines = list(topo.engines.values())
-    Loop = ray.remote(num_cpus=0, max_concurrency=2)(load.GenerationLoop)
-    loops = [Loop.remote(e, [1, 7, 42, 99, 5], s.tokens) for e in engines]
-    running = [lp.run.remote() for lp in loops]
-    deadline = time.time() + 120
-    while time.time() < deadline and min(len(r) for r in ray.get([lp.snapshot.remote() for lp in loops])) < 3:
-        time.sleep(0.2)  # every loop answered a few times (an engine's first requests warm it up)
+    loops, running = _start_clients(engines, s)
     t_q0 = time.time()
     time.sleep(s.quiet_s)
     t_q1 = time.time()
-    cases, windows, i = [], [], 0
+    skyrl = peers.SkyrlDelta(s.skyrl_own)
+    cases, i = [], 0
     for method in methods:
         if method != "dcr" and mode != "in_place":
             continue  # the peers' ways do not depend on dcr_ray's apply mode: measured once per receiver
-        samples = []
-        for _ in range(s.refits):
-            step(i)
-            i += 1
-            t_step = time.time()
-            t_call = time.time()
-            if method == "dcr":
-                report = topo.refit.run()
-                t_done = time.time()
-                stall, construct = report.seconds.get("release"), report.seconds.get("construct")
-            else:
-                ref, nbytes = _full_state(topo)
-                t_copied = time.time()
-                fn = dense_sync if method == "dense_sync" else fetch_reload
-                fn(topo, ref, nbytes)
-                t_done = time.time()
-                stall = construct = t_copied - t_call
-            pauses = [p for p in _pauses(engines, t_call - 0.05) if p["outcome"] in ("activated", "resumed")]
-            served_at = max((p["at"] + p["pause_s"] for p in pauses), default=t_done)
-            snap = [r for lp in loops for r in ray.get(lp.snapshot.remote())]
-            per_engine = ray.get([lp.snapshot.remote() for lp in loops])
-            samples.append({
-                "refit_s": t_done - t_call, "pause_s": max((p["pause_s"] for p in pauses), default=0.0),
-                "pause_apply_s": max((p["apply_s"] for p in pauses), default=0.0),
-                "blocked_s": max((p["blocked_s"] for p in pauses), default=0.0),
-                "gap_s": max(load.longest_gap(r, t_call, t_done) for r in per_engine),
-                "trainer_stall_s": stall, "construct_s": construct, "freshness_s": served_at - t_step,
-                "tokens_per_second": load.tokens_per_second(snap, t_call, t_done), "t_call": t_call,
-                "t_done": t_done, "pauses": pauses})
-            windows.append((method, t_call, t_done))
-        exact = _exact(topo)
-        quiet = [r for lp in loops for r in ray.get(lp.snapshot.remote())]
-        cases.append({
-            "method": method, "mode": mode if method == "dcr" else "n/a", "receiver": receiver, "data": data,
-            "size": s.vllm_size if receiver == "vllm" else s.size,
-            "pause_seconds": _median(x["pause_s"] for x in samples),
-            "pause_apply_seconds": _median(x["pause_apply_s"] for x in samples),
-            "gap_seconds": _median(x["gap_s"] for x in samples),
-            "trainer_stall_seconds": _median(x["trainer_stall_s"] for x in samples),
-            "construct_seconds": _median(x["construct_s"] for x in samples),
-            "freshness_seconds": _median(x["freshness_s"] for x in samples),
-            "refit_seconds": _median(x["refit_s"] for x in samples),
-            "tokens_per_second_quiet": load.tokens_per_second(quiet, t_q0, t_q1),
-            "tokens_per_second_refit": _median(x["tokens_per_second"] for x in samples),
-            "bit_exact": exact, "samples": samples})
+        if method == "skyrl_delta":
+            skyrl.start(topo)
+        set_link(max(s.links, key=lambda x: float("inf") if x is None else x))  # the fastest: it costs least
+        step(i)  # one untimed refit per method first: imports, compiled kernels, first files
+        i += 1
+        _refit(topo, method, skyrl)
+        for link in s.links:
+            set_link(link)
+            samples = []
+            for _ in range(s.refits):
+                b0 = _link_bytes(topo)
+                step(i)
+                i += 1
+                t_step = time.time()
+                smp = _refit(topo, method, skyrl)
+                smp["link_bytes"] = _link_bytes(topo) - b0
+                pauses = _pauses(engines, smp["t_call"] - 0.05)
+                served_at = max((p["at"] + p["pause_s"] for p in pauses), default=smp["t_done"])
+                smp.update({
+                    "refit_s": smp["t_done"] - smp["t_call"], "freshness_s": served_at - t_step, "pauses": pauses,
+                    "pause_s": max((p["pause_s"] for p in pauses), default=0.0),
+                    "pause_apply_s": max((p["apply_s"] for p in pauses), default=0.0),
+                    "drain_s": max((p["inflight_s"] for p in pauses), default=0.0),
+                    "blocked_s": max((p["blocked_s"] for p in pauses), default=0.0)})
+                samples.append(smp)
+            cases.append({"method": method, "mode": mode if method == "dcr" else "n/a", "receiver": receiver,
+                          "data": data, "size": s.vllm_size if receiver == "vllm" else s.size, "link_mbps": link,
+                          "peer_code": skyrl.peer_code if method == "skyrl_delta" else None,
+                          "bit_exact": _exact(topo), "samples": samples})
+    _settle(loops, max((x["t_done"] for c in cases for x in c["samples"]), default=time.time()))
     records = ray.get([lp.stop.remote() for lp in loops])
     ray.get(running)
+    quiet = _gap_stats(records, [(t_q0, t_q1)])
     for c in cases:
-        c["timeline"] = {"t0": t_q0, "engines": records, "windows": windows}
+        _summarise(c, records, quiet, t_q0, t_q1, s.clients)
     return cases
+
+
+def _gap_stats(records: list[list[tuple]], windows: list[tuple[float, float]]) -> dict:
+    """Per window, the longest client gap overlapping it (seconds, client index, its ends); and every such gap,
+    pooled."""
+    per_client = [load.client_gaps(r) for r in records]
+    longest, where, pooled = [], [], []
+    for t0, t1 in windows:
+        gaps = [(b - a, c, a, b) for c, gs in enumerate(per_client) for a, b in gs if a < t1 and b > t0]
+        top = max(gaps, default=(t1 - t0, None, t0, t1))
+        longest.append(top[0])
+        where.append(top[1:])
+        pooled += [g[0] for g in gaps]
+    return {"longest": longest, "where": where, "pooled": pooled}
+
+
+def _overlap(a: float, b: float, lo: float, hi: float) -> float:
+    return max(0.0, min(b, hi) - max(a, lo))
+
+
+def gap_parts(a: float, b: float, pauses: list[dict]) -> dict:
+    """Where a client's gap ``(a, b)`` went, against its engine's pauses: ``drain`` (admission closed while the
+    requests already running finished), ``window`` (the admission window: writes, flush, commit), ``before``
+    (from its previous token until the drain began: decode slowed by what else ran on the engine's cores,
+    or the request's own prefill) and ``after`` (from the window's end until its next token: its prefill and
+    first decode step, after waiting its turn)."""
+    drain = sum(_overlap(a, b, p["at"] - p["inflight_s"], p["at"]) for p in pauses)
+    window = sum(_overlap(a, b, p["at"], p["at"] + p["pause_s"]) for p in pauses)
+    starts = [p["at"] - p["inflight_s"] for p in pauses if p["at"] + p["pause_s"] > a and p["at"] - p["inflight_s"] < b]
+    ends = [p["at"] + p["pause_s"] for p in pauses if p["at"] + p["pause_s"] > a and p["at"] - p["inflight_s"] < b]
+    before = max(0.0, min(starts) - a) if starts else b - a
+    after = max(0.0, b - max(ends)) if ends else 0.0
+    return {"drain_s": drain, "window_s": window, "before_s": before, "after_s": after}
+
+
+def _summarise(c: dict, records: list, quiet: dict, t_q0: float, t_q1: float, clients: int) -> None:
+    """The case's medians over its refits, its client gaps and its tokens per second."""
+    samples = c["samples"]
+    g = _gap_stats(records, [(x["t_call"], x["t_done"]) for x in samples])
+    per_client = [load.client_gaps(r) for r in records]
+    flat = [r for recs in records for r in recs]
+    for x, longest, (client, a, b) in zip(samples, g["longest"], g["where"]):
+        x["client_gap_s"] = longest
+        engine = None if client is None else client // clients
+        x["client_gap_parts"] = gap_parts(a, b, [p for p in x["pauses"] if p["engine"] == engine])
+        x["client_gaps_s"] = sorted(gap for gaps in per_client
+                                    for gap in load.gaps_within(gaps, x["t_call"], x["t_done"]))[-KEPT_GAPS:]
+        x["tokens_per_second"] = load.tokens_per_second(flat, x["t_call"], x["t_done"])
+    med = lambda k: _median(x.get(k) for x in samples)  # noqa: E731
+    c.update({
+        "pause_seconds": med("pause_s"), "pause_apply_seconds": med("pause_apply_s"), "drain_seconds": med("drain_s"),
+        "client_gap_seconds": med("client_gap_s"), "client_gap_p99_seconds": load.percentile(g["pooled"], 99),
+        "client_gap_parts": {k: _median(x["client_gap_parts"][k] for x in samples)
+                             for k in ("before_s", "drain_s", "window_s", "after_s")},
+        "client_gap_undrained_seconds": _median(x["client_gap_s"] - x["client_gap_parts"]["drain_s"] for x in samples),
+        "client_gap_quiet_seconds": max(quiet["longest"]), "client_gap_quiet_p99_seconds":
+            load.percentile(quiet["pooled"], 99),
+        "trainer_stall_seconds": med("trainer_stall_s"), "construct_seconds": med("construct_s"),
+        "freshness_seconds": med("freshness_s"), "refit_seconds": med("refit_s"), "link_bytes": med("link_bytes"),
+        "tokens_per_second_quiet": load.tokens_per_second(flat, t_q0, t_q1),
+        "tokens_per_second_refit": med("tokens_per_second")})

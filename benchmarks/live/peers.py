@@ -1,21 +1,36 @@
-"""The peers' ways of putting a new policy into the same engines, over the same emulated link.
+"""The peers' ways of putting a new policy into the same engines, over the same emulated link, each shaped like
+the system that ships it. The trainer's full state never passes through the driver: the owner actors put
+their tensors into the object store themselves (:func:`~benchmarks.live.trainer_side.put_state`) and the
+engines pull them from there, as a broadcast from the trainer would carry them.
 
-``dense_sync`` (the shape of OpenRLHF's and veRL's weight broadcast): every engine stops generating, the
-whole model crosses the cluster link (once, as a broadcast tree would carry it), every tensor goes
-through the engine's own load path, and generation resumes. The pause spans the transfer and the load.
+``dense_sync`` (OpenRLHF's and veRL's weight broadcast): every engine stops generating, the whole model
+crosses the cluster link once (as a broadcast tree carries it), every tensor goes through the engine's own
+loader, and generation resumes. The pause spans the transfer and the load.
 
-``fetch_reload`` (SkyRL 0.4's shape): while the engines serve, the new model crosses the link and is
-written to a local checkpoint beside each engine (safetensors); then each engine stops, reloads that
-checkpoint through its own load path, and resumes. The pause spans the reload only.
+``full_fetch_reload`` (a full checkpoint fetched, then reloaded): while the engines serve, the whole model
+crosses the link once and is written to a local safetensors checkpoint beside each engine; then each
+engine stops, reloads that checkpoint through its own loader and resumes. The pause spans the reload only.
 
-Both use the engine's own pause (:func:`dcr_ray.testing.probes.hold` / :func:`~dcr_ray.testing.probes.release`),
-so their pauses are measured on the engine's clock exactly as dcr_ray's are.
+``skyrl_delta`` (SkyRL 0.4.0's checkpoint-delta sync, its own code where installed): the first owner runs
+SkyRL's publisher (XOR against its snapshot, zstd 1 of each changed tensor's mask, safetensors and a
+manifest); each engine's receiver downloads the version's files across the link (every engine fetches
+its own copy, as SkyRL's workers do from the sync directory), XORs them into its local checkpoint and
+re-hashes it while it serves; then the engine stops, reloads every tensor of the local checkpoint through
+its own loader (vLLM: SkyRL's ``DeltaWeightTransferEngine`` inside vLLM's layerwise reload) and resumes.
+
+Each returns the refit's sample: ``t_call`` / ``t_done`` (driver clock), ``trainer_stall_s`` (until the
+trainer's tensors were copied out: the object-store put, or SkyRL's publish) and ``construct_s`` (the same).
+The engines' own pause clock gives the pauses (``dcr_ray.testing.probes.hold`` / ``release``).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+import time
+
+from benchmarks.live import engine_side, trainer_side
 
 
 def _link_cross(relay, nbytes: int) -> None:
@@ -25,39 +40,104 @@ def _link_cross(relay, nbytes: int) -> None:
     link_of(relay).cross(nbytes)
 
 
-def _cross(topo, nbytes: int) -> None:
-    """The bytes cross the cluster's emulated link once, as a broadcast tree would carry them."""
+def _put(topo) -> tuple[list, int]:
+    """Every owner's current tensors into the object store, by the owners: (refs, bytes)."""
     import ray
 
-    ray.get([h.__ray_call__.remote(_link_cross, nbytes) for h in topo.heads[:1]])
+    outs = ray.get([h.__ray_call__.remote(trainer_side.put_state) for h in topo.owners.values()])
+    return [r for refs, _ in outs for r in refs], sum(n for _, n in outs)
 
 
-def dense_sync(topo, ref, nbytes: int) -> None:
+def dense_sync(topo) -> dict:
     import ray
 
-    from dcr_ray.testing import probes
-
-    engines = list(topo.engines.values())
-    ray.get([e.__ray_call__.remote(probes.hold, "dense_sync") for e in engines])
+    engines, head = list(topo.engines.values()), topo.heads[0]
+    t_call = time.time()
+    refs, nbytes = _put(topo)
+    t_copied = time.time()
+    ray.get([e.__ray_call__.remote(engine_side.hold, "dense_sync") for e in engines])
     try:
-        _cross(topo, nbytes)
-        ray.get([e.__ray_call__.remote(probes.load_dense, ref) for e in engines])
+        ray.get(head.__ray_call__.remote(_link_cross, nbytes))
+        ray.get([e.__ray_call__.remote(engine_side.pull_and_load, refs) for e in engines])
     finally:
-        ray.get([e.__ray_call__.remote(probes.release, "dense_sync") for e in engines])
+        ray.get([e.__ray_call__.remote(engine_side.release, "dense_sync") for e in engines])
+    return {"t_call": t_call, "t_done": time.time(), "trainer_stall_s": t_copied - t_call,
+            "construct_s": t_copied - t_call}
 
 
-def fetch_reload(topo, ref, nbytes: int) -> None:
+def full_fetch_reload(topo) -> dict:
     import ray
 
-    from dcr_ray.testing import probes
-
-    engines = list(topo.engines.values())
-    _cross(topo, nbytes)  # while the engines serve
-    dirs = [tempfile.mkdtemp(prefix="dcr_bench_fetch_") for _ in engines]
+    engines, head = list(topo.engines.values()), topo.heads[0]
+    t_call = time.time()
+    refs, nbytes = _put(topo)
+    t_copied = time.time()
+    crossed = head.__ray_call__.remote(_link_cross, nbytes)  # once, while the engines serve
+    dirs = [tempfile.mkdtemp(prefix="dcr_bench_full_") for _ in engines]
     try:
-        ray.get([e.__ray_call__.remote(probes.write_checkpoint, ref, d) for e, d in zip(engines, dirs)])
-        # each engine pauses only for its own reload
-        ray.get([e.__ray_call__.remote(probes.reload_checkpoint, d) for e, d in zip(engines, dirs)])
+        written = [e.__ray_call__.remote(_after, crossed, engine_side.write_checkpoint, refs, d)
+                   for e, d in zip(engines, dirs)]
+        # each engine pauses for its own reload, as soon as its checkpoint is written
+        ray.get([e.__ray_call__.remote(_after, w, engine_side.reload_checkpoint, d, "full_fetch_reload")
+                 for e, w, d in zip(engines, written, dirs)])
     finally:
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
+    return {"t_call": t_call, "t_done": time.time(), "trainer_stall_s": t_copied - t_call,
+            "construct_s": t_copied - t_call}
+
+
+def _after(actor, _done, fn, *args):
+    """(Run in an actor.) ``fn(actor, *args)`` once ``_done`` (an ObjectRef argument Ray resolves first) is."""
+    return fn(actor, *args)
+
+
+class SkyrlDelta:
+    """SkyRL's delta sync on one topology: its publisher in the first owner, a receiver per engine."""
+
+    def __init__(self, prefer_own: bool = True):
+        self.prefer_own = prefer_own
+        self.root: str | None = None
+        self.peer_code: str | None = None
+        self.note: str | None = None
+
+    def start(self, topo) -> None:
+        """(Untimed, before the first step.) A base checkpoint of the bits the engines hold, the publisher
+        over it, and every engine's receiver over the same base."""
+        import ray
+
+        self.root = tempfile.mkdtemp(prefix="dcr_bench_skyrl_")
+        topo.cleanup.append(self.root)
+        owners = list(topo.owners.values())
+        got = ray.get(owners[0].__ray_call__.remote(trainer_side.skyrl_start, self._others(topo), self.root,
+                                                    self.prefer_own))
+        self.peer_code, self.note, self.sync = got["peer_code"], got["note"], got["sync"]
+        ray.get([e.__ray_call__.remote(engine_side.skyrl_start, got["base"], os.path.join(self.root, f"engine{i}"),
+                                       self.prefer_own) for i, e in enumerate(topo.engines.values())])
+
+    @staticmethod
+    def _others(topo) -> list:
+        """The other owners' tensors, put into the object store by them (SkyRL gathers to rank 0)."""
+        import ray
+
+        owners = list(topo.owners.values())[1:]
+        return [r for refs, _ in ray.get([h.__ray_call__.remote(trainer_side.put_state) for h in owners])
+                for r in refs]
+
+    def refit(self, topo) -> dict:
+        import ray
+
+        engines, head = list(topo.engines.values()), topo.heads[0]
+        owner0 = next(iter(topo.owners.values()))
+        t_call = time.time()
+        pub = ray.get(owner0.__ray_call__.remote(trainer_side.skyrl_publish, self._others(topo)))
+        t_published = time.time()
+        v = pub["version"]
+        # every engine downloads its own copy across the link (the link serialises them), then fetches,
+        # then pauses for its own reload
+        fetched = [e.__ray_call__.remote(_after, head.__ray_call__.remote(_link_cross, pub["bytes"]),
+                                         engine_side.skyrl_fetch, v, self.sync) for e in engines]
+        ray.get([e.__ray_call__.remote(_after, f, engine_side.skyrl_reload, v) for e, f in zip(engines, fetched)])
+        fetch_s = ray.get(fetched)
+        return {"t_call": t_call, "t_done": time.time(), "trainer_stall_s": t_published - t_call,
+                "construct_s": pub["seconds"], "published_bytes": pub["bytes"], "fetch_s": max(fetch_s)}

@@ -1,72 +1,131 @@
-"""The live benchmark's table (stdout, BENCHMARKS.md) and its PNG timeline."""
+"""The live benchmark's table (stdout, BENCHMARKS.md), its targets and crossovers, and its PNG: freshness,
+admission window and client gap of every method against the link speed."""
 
 from __future__ import annotations
 
+from benchmarks.live.runner import _link, _order, crossover_text
 
-def _f(x, unit="s") -> str:
-    if x is None:
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{1e3 * x:.0f}"
+
+
+def _s(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _parts(p) -> str:
+    if not p:
         return "-"
-    return f"{1e3 * x:.0f} ms" if unit == "ms" else f"{x:.3f}"
+    return " / ".join(_ms(p[k]) for k in ("before_s", "drain_s", "window_s", "after_s"))
 
 
 def format_table(result: dict) -> str:
-    rows = ["| receiver | model | data | method | mode | pause (ms) | apply in pause (ms) | longest gap (ms) | trainer "
-            "stall (s) | construct (s) | freshness (s) | refit (s) | tok/s quiet | tok/s refit | bit-exact |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    old_link = result.get("settings", {}).get("link_mbps")  # a run from before the sweep had one link
     for c in result["cases"]:
-        rows.append(f"| {c['receiver']} | {c.get('size', '-')} | {c['data']} | {c['method']} | {c['mode']} | "
-                    f"{_f(c['pause_seconds'], 'ms')} | {_f(c['pause_apply_seconds'], 'ms')} | "
-                    f"{_f(c['gap_seconds'], 'ms')} | {_f(c['trainer_stall_seconds'])} | "
-                    f"{_f(c['construct_seconds'])} | {_f(c['freshness_seconds'])} | {_f(c['refit_seconds'])} | "
-                    f"{c['tokens_per_second_quiet']:.0f} | {(c['tokens_per_second_refit'] or 0):.0f} | "
-                    f"{'yes' if c['bit_exact'] else 'NO'} |")
+        c.setdefault("link_mbps", old_link)
+    rows = ["| receiver | model | data | link | method | mode | admission window (ms) | drain before it (ms) | "
+            "client gap, longest (ms) | its parts: before / drain / window / after (ms) | client gap p99 (ms) | trainer stall (s) | freshness (s) | refit (s) | "
+            "link MB | tok/s refit / quiet | bit-exact |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(result["cases"], key=lambda c: (c["receiver"], c["data"], _order(c.get("link_mbps")),
+                                                    c["method"] != "dcr", c["method"], c["mode"])):
+        rows.append(f"| {c['receiver']} | {c.get('size', '-')} | {c['data']} | {_link(c.get('link_mbps'))} | "
+                    f"{c['method']} | {c['mode']} | {_ms(c['pause_seconds'])} | {_ms(c.get('drain_seconds'))} | "
+                    f"{_ms(c.get('client_gap_seconds'))} | {_parts(c.get('client_gap_parts'))} | "
+                    f"{_ms(c.get('client_gap_p99_seconds'))} | "
+                    f"{_s(c['trainer_stall_seconds'])} | {_s(c['freshness_seconds'])} | {_s(c['refit_seconds'])} | "
+                    f"{(c.get('link_bytes') or 0) / 1e6:.1f} | {(c['tokens_per_second_refit'] or 0):.0f} / "
+                    f"{c['tokens_per_second_quiet']:.0f} | {'yes' if c['bit_exact'] else 'NO'} |")
     lines = ["\n".join(rows), ""]
+    quiet = {(c["receiver"], c["data"]): c for c in result["cases"] if "client_gap_quiet_seconds" in c}
+    for (receiver, data), c in sorted(quiet.items()):
+        lines.append(f"- quiet clients ({receiver}, {data}): longest gap {_ms(c['client_gap_quiet_seconds'])} ms, "
+                     f"p99 {_ms(c['client_gap_quiet_p99_seconds'])} ms")
+    lines.append("")
+    for x in result.get("crossovers", []):
+        lines.append(f"- crossover, {x['peer']} vs dcr {x['mode']} ({x['receiver']}, {x['data']}): {crossover_text(x)}")
+    lines.append("")
     for t in result.get("targets", []):
         met = {True: "met", False: "unmet", None: "reported"}[t["met"]]
         lines.append(f"- {t['target']}: {t['value']:.2f} ({met})")
     return "\n".join(lines)
 
 
+#: The headline's columns: (method, mode) in the order they are shown.
+_HEADLINE = (("dcr", "staged"), ("dcr", "in_place"), ("skyrl_delta", "n/a"), ("full_fetch_reload", "n/a"),
+             ("dense_sync", "n/a"))
+
+
+def headline(result: dict) -> str:
+    """Per receiver and data, one row per link: every method's longest client gap with its admission window
+    in brackets (ms), then every method's freshness (s)."""
+    cases = result["cases"]
+    out = []
+    for receiver, data in sorted({(c["receiver"], c["data"]) for c in cases}):
+        got = {(c["method"], c["mode"], c.get("link_mbps")): c for c in cases
+               if (c["receiver"], c["data"]) == (receiver, data)}
+        cols = [m for m in _HEADLINE if any(k[:2] == m for k in got)]
+        names = [f"dcr {mode}" if method == "dcr" else method for method, mode in cols]
+        out += [f"**{receiver} engines, {data}**: longest client gap (admission window), ms | freshness, s", "",
+                "| link | " + " | ".join(names) + " | " + " | ".join(names) + " |",
+                "|---|" + "---|" * (2 * len(cols))]
+        for link in sorted({k[2] for k in got}, key=_order):
+            gaps = [got.get((*m, link)) for m in cols]
+            cell = [f"{_ms(c.get('client_gap_seconds'))} ({_ms(c['pause_seconds'])})" if c else "-" for c in gaps]
+            fresh = [_s(c["freshness_seconds"]) if c else "-" for c in gaps]
+            out.append(f"| {_link(link)} | " + " | ".join(cell) + " | " + " | ".join(fresh) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def markdown(result: dict) -> str:
-    """The table and the targets, met or unmet with their numbers (BENCHMARKS.md)."""
+    """The headline, the table, the crossovers and the targets, met or unmet with their numbers (BENCHMARKS.md)."""
     s = result.get("settings", {})
+    links = ", ".join(_link(x) for x in s.get("links", [s.get("link_mbps")]))
     head = (f"HF engines: {s.get('size')} model, vLLM engines: {s.get('vllm_size', s.get('size'))} model; "
-            f"{s.get('engines')} engines behind a {s.get('link_mbps'):g} Mbit/s link "
-            f"({1e3 * s.get('latency_s', 0):.0f} ms), relay transport, {s.get('refits')} refits per case (medians), "
-            f"AdamW lr {s.get('lr'):g}; each engine serves a closed loop of {s.get('tokens')}-token requests.\n\n")
-    return head + format_table(result) + "\n"
+            f"{s.get('engines')} engines behind an emulated link of {links} ({1e3 * s.get('latency_s', 0):.0f} ms "
+            f"one way when emulated), relay transport, {s.get('refits')} refits per method and link (medians), "
+            f"AdamW lr {s.get('lr'):g}; each engine serves {s.get('clients')} concurrent clients, each a closed loop "
+            f"of requests of {s.get('tokens')} tokens on average.\n\n")
+    return head + headline(result) + "\n" + format_table(result) + "\n"
 
 
 def plot(result: dict, path: str) -> None:
-    """Tokens per second of every engine over time, per case, refit windows shaded and pauses marked."""
+    """Per (receiver, data): freshness, admission window and longest client gap of every method against the
+    link (no emulated link at the right); the crossovers of the peers against dcr_ray staged marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = {}
-    for c in result["cases"]:
-        groups.setdefault((c["receiver"], c["data"], c["mode"] if c["method"] == "dcr" else "in_place"), c)
-    fig, axes = plt.subplots(len(groups), 1, figsize=(10, 2.2 * max(1, len(groups))), squeeze=False)
-    for ax, ((receiver, data, mode), c) in zip(axes[:, 0], sorted(groups.items())):
-        tl = c["timeline"]
-        t0 = tl["t0"]
-        for i, recs in enumerate(tl["engines"]):
-            ts = [r[2] - t0 for r in recs]
-            rate = [r[3] / max(1e-6, r[2] - r[1]) for r in recs]
-            ax.plot(ts, rate, lw=0.7, label=f"engine {i}")
-        colors = {"dcr": "tab:green", "dense_sync": "tab:red", "fetch_reload": "tab:orange"}
-        for method, a, b in tl["windows"]:
-            ax.axvspan(a - t0, b - t0, color=colors.get(method, "grey"), alpha=0.15)
-        for cc in result["cases"]:
-            if cc["timeline"] is tl:
-                for smp in cc["samples"]:
-                    for p in smp["pauses"]:
-                        ax.axvspan(p["at"] - t0, p["at"] + p["pause_s"] - t0, color="black", alpha=0.25)
-        ax.set_title(f"{receiver} engines, {data}, dcr {mode} (green) / dense sync (red) / fetch-reload (orange); "
-                     f"dark: pauses", fontsize=8)
-        ax.set_ylabel("tok/s per call")
-    axes[-1, 0].set_xlabel("seconds")
+    groups = sorted({(c["receiver"], c["data"]) for c in result["cases"]})
+    cols = (("freshness_seconds", "freshness (s)"), ("pause_seconds", "admission window (s)"),
+            ("client_gap_seconds", "longest client gap (s)"))
+    fig, axes = plt.subplots(max(1, len(groups)), 3, figsize=(14, 3.2 * max(1, len(groups))), squeeze=False)
+    for row, (receiver, data) in zip(axes, groups):
+        cases = [c for c in result["cases"] if (c["receiver"], c["data"]) == (receiver, data)]
+        links = sorted({c["link_mbps"] for c in cases}, key=_order)
+        xs = {m: i for i, m in enumerate(links)}
+        series = sorted({(c["method"], c["mode"]) for c in cases})
+        for ax, (key, label) in zip(row, cols):
+            for method, mode in series:
+                pts = sorted(((xs[c["link_mbps"]], c[key]) for c in cases
+                              if (c["method"], c["mode"]) == (method, mode) and c[key] is not None))
+                name = f"dcr {mode}" if method == "dcr" else method
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=1.2,
+                        ls="-" if method == "dcr" else "--", label=name)
+            if key == "freshness_seconds":
+                for x in result.get("crossovers", []):
+                    if (x["receiver"], x["data"], x["mode"], x["peer"]) == (receiver, data, "staged", "dense_sync") \
+                            and x["crossover"] and x["dcr_wins_up_to"] is not None:
+                        at = (xs[x["dcr_wins_up_to"]] + xs[x["peer_wins_from"]]) / 2
+                        ax.axvline(at, color="k", lw=0.8, ls=":")
+                        ax.text(at, ax.get_ylim()[1], " dense sync fresher ->", fontsize=7, va="top")
+            ax.set_xticks(range(len(links)), [_link(x).replace(" ", "\n") for x in links], fontsize=7)
+            ax.set_yscale("log")
+            ax.set_title(f"{receiver}, {data}: {label}", fontsize=9)
+        row[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

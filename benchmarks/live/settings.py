@@ -1,22 +1,40 @@
-"""What one run of ``dcr-ray bench live`` measures: the cases, the load, the link."""
+"""What one run of ``dcr-ray bench live`` measures: the cases, the links, the clients."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
-#: The ways a new policy reaches the engines, each measured on the same engines and link:
-#: ``dcr`` (dcr_ray's refit), ``dense_sync`` (OpenRLHF/veRL's shape: pause, every tensor across the link
-#: and through the engine's load path, resume) and ``fetch_reload`` (SkyRL's shape: while serving, the new
-#: model crosses the link into a local checkpoint beside the engine; then pause and reload it).
-METHODS = ("dcr", "dense_sync", "fetch_reload")
+#: The ways a new policy reaches the engines, each measured on the same engines and links (see
+#: :mod:`benchmarks.live.peers`): ``dcr`` (dcr_ray's refit), ``dense_sync`` (OpenRLHF/veRL's broadcast:
+#: pause, the whole model across the link and through the engine's loader, resume), ``full_fetch_reload``
+#: (while serving, the whole model crosses the link into a local checkpoint; then pause and reload it) and
+#: ``skyrl_delta`` (SkyRL 0.4.0's own publisher and receiver: deltas fetched while serving, then pause and
+#: reload the whole model through the engine's loader).
+METHODS = ("dcr", "dense_sync", "full_fetch_reload", "skyrl_delta")
 #: How dcr_ray's engines take a version: in place (generation pauses from prepare to activate) or staged.
 MODES = ("in_place", "staged")
 RECEIVERS = ("hf", "vllm")
 #: ``adamw``: real AdamW steps of the trainer (``--lr``); ``stress3``: 3% of every tensor's elements change.
 DATA = ("adamw", "stress3")
-DEFAULT_LINK_MBPS = 1000.0
+#: The emulated cluster link of the sweep, Mbit/s: 0.1, 1, 10 and 100 Gbit/s, and none (``None``).
+LINKS = (100.0, 1000.0, 10000.0, 100000.0, None)
 DEFAULT_LATENCY_MS = 25.0
+
+
+def parse_links(text: str) -> tuple:
+    """``"100,1000,none"`` -> ``(100.0, 1000.0, None)``; a link must be > 0 Mbit/s."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part in ("none", "off", "inf"):
+            out.append(None)
+            continue
+        mbps = float(part)
+        if not mbps > 0:
+            raise ValueError(f"--links: every link must be > 0 Mbit/s or 'none', got {part!r}")
+        out.append(mbps)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -24,51 +42,62 @@ class LiveSettings:
     quick: bool
     size: str  #: model preset of HF engines (``medium``; ``--quick``: ``small``)
     vllm_size: str  #: model preset of vLLM engines (``small`` by default: see ``--vllm-size``)
-    refits: int  #: timed refits per case
+    refits: int  #: timed refits per (method, link)
     receivers: tuple
     modes: tuple
     data: tuple
     methods: tuple
     engines: int
-    link_mbps: float
-    latency_s: float
+    links: tuple  #: Mbit/s of each link of the sweep, ``None``: no emulated link
+    latency_s: float  #: one-way latency of an emulated link (none without one)
     lr: float
     quiet_s: float  #: seconds of generation measured before the refits, with nothing else running
-    tokens: int  #: tokens per generate call of the closed-loop load
+    tokens: int  #: mean tokens per request of the load (an engine's clients ask for 0.625x to 1.375x of it)
+    clients: int  #: concurrent requests per engine (closed loops)
     seed: int = 0
     gpus_per_engine: float = 0  #: a GPU machine: engines on GPUs (vLLM then takes the CUDA capture path)
+    skyrl_own: bool = True  #: SkyRL's own code when installed (else its reimplementation)
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "LiveSettings":
         return cls(quick=a.quick, size=a.size or ("small" if a.quick else "medium"),
                    vllm_size=a.vllm_size or a.size or "small",
-                   refits=a.refits or (2 if a.quick else 4), receivers=tuple(a.receivers.split(",")),
-                   modes=tuple(a.modes.split(",")), data=tuple(a.data.split(",")),
-                   methods=tuple(a.methods.split(",")), engines=a.engines, link_mbps=a.link_mbps,
+                   refits=a.refits or (2 if a.quick else 3), receivers=tuple(a.receivers.split(",")),
+                   modes=tuple(a.modes.split(",")), data=tuple((a.data or ("adamw" if a.quick else
+                                                                           ",".join(DATA))).split(",")),
+                   methods=tuple(a.methods.split(",")), engines=a.engines, links=parse_links(a.links),
                    latency_s=a.latency_ms / 1e3, lr=a.lr, quiet_s=2.0 if a.quick else 4.0, tokens=a.tokens,
-                   seed=a.seed, gpus_per_engine=a.gpus_per_engine)
+                   clients=a.clients, seed=a.seed, gpus_per_engine=a.gpus_per_engine,
+                   skyrl_own=not a.reimplemented_skyrl)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="small model, 2 refits per case (<= 10 min here)")
+    p.add_argument("--quick", action="store_true", help="small model, adamw data only, 2 refits per case")
     p.add_argument("--size", default=None, help="model preset (default: medium; --quick: small)")
     p.add_argument("--vllm-size", default=None,
                    help="model preset of vLLM engines (default: --size if given, else small). Two vLLM CPU "
                         "engines of the medium model held 5.7 and 6.1 GB each during a dense sync, beside a "
                         "6.5 GB AdamW trainer: past the 95%% memory line of a 24 GiB machine, where Ray kills "
                         "workers. On a larger machine or GPUs, pass --vllm-size medium")
-    p.add_argument("--refits", type=int, default=None, help="timed refits per case (default 4; --quick 2)")
+    p.add_argument("--refits", type=int, default=None, help="timed refits per method and link (default 3; --quick 2)")
     p.add_argument("--receivers", default="hf,vllm", help="engine backends (hf, vllm)")
     p.add_argument("--modes", default=",".join(MODES), help="dcr_ray apply modes (in_place, staged)")
-    p.add_argument("--data", default=",".join(DATA), help="what changes per step (adamw, stress3)")
-    p.add_argument("--methods", default=",".join(METHODS), help="dcr, dense_sync, fetch_reload")
+    p.add_argument("--data", default=None, help="what changes per step (adamw, stress3; default both, --quick adamw)")
+    p.add_argument("--methods", default=",".join(METHODS), help=", ".join(METHODS))
     p.add_argument("--engines", type=int, default=2, help="engines in the rollout cluster")
-    p.add_argument("--link-mbps", type=float, default=DEFAULT_LINK_MBPS, help="emulated cluster link")
-    p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS)
+    p.add_argument("--links", default="100,1000,10000,100000,none",
+                   help="the emulated cluster links of the sweep, Mbit/s ('none': no emulated link)")
+    p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS, help="one-way latency of an emulated link")
     p.add_argument("--lr", type=float, default=1e-6,
                    help="AdamW learning rate of the adamw steps (1e-6: about 1-2%% of BF16 elements change per step)")
-    p.add_argument("--tokens", type=int, default=4, help="tokens per generate call of the load")
+    p.add_argument("--tokens", type=int, default=32,
+                   help="mean tokens per request of the load (an engine's clients ask for 0.625x to 1.375x of it)")
+    p.add_argument("--clients", type=int, default=4,
+                   help="concurrent requests per engine (each a closed loop; an engine answers 8 calls at once, "
+                        "refit calls included)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gpus-per-engine", type=float, default=0,
                    help="GPUs per engine (a GPU machine: vLLM engines take the CUDA loader-capture path)")
+    p.add_argument("--reimplemented-skyrl", action="store_true",
+                   help="use the reimplementation of SkyRL's delta sync even when its package is installed")
     p.add_argument("--json", default=None, help="write the run (cases, raw samples, commit) here; PNG beside it")

@@ -8,6 +8,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from benchmarks.live import stream
 from benchmarks.refit.progress import log
 
 
@@ -32,7 +33,8 @@ class LiveTopology:
 
 
 def launch(s, receiver: str, mode: str, data: str):
-    """Returns ``(topology, step)``: ``step(i)`` makes the i-th change on the owners."""
+    """Returns ``(topology, step)``: ``step(i)`` makes the i-th change on the owners. Every engine's generation
+    is timed per token (:mod:`.stream`)."""
     import ray
 
     import dcr_ray
@@ -87,7 +89,14 @@ def launch(s, receiver: str, mode: str, data: str):
     log(f"  up in {time.perf_counter() - t:.1f}s")
     heads = [r for rid, r in ray.get(refit.actor.handles.remote())["relays"].items() if rid.endswith("/head")]
     topo = LiveTopology(refit, owners, refit.engines(), heads, cleanup)
+    ray.get([e.__ray_call__.remote(stream.install) for e in topo.engines.values()])  # every token timed
+    return topo, step
+
+
+def set_link(topo: LiveTopology, mbps: float | None, latency_s: float) -> None:
+    """The emulated cluster link every method crosses (``None``: none, and no latency)."""
+    import ray
+
     from benchmarks.refit.topology import _set_link
 
-    ray.get([h.__ray_call__.remote(_set_link, s.link_mbps, s.latency_s) for h in heads])
-    return topo, step
+    ray.get([h.__ray_call__.remote(_set_link, mbps, latency_s if mbps is not None else 0.0) for h in topo.heads])

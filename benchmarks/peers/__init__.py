@@ -1,16 +1,19 @@
 """``dcr-ray bench peers``: the peers side by side on the same optimizer steps, through their own code where
 it runs here.
 
-Data (:mod:`.data`), every peer on the same steps: real AdamW steps (FP32 master weights, constant LR
-1e-6 and 1e-5, the ``small`` and ``medium`` models; the codec benchmark's training loop) and the codec
-benchmark's uniform stress changes (1%, 3%, 5% of a BF16 tensor). Each case has one engine: the same
-``transformers`` model in BF16 (a plain module holding the tensor for stress), whose ``load_state_dict``
-stands for a serving runtime's loader (:mod:`.engine`).
+Data (:mod:`.data`), every peer on the same steps: steps 1, 10 and 50 of one real AdamW run per model and
+LR (FP32 master weights, constant LR 1e-6 and 1e-5, the ``small`` and ``medium`` models; each measured step
+is a row set with its ``step``) and the codec benchmark's uniform stress changes (1%, 3%, 5% of a BF16
+tensor). Receivers (``receiver``): ``hf``, the same ``transformers`` model in BF16 (a plain module holding
+the tensor for stress), whose parameters and ``load_state_dict`` are the engine (:mod:`.engine`); and
+``vllm``, a vLLM engine on this machine's CPU for the AdamW steps, where dcr_ray's, SkyRL's and vLLM
+``sparse_nccl``'s receivers are timed until it serves the new version (:mod:`.vllm_receivers`).
 
 Peers, each labelled by the code that ran (``peer_code``):
 
 - ``dcr_default``, ``dcr_plain``, ``dcr_class_order`` (``own``): what ``dcr-ray bench codec`` measures on
-  the step, the default being the library's own choice at ``--link-mbps`` (:mod:`.dcr`);
+  the step, the default being the library's own choice at ``--link-mbps``, the receiver an engine's apply
+  into the model's parameters (:mod:`.dcr`);
 - ``skyrl``: SkyRL 0.4.0's ``DeltaCheckpointPublisher`` and ``LocalCheckpointStore`` (``own``, an
   optional extra, :mod:`.skyrl_code`), run as its trainer and worker run them (:mod:`.skyrl_peer`), else
   a reimplementation from its source (``reimplemented``, :mod:`.skyrl_reimpl`);

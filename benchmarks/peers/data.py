@@ -1,11 +1,12 @@
 """The cases every peer sees, step for step: real AdamW steps of a small and a medium model, and the codec
 benchmark's uniform stress changes.
 
-A case yields :class:`benchmarks.codec.Step` s (the committed bits as flat integer arrays, the new tensors)
-and builds the engine that receives them: for AdamW, the same ``transformers`` model in BF16; for stress,
-a plain ``torch`` module holding the one tensor under its name. The AdamW steps are the codec benchmark's
-(:func:`benchmarks.codec.real_steps`: FP32 master weights, ``torch.optim.AdamW`` at a constant LR, random
-token batches, the BF16 copy before and after each step) with the model size as a parameter.
+A case yields :class:`benchmarks.codec.Step` s (the committed bits as flat integer arrays, the new tensors),
+each with the optimizer step it is, and builds the engine that receives them: for AdamW, the same
+``transformers`` model in BF16; for stress, a plain ``torch`` module holding the one tensor under its name.
+The AdamW steps are those of one run from the model's initialisation (FP32 master weights,
+``torch.optim.AdamW`` at a constant LR, random token batches, the BF16 copy before and after each step),
+measured at steps 1, 10 and 50 (``Settings.steps``): the change shrinks as Adam's second moments grow.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ class Case:
 
     name: str
     source: str  # "adamw" or "stress"
-    steps: Callable[[], Iterator[Step]]
+    steps: Callable[[], Iterator[tuple[int | None, Step]]]  # (optimizer step, its change); stress: (None, ...)
     engine: Callable[[], "object"]  # a torch.nn.Module whose named parameters are the step's tensors
     n_steps: int
     info: dict = field(default_factory=dict)
 
 
-def adamw_steps(size: str, lr: float, s: Settings) -> Iterator[Step]:
-    """Steps of AdamW training of the ``size`` model at constant ``lr``, after ``s.warm_steps`` unmeasured."""
+def adamw_steps(size: str, lr: float, s: Settings) -> Iterator[tuple[int, Step]]:
+    """``(k, step)`` for each ``k`` in ``s.steps``: the ``k``-th AdamW step of the ``size`` model from its
+    initialisation at constant ``lr`` (the steps between are taken, not measured)."""
     import torch
 
     from dcr_ray.codec import bits_view
@@ -43,18 +45,20 @@ def adamw_steps(size: str, lr: float, s: Settings) -> Iterator[Step]:
     g = torch.Generator().manual_seed(s.seed + 7)
     vocab = model.config.vocab_size
     params = dict(model.named_parameters())
-    for i in range(s.warm_steps + s.steps):
-        before = {n: bits_view(p.detach().to(torch.bfloat16)).copy() for n, p in params.items()}
+    for k in range(1, max(s.steps) + 1):
+        measured = k in s.steps
+        before = {n: bits_view(p.detach().to(torch.bfloat16)).copy() for n, p in params.items()} if measured else None
         ids = torch.randint(0, vocab, s.batch, generator=g)
         t = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        _log(f"  {size} lr={lr:g} step {i + 1}/{s.warm_steps + s.steps} loss={loss.item():.3f} "
-             f"({time.perf_counter() - t:.1f}s){' warm-up' if i < s.warm_steps else ''}")
-        if i >= s.warm_steps:
-            yield Step(old=before, new={n: p.detach().to(torch.bfloat16) for n, p in params.items()})
+        if measured or k % 10 == 0:
+            _log(f"  {size} lr={lr:g} step {k}/{max(s.steps)} loss={loss.item():.3f} "
+                 f"({time.perf_counter() - t:.1f}s){' measured' if measured else ''}")
+        if measured:
+            yield k, Step(old=before, new={n: p.detach().to(torch.bfloat16) for n, p in params.items()})
 
 
 def model_engine(size: str, seed: int):
@@ -89,10 +93,10 @@ def cases(s: Settings) -> list[Case]:
     for size in s.models:
         for lr in s.lrs:
             out.append(Case(f"adamw-{size}-lr{lr:g}", "adamw", lambda size=size, lr=lr: adamw_steps(size, lr, s),
-                            lambda size=size: model_engine(size, s.seed), s.steps, {"model": size, "lr": lr}))
+                            lambda size=size: model_engine(size, s.seed), len(s.steps), {"model": size, "lr": lr}))
     for rate in s.stress_rates:
         out.append(Case(f"stress-{rate:.0%}", "stress",
-                        lambda rate=rate: iter([stress_step(s.stress_elems, rate, s.seed)]),
+                        lambda rate=rate: iter([(None, stress_step(s.stress_elems, rate, s.seed))]),
                         lambda: module_engine({"stress.weight": (s.stress_elems,)}), 1,
                         {"rate": rate, "elements": s.stress_elems}))
     return out

@@ -1,11 +1,13 @@
 """dcr_ray's three rows: the plain coding, class order (the ``context`` coding) and the library default.
 
-Bytes, seconds and bit-exactness are what ``dcr-ray bench codec`` measures on the same step
-(:func:`benchmarks.codec.measure_step`: the owner's encode, diff included, and decode + apply on a live
-receiver, both codings, best of the repeats, every decode checked on integer views against a numpy diff),
-and the default is the library's own :func:`~dcr_ray.actors.coding_choice.choose_coding` asked about those
-measurements at the run's link (:func:`benchmarks.codec.default.library_default`). The sender is an
-owner's encode, the receiver an engine's in-place apply (``read_frame`` + ``apply_decoded``).
+Bytes, sender seconds and the bounds are what ``dcr-ray bench codec`` measures on the same step
+(:func:`benchmarks.codec.measure_step`: the owner's encode, diff included, both codings, best of the
+repeats, every decode checked on integer views against a numpy diff), and the default is the library's own
+:func:`~dcr_ray.actors.coding_choice.choose_coding` asked about those measurements at the run's link
+(:func:`benchmarks.codec.default.library_default`). The receiver (:func:`receive_into_params`) is an
+engine's in-place apply (``read_frame`` + ``apply_decoded``) into the ``transformers`` model's own
+parameters, with the class counts a live engine keeps from its previous apply; on vLLM, see
+:mod:`.vllm_receivers`.
 
 The corruption trials are run here: the largest frame of the step, corrupted, through the engine's
 decode + apply after the frames before it; then the retry the coordinator sends after a failed attempt,
@@ -54,17 +56,48 @@ def corruption(step, coding: str) -> dict:
     return out
 
 
-def rows(case: dict, acc, corrupt_by_coding: dict) -> list[dict]:
-    """The three dcr_ray rows of a case measured by the codec bench (``case`` carries ``default_*``)."""
+def receive_into_params(step, engine, repeats: int) -> dict:
+    """dcr_ray's receiver into the engine's parameters, per coding: ``{coding: (Timed, bit_exact)}``. Before
+    each timed apply the parameters hold the committed bits and the class counts are those a live engine
+    keeps from its previous apply (primed by resolving the step's class-order items once), untimed."""
+    from benchmarks.codec.timing import decode_apply, encode, timed
+    from dcr_ray.codec import classcounts, context, read_frame
+
+    targets = {n: engine.params[n] for n in step.new}
+    out = {}
+    for coding in CODINGS.values():
+        _, frames = encode(step, coding=coding)
+        classcounts.forget()
+        engine.hold(step.old)
+        for f in frames:
+            context.resolve(read_frame(f, targets).items, targets)
+        kept = classcounts.snapshot()
+
+        def reset():
+            engine.hold(step.old)
+            classcounts.restore(kept)
+            return targets
+
+        got = timed(lambda tg, frames=frames: decode_apply(frames, tg), repeats, setup=reset)
+        out[coding] = (got, engine.holds(step.new))
+    classcounts.forget()
+    return out
+
+
+def rows(case: dict, acc, corrupt_by_coding: dict | None, received: dict) -> list[dict]:
+    """The three dcr_ray rows of a step measured by the codec bench (``case`` carries ``default_*``) and
+    :func:`receive_into_params` (``received``)."""
     def row(peer: str, coding: str, note: str) -> dict:
         wire = case["wire_bytes"] if coding == "context" else case["today_wire_bytes"]
+        got, exact = received[coding]
         return {"peer": peer, "peer_code": "own", "note": note, "coding": coding, "wire_bytes": wire,
                 "sender_seconds": acc.cpu[f"{coding}_encode"], "sender_wall_seconds": acc.secs[f"{coding}_encode"],
-                "receiver_seconds": acc.cpu[f"{coding}_apply"],
-                "receiver_wall_seconds": acc.secs[f"{coding}_apply"], "bit_exact": case["bit_exact"],
-                "corrupt": corrupt_by_coding[coding],
+                "receiver_seconds": got.best_cpu, "receiver_wall_seconds": got.best,
+                "bit_exact": case["bit_exact"] and exact,
+                "corrupt": corrupt_by_coding[coding] if corrupt_by_coding else None,
                 "samples": {"sender_wall_s": acc.samples[f"{coding}_encode"],
-                            "receiver_wall_s": acc.samples[f"{coding}_apply"]}}
+                            "receiver_cpu_s": [round(x, 6) for x in got.cpu],
+                            "receiver_wall_s": [round(x, 6) for x in got.wall]}}
 
     chosen = case["default_coding"]
     return [row("dcr_default", chosen, f"the library's choice at {case['default_link_mbps']:g} Mbit/s: {chosen} "

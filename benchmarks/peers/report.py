@@ -12,15 +12,24 @@ def _le(a, b) -> bool:
     return a is not None and b is not None and a <= b
 
 
+def _key(r: dict) -> str:
+    """A row's step in words: its data, its optimizer step, and on vLLM its receiver."""
+    k = r["data"] + (f" step {r['step']}" if r.get("step") is not None else "")
+    return k + (" (vLLM)" if r.get("receiver") == "vllm" else "")
+
+
 def checks(rows: list[dict]) -> dict:
-    """Each target, per case where it applies: ``{target: {case: {"ok": bool, "value": number}}}``."""
+    """Each target, per step where it applies: ``{target: {step: {"ok": bool, "value": number}}}``."""
     t = TARGETS
 
     def ratio(peer, key, limit, where):
-        return {r["data"]: {"ok": _le(r[key], limit), "value": r[key]} for r in rows if r["peer"] == peer and where(r)}
+        return {_key(r): {"ok": _le(r[key], limit), "value": r[key]} for r in rows if r["peer"] == peer and where(r)}
+
+    def hf(r):
+        return r.get("receiver", "hf") == "hf"
 
     def adamw_lr6(r):
-        return r["source"] == "adamw" and r.get("lr") == 1e-6
+        return hf(r) and r["source"] == "adamw" and r.get("lr") == 1e-6
 
     return {
         f"dcr_default wire <= {t['default_over_skyrl_adamw_lr1e-6_max']}x SkyRL's (AdamW lr 1e-6)":
@@ -29,10 +38,14 @@ def checks(rows: list[dict]) -> dict:
             ratio("dcr_class_order", "wire_over_skyrl", t["class_order_over_skyrl_adamw_lr1e-6_max"], adamw_lr6),
         f"dcr_default receiver CPU s <= {t['receiver_over_skyrl_stress3_max']}x SkyRL's (stress-3%)":
             ratio("dcr_default", "receiver_over_skyrl", t["receiver_over_skyrl_stress3_max"],
-                  lambda r: r["data"] == "stress-3%"),
+                  lambda r: hf(r) and r["data"] == "stress-3%"),
+        f"on vLLM, dcr_default receiver CPU s <= {t['vllm_receiver_over_skyrl_adamw_max']}x SkyRL's through vLLM's "
+        f"own reload (AdamW)":
+            ratio("dcr_default", "receiver_over_skyrl", t["vllm_receiver_over_skyrl_adamw_max"],
+                  lambda r: r.get("receiver") == "vllm" and r["source"] == "adamw"),
         "dcr_ray refuses every corrupted payload before any write":
-            {f"{r['data']} {r['peer']} {kind}": {"ok": v["refused_before_write"], "value": v["error"]}
-             for r in rows if r["peer"] in DCR for kind, v in r["corrupt"].items()},
+            {f"{_key(r)} {r['peer']} {kind}": {"ok": v["refused_before_write"], "value": v["error"]}
+             for r in rows if r["peer"] in DCR and r.get("corrupt") for kind, v in r["corrupt"].items()},
     }
 
 
@@ -60,10 +73,27 @@ def _rows(cols, rows) -> list[str]:
 
 
 def _by_data(r: dict) -> dict:
+    """Rows grouped by step (data, optimizer step, receiver), in run order."""
     out: dict = {}
     for row in r["cases"]:
-        out.setdefault(row["data"], []).append(row)
+        out.setdefault(_key(row), []).append(row)
     return out
+
+
+def _steps(r: dict) -> dict:
+    """``{(data, step): {"hf": {peer: row}, "vllm": {peer: row}}}`` in run order."""
+    out: dict = {}
+    for row in r["cases"]:
+        out.setdefault((row["data"], row.get("step")), {}).setdefault(row.get("receiver", "hf"), {})[row["peer"]] = row
+    return out
+
+
+def _step_name(data: str, k) -> str:
+    return data if k is None else f"{data} step {k}"
+
+
+def _num(x, f: str = "{:.3f}") -> str:
+    return "-" if x is None else f.format(x)
 
 
 def format_table(r: dict) -> str:
@@ -72,21 +102,26 @@ def format_table(r: dict) -> str:
     lines = [f"dcr-ray bench peers ({r['mode']}); load average at start {m['loadavg_start']}, end {m['loadavg_end']}",
              f"skyrl: peer_code={r['skyrl']['peer_code']}: {r['skyrl']['note']}", "",
              "B/chg = wire bytes per changed element; bound = per-tensor entropy bound; x sky = over SkyRL's; send / "
-             "recv = CPU seconds (best of the repeats, summed over steps) of the sender and of the receiver until "
-             "the engine holds the new version; exact = the engine's bits equal the trainer's (integer views)"]
+             "recv = CPU seconds (best of the repeats) of the sender and of the receiver until the engine serves the "
+             "new version (hf: the model's parameters; vllm: a vLLM engine on CPU); exact = it serves the trainer's bits"]
     cols = [("peer", 17, "{}"), ("code", 13, "{}"), ("wire MB", 9, "{:.3f}"), ("B/chg", 6, "{:.3f}"),
             ("x sky", 6, "{:.3f}"), ("send s", 7, "{:.3f}"), ("recv s", 7, "{:.3f}"), ("x sky", 6, "{:.3f}"),
             ("exact", 5, "{}")]
-    for data, rows in _by_data(r).items():
-        c = rows[0]
-        lines += ["", f"{data}: {c['changed']:,} of {c['elements']:,} elements changed ({c['change_rate']:.2%}) over "
-                      f"{c['steps']} step(s); per-tensor bound {c['bound_bytes_per_change']:.3f} B/chg"]
-        lines += _rows(cols, [[x["peer"], x["peer_code"], x["wire_bytes"] / 1e6, x["bytes_per_change"],
-                               x["wire_over_skyrl"], x["sender_seconds"], x["receiver_seconds"],
-                               x["receiver_over_skyrl"], "yes" if x["bit_exact"] else "NO"] for x in rows])
-        for x in rows:
-            lines.append(f"  {x['peer']:17s} flip: {corruption_cell(x['corrupt']['flip'])}; "
-                         f"truncate: {corruption_cell(x['corrupt']['truncate'])}")
+    for (data, k), by_receiver in _steps(r).items():
+        for receiver, got in by_receiver.items():
+            rows = list(got.values())
+            c = rows[0]
+            lines += ["", f"{_step_name(data, k)}, {receiver} receiver: {c['changed']:,} of {c['elements']:,} elements "
+                          f"changed ({c['change_rate']:.2%}); per-tensor bound {c['bound_bytes_per_change']:.3f} B/chg"]
+            lines += _rows(cols, [[x["peer"], x["peer_code"], x["wire_bytes"] / 1e6, x["bytes_per_change"],
+                                   x["wire_over_skyrl"], x["sender_seconds"], x["receiver_seconds"],
+                                   x["receiver_over_skyrl"], "yes" if x["bit_exact"] else "NO"] for x in rows])
+            for x in rows:
+                if x.get("error"):
+                    lines.append(f"  {x['peer']:17s} raised: {x['error']}")
+                if x.get("corrupt"):
+                    lines.append(f"  {x['peer']:17s} flip: {corruption_cell(x['corrupt']['flip'])}; "
+                                 f"truncate: {corruption_cell(x['corrupt']['truncate'])}")
     lines += ["", "targets:"]
     for name, per in r["checks"].items():
         bad = [k for k, v in per.items() if not v["ok"]]
@@ -98,39 +133,51 @@ def format_table(r: dict) -> str:
 
 
 def markdown(r: dict) -> str:
-    """The result tables in Markdown, as BENCHMARKS.md shows them (``dcr-ray bench markdown``)."""
-    out = ["| data | change rate | peer | code | B/change | per-tensor bound | x SkyRL bytes | sender CPU s | "
-           "receiver CPU s | x SkyRL receiver | bit-exact |", "|" + "---|" * 11]
-    for data, rows in _by_data(r).items():
-        for x in rows:
-            b = f"**{x['bytes_per_change']:.3f}**" if x["peer"].startswith("dcr") else f"{x['bytes_per_change']:.3f}"
-            out.append(f"| {data} | {x['change_rate']:.2%} | {x['peer']} | {x['peer_code']} | {b} | "
-                       f"{x['bound_bytes_per_change']:.3f} | {x['wire_over_skyrl']:.3f} | {x['sender_seconds']:.3f} | "
-                       f"{x['receiver_seconds']:.4f} | {x['receiver_over_skyrl']:.3f} | "
-                       f"{'yes' if x['bit_exact'] else '**no**'} |")
+    """The result tables in Markdown, as BENCHMARKS.md shows them (``dcr-ray bench markdown``): per step and
+    peer its bytes and sender, and its receiver on each engine until it serves the new version."""
+    out = ["| data | step | change rate | peer | code | B/change | per-tensor bound | x SkyRL bytes | sender CPU s | "
+           "HF receiver CPU s | x SkyRL | vLLM receiver CPU s (wall) | x SkyRL | bit-exact (HF / vLLM) |",
+           "|" + "---|" * 14]
+    for (data, k), by_receiver in _steps(r).items():
+        hf, vl = by_receiver.get("hf", {}), by_receiver.get("vllm", {})
+        for peer in dict.fromkeys([*hf, *vl]):
+            x, v = hf.get(peer), vl.get(peer)
+            base = x or v
+            b = f"{base['bytes_per_change']:.3f}"
+            b = f"**{b}**" if peer.startswith("dcr") else b
+            exact = " / ".join("-" if y is None else "yes" if y["bit_exact"] else
+                               ("**no**" + (f" ({y['error']})" if y.get("error") else "")) for y in (x, v))
+            out.append(f"| {data} | {_num(k, '{}')} | {base['change_rate']:.2%} | {peer} | {base['peer_code']} | {b} | "
+                       f"{base['bound_bytes_per_change']:.3f} | {_num(base['wire_over_skyrl'])} | "
+                       f"{base['sender_seconds']:.3f} | {_num(x and x['receiver_seconds'], '{:.4f}')} | "
+                       f"{_num(x and x['receiver_over_skyrl'])} | "
+                       f"{_num(v and v['receiver_seconds'])}{'' if not v else ' (' + _num(v['receiver_wall_seconds']) + ')'} | "
+                       f"{_num(v and v['receiver_over_skyrl'])} | {exact} |")
+    trials = [x for x in r["cases"] if x.get("corrupt")]
     out += ["", "Corrupted payloads (the last step of each case; the peer's largest payload with its middle byte\n"
                 "flipped, or cut at its middle), per peer, the same on every case unless listed:", "",
             "| peer | flipped byte | truncation |", "|---|---|---|"]
-    for peer in dict.fromkeys(x["peer"] for x in r["cases"]):
+    for peer in dict.fromkeys(x["peer"] for x in trials):
         cells = {}
         for kind in ("flip", "truncate"):
             seen: dict = {}
-            for x in r["cases"]:
+            for x in trials:
                 if x["peer"] == peer:
-                    seen.setdefault(corruption_cell(x["corrupt"][kind], with_bytes=False), []).append(x["data"])
+                    seen.setdefault(corruption_cell(x["corrupt"][kind], with_bytes=False), []).append(_key(x))
             cells[kind] = "; ".join(w if len(seen) == 1 else f"{w} ({', '.join(d)})" for w, d in seen.items())
         out.append(f"| {peer} | {cells['flip']} | {cells['truncate']} |")
     out += ["", "Bytes a recovery fetched again (MB; the step's wire bytes in brackets): dcr_ray's retry sends\n"
                 "OVERWRITE frames of the whole changed set; SkyRL's next fetch downloads again what it deleted:", "",
             "| data | dcr_plain | dcr_class_order | skyrl, flipped byte | skyrl, truncation |", "|---|---|---|---|---|"]
-    for data, rows in _by_data(r).items():
-        got = {x["peer"]: x for x in rows}
-
+    by_step: dict = {}
+    for x in trials:
+        by_step.setdefault(_key(x), {})[x["peer"]] = x
+    for name, got in by_step.items():
         def again(peer, kind):
             v = got[peer]["corrupt"][kind]
             return (f"{v['refetched_bytes'] / 1e6:.2f} ({got[peer]['wire_bytes'] / 1e6:.2f})" if v["recovered"]
                     else "not recovered")
-        out.append(f"| {data} | {again('dcr_plain', 'flip')} | {again('dcr_class_order', 'flip')} | "
+        out.append(f"| {name} | {again('dcr_plain', 'flip')} | {again('dcr_class_order', 'flip')} | "
                    f"{again('skyrl', 'flip')} | {again('skyrl', 'truncate')} |")
     out += ["", targets_markdown(r)]
     return "\n".join(out)
@@ -148,7 +195,8 @@ def targets_markdown(r: dict) -> str:
 
 
 def plot(r: dict, path: str) -> None:
-    """Bytes per changed element and receiver CPU seconds, per peer and data case."""
+    """Bytes per changed element (the ``hf`` rows) and receiver CPU seconds until the engine serves the new
+    version (``hf`` and ``vllm``), per peer and step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,26 +204,24 @@ def plot(r: dict, path: str) -> None:
     import numpy as np
 
     by = _by_data(r)
-    datas = list(by)
+    keys = list(by)
     peers = list(dict.fromkeys(x["peer"] for x in r["cases"]))
-    x = np.arange(len(datas))
+    x = np.arange(len(keys))
     wdt = 0.85 / len(peers)
-    fig, axes = plt.subplots(2, 1, figsize=(13, 8.5), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(max(13, 0.6 * len(keys)), 8.5), sharex=True)
     for key, ax, label in (("bytes_per_change", axes[0], "wire bytes per changed element"),
-                           ("receiver_seconds", axes[1], "receiver CPU seconds until the engine holds it")):
+                           ("receiver_seconds", axes[1], "receiver CPU s until the engine serves it")):
         for i, p in enumerate(peers):
-            ys = [next((row[key] for row in by[d] if row["peer"] == p), np.nan) for d in datas]
+            ys = [next((row[key] for row in by[d] if row["peer"] == p and row[key] is not None), np.nan) for d in keys]
             code = next(row["peer_code"] for row in r["cases"] if row["peer"] == p)
             ax.bar(x + (i - (len(peers) - 1) / 2) * wdt, ys, wdt, label=f"{p} ({code})")
         ax.set_ylabel(label)
+        ax.set_yscale("log")
         if key == "bytes_per_change":
-            bound = [by[d][0]["bound_bytes_per_change"] for d in datas]
+            bound = [by[d][0]["bound_bytes_per_change"] for d in keys]
             ax.hlines(bound, x - 0.45, x + 0.45, color="k", zorder=3, label="per-tensor entropy bound")
-            ax.set_yscale("log")
             ax.legend(fontsize=7, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
-        else:
-            ax.set_yscale("log")
-    axes[1].set_xticks(x, [f"{d}\n{by[d][0]['change_rate']:.2%}" for d in datas], fontsize=8)
+    axes[1].set_xticks(x, [f"{d}\n{by[d][0]['change_rate']:.2%}" for d in keys], fontsize=6, rotation=90)
     fig.suptitle(f"dcr_ray vs peers on the same steps ({r['mode']} run; SkyRL {r['skyrl']['peer_code']} code)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

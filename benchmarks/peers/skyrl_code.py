@@ -74,3 +74,46 @@ def load(prefer_own: bool = True) -> SkyrlCode:
     return SkyrlCode("reimplemented", f"SkyRL's code could not run here ({reason}); reimplemented from its "
                                       f"{VERSION} source (install: {INSTALL})",
                      r.Publisher, r.Store, r.fetch_delta_directory, r.cache_name, r.version_name)
+
+
+def vllm_receiver(code: SkyrlCode) -> type:
+    """SkyRL's vLLM receiver: with its own code, ``delta/engine.py``'s ``DeltaWeightTransferEngine`` (vLLM's
+    weight-transfer API: ``init_transfer_engine``, ``fetch_weights`` while serving, then
+    ``start_weight_update`` / ``receive_weights`` / ``finish_weight_update``, a reload of every tensor of
+    the local checkpoint through the model's ``load_weights`` inside vLLM's layerwise reload); else the same
+    steps written here around the reimplemented store (:class:`ReimplementedVllmReceiver`)."""
+    if code.peer_code == "own":
+        _import_checkpoint()  # the delta package (by file path when its parents do not import here)
+        return importlib.import_module(f"{_DELTA}.engine").DeltaWeightTransferEngine
+    return ReimplementedVllmReceiver
+
+
+class ReimplementedVllmReceiver:
+    """What SkyRL 0.4.0's ``DeltaWeightTransferEngine`` does on a vLLM worker, around :mod:`.skyrl_reimpl`'s store."""
+
+    init_info_cls = update_info_cls = types.SimpleNamespace  # (base_model_path, local_checkpoint_dir), (target_version)
+
+    def __init__(self, config, vllm_config, device, model):
+        self.model, self.vllm_config, self._store = model, vllm_config, None
+
+    def init_transfer_engine(self, info) -> None:
+        from benchmarks.peers.skyrl_reimpl import Store
+
+        self._store = Store(info.base_model_path, info.local_checkpoint_dir)
+
+    def fetch_weights(self, target_version: int, sync_dir: str | None = None, uri: str | None = None) -> dict:
+        return {"status": "ok", "stats": self._store.fetch(target_version, sync_dir=sync_dir)}
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, info) -> None:
+        self._store.validate_ready(info.target_version)
+        self.model.load_weights(self._store.iter_tensors())
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.vllm_config.model_config)

@@ -4,7 +4,8 @@ One transfer (version v -> v+1) as the engine sees it::
 
     prepare(T, a, base=v, target=v+1)   open attempt a of T (the engine holds v, of the content the
                                         frames must be built on); OPEN, or STAGING when staged
-    deliver(frame of T/a)               the digest first, then every byte of it validated and decoded;
+    deliver(frame of T/a)               the digest first (outside the engine's lock: generation goes on),
+                                        then every byte of it validated and decoded;
                                         in place: written now (the first write waits for generation
                                         to stop reading the weights); staged: kept decoded, the engine
                                         serves v meanwhile; journaled by payload key
@@ -124,8 +125,12 @@ class Receiver:
                 c.state.fail(RefitError(f"engine {c.engine_id}: reading a payload failed: {e!r}"))
                 self._counted("rejected")
             return "rejected"
+        try:  # the digest is checked outside the lock: generation is admitted and answered meanwhile
+            opened, bad = open_frame(data, key=c.config.codec.key), None
+        except FrameError as e:
+            opened, bad = None, e
         with c.lock:
-            status, header, cur = self._admit(data)
+            status, header, cur = self._admit(data, opened, bad)
             if status is not None or not self._decode_ahead(cur):
                 if status is None:
                     status = self._apply_now(data, header, cur)
@@ -152,19 +157,18 @@ class Receiver:
             metrics.record(f"engine_{status}", tags=c.tags)
         return status
 
-    def _admit(self, data: bytes):
-        """Under the lock: is this payload for the open attempt, new, within the budget? Returns ``(status,
-        header, attempt)``; a status is final (the payload is not applied)."""
+    def _admit(self, data: bytes, header, bad: FrameError | None):
+        """Under the lock: is this payload (``header``: its opened frame, digest checked; ``bad``: why it
+        would not open) for the open attempt, new, within the budget? Returns ``(status, header,
+        attempt)``; a status is final (the payload is not applied)."""
         c = self._c
         st = c.state
         if st.attempt is None:
             st.fail_first(EngineStateError(
                 f"engine {c.engine_id} got a payload before prepare(): not part of an open transfer"))
             return "rejected", None, None
-        try:
-            header = open_frame(data, key=c.config.codec.key)  # digest checked before the header is parsed
-        except FrameError as e:
-            st.fail(e)
+        if bad is not None:
+            st.fail(bad)
             return "rejected", None, None
         cur = st.attempt
         meta = header.meta

@@ -6,10 +6,9 @@ installs, once, thread-CPU accounting of the engine's payload path and returns t
 ``deliver`` (a payload's whole validate-and-apply once its bytes arrived), and its parts ``open`` (digest
 and header), ``decode`` and ``apply`` (the writes), with ``calls``.
 
-The peers' ways of loading a policy, on the same engine (``dcr-ray bench live``): :func:`hold` and
-:func:`release` stop and resume its generation (its own pause, measured like a refit's), :func:`load_dense`
-puts every tensor through the backend's load path, :func:`write_checkpoint` / :func:`reload_checkpoint`
-keep a local safetensors checkpoint beside the engine and reload it under a hold (SkyRL's shape).
+The peers' ways of loading a policy on the same engine (``dcr-ray bench live``, whose
+``benchmarks/live/engine_side.py`` runs their loaders): :func:`hold` and :func:`release` stop and resume its
+generation (its own pause, measured like a refit's).
 
 :func:`dense_refit` (run in the coordinator actor) sends every engine the committed version densely: the
 dense reference ``dcr-ray bench refit`` measures.
@@ -59,38 +58,6 @@ def hold(engine, label: str) -> None:
 def release(engine, label: str) -> None:
     """(Run in an engine actor.) Resume its generation after :func:`hold`."""
     engine._serving.release(label)
-
-
-def load_dense(engine, tensors: dict) -> None:
-    """(Run in an engine actor, under a :func:`hold`.) Every tensor through the backend's dense load path."""
-    with engine._c.lock:
-        engine.backend.load_dense(tensors.items())
-        engine.backend.flush()
-
-
-def write_checkpoint(engine, tensors: dict, directory: str) -> str:
-    """(Run in an engine actor, while it serves.) ``tensors`` as a safetensors checkpoint in ``directory``."""
-    import os
-
-    from safetensors.torch import save_file
-
-    path = os.path.join(directory, "model.safetensors")
-    save_file({n: t.contiguous() for n, t in tensors.items()}, path)
-    return path
-
-
-def reload_checkpoint(engine, directory: str, label: str = "fetch_reload") -> None:
-    """(Run in an engine actor.) Hold its generation, read the checkpoint :func:`write_checkpoint` wrote and
-    load every tensor through the backend's load path, resume."""
-    import os
-
-    from safetensors.torch import load_file
-
-    hold(engine, label)
-    try:
-        load_dense(engine, load_file(os.path.join(directory, "model.safetensors")))
-    finally:
-        release(engine, label)
 
 
 def dense_refit(coordinator) -> int:
