@@ -48,7 +48,7 @@ def load_tensors(engine, tensors: dict) -> None:
     """(Run in an engine actor, under a hold.) Every tensor through the engine's own loader (module doc)."""
     b = engine.backend
     if _is_vllm(b):
-        with b._lock:
+        with b.step_lock:
             b.llm.collective_rpc(_worker_reload, args=(list(tensors.items()),))
             b.llm.reset_prefix_cache()
         return
@@ -99,7 +99,7 @@ def skyrl_start(engine, base: str, local: str, prefer_own: bool = True) -> str:
 
     b = engine.backend
     if _is_vllm(b):
-        with b._lock:
+        with b.step_lock:
             return b.llm.collective_rpc(skyrl_vllm.worker_start, args=(base, local, prefer_own))[0]
     code = skyrl_code.load(prefer_own=prefer_own)
     engine._bench_skyrl = code.Store(base, local)
@@ -128,7 +128,7 @@ def skyrl_reload(engine, version: int, label: str = "skyrl_delta") -> None:
     hold(engine, label)
     try:
         if _is_vllm(b):
-            with b._lock:
+            with b.step_lock:
                 b.llm.collective_rpc(skyrl_vllm.worker_reload, args=(version,))
                 b.llm.reset_prefix_cache()
         else:
@@ -151,7 +151,7 @@ def exact(engine, refs: list) -> bool:
 
         hold(engine, "bench_check")  # the reference load resets the prefix cache: no request may be running
         try:
-            with b._lock:
+            with b.step_lock:
                 got = served_digests(b.llm)
                 b.load_dense(state.items())
                 return got == served_digests(b.llm)

@@ -96,7 +96,7 @@ class _VllmBatch:
                 while not self._queue and not running:
                     self._cv.wait()
                 new, self._queue = self._queue, []
-            with self.backend._lock:  # what flush and every forwarded frame take: one step at a time
+            with self.backend.step_lock:  # what flush and every forwarded frame take: one step at a time
                 for rid, p, sp in new:
                     engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
                     running.add(rid)

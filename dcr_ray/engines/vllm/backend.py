@@ -126,6 +126,13 @@ class VllmBackend(WeightSyncBackend):
         self.ignored: list[str] = layouts[0]["ignored"]
         self.unresolved: list[str] = layouts[0]["unresolved"]
 
+    @property
+    def step_lock(self) -> threading.RLock:
+        """The lock each generation step, frame write, flush and reload of this engine holds: code that drives
+        the ``LLM`` itself beside dcr_ray (a peer's reload in a benchmark, a user's own ``collective_rpc``)
+        takes it so that it never interleaves with them."""
+        return self._lock
+
     def _query(self, what: str, names: list[str] | None = None) -> list:
         """Every worker's answer to :func:`~dcr_ray.engines.vllm.transfer.worker_query`, rank by rank."""
         from dcr_ray.engines.vllm.transfer import worker_query
