@@ -331,7 +331,7 @@ def _live_engine(rng, engine_ids: list[str]):
     a handle taken before the engine was killed and re-created reaches the dead actor. None if none answers."""
     import ray
 
-    from dcr_ray.actors.topology import engine_name
+    from dcr_ray.actors.fleet.topology import engine_name
     from dcr_ray.options import NAMESPACE
 
     for eid in rng.sample(engine_ids, len(engine_ids)):

@@ -2,7 +2,7 @@
 
 - :func:`diff_compact` — owner side: positions where two bit arrays differ, the XOR masks there and the
   new bits there, in one fused compare + compaction (sorted by position, like
-  :func:`dcr_ray.codec.scan.changed_positions`).
+  :func:`dcr_ray.codec.encoding.scan.changed_positions`).
 - :func:`scatter_xor` / :func:`scatter_overwrite` — receiver side: ``dst[pos] ^= values`` /
   ``dst[pos] = values`` in place.
 

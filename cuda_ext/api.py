@@ -103,7 +103,7 @@ def diff_compact(old, new, *, device: str = "auto"):
 
         p, x, v = _diff_gpu(cupy.asarray(o), cupy.asarray(n))
         return cupy.asnumpy(p), cupy.asnumpy(x), cupy.asnumpy(v)
-    from dcr_ray.codec.scan import changed_positions
+    from dcr_ray.codec.encoding.scan import changed_positions
 
     pos, xor = changed_positions(o, n)
     return pos, xor, n[pos]

@@ -9,7 +9,7 @@ Owner side, **fused compare + compaction** (two launches, one pass over the data
 3. ``dcr_compact_<w>``: every block walks its tile again in ``ITEMS`` rounds of ``BLOCK`` elements and
    writes, for each changed element, its position, ``old ^ new`` and ``new`` — warp ballots and a
    per-round prefix over the warps keep the output **sorted by position**, exactly as the numpy path
-   (``dcr_ray.codec.scan.changed_positions``) returns it, so the location coder sees the same input.
+   (``dcr_ray.codec.encoding.scan.changed_positions``) returns it, so the location coder sees the same input.
 
 Receiver side: ``dcr_scatter_xor_<w>`` (``dst[pos[i]] ^= val[i]``) and ``dcr_scatter_set_<w>``
 (``dst[pos[i]] = val[i]``), grid-stride loops; positions within one call are unique (frames reject

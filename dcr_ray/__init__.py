@@ -28,9 +28,9 @@ _EXPORTS = {
     "EngineConfig": "dcr_ray.config", "OwnerConfig": "dcr_ray.config", "RefitConfig": "dcr_ray.config",
     "TransportConfig": "dcr_ray.config",
     "DcrError": "dcr_ray.errors", "RefitError": "dcr_ray.errors",
-    "DeltaOwner": "dcr_ray.actors.owner", "owned_names": "dcr_ray.actors.owner",
-    "Owner": "dcr_ray.actors.held_owner", "OwnerMixin": "dcr_ray.actors.held_owner",
-    "StandaloneOwner": "dcr_ray.actors.held_owner",
+    "DeltaOwner": "dcr_ray.actors.owner.delta", "owned_names": "dcr_ray.actors.owner.delta",
+    "Owner": "dcr_ray.actors.owner.held", "OwnerMixin": "dcr_ray.actors.owner.held",
+    "StandaloneOwner": "dcr_ray.actors.owner.held",
     "Refit": "dcr_ray.api", "launch": "dcr_ray.api",
     "HFEngine": "dcr_ray.engines",
     "checkpoint_state_dict": "dcr_ray.engines.base",
@@ -53,8 +53,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static tools see
-    from dcr_ray.actors.held_owner import Owner, OwnerMixin, StandaloneOwner
-    from dcr_ray.actors.owner import DeltaOwner, owned_names
+    from dcr_ray.actors.owner.held import Owner, OwnerMixin, StandaloneOwner
+    from dcr_ray.actors.owner.delta import DeltaOwner, owned_names
     from dcr_ray.api import Refit, launch
     from dcr_ray.config import (ClusterSpec, CodecConfig, CommitConfig, EngineConfig, OwnerConfig, RefitConfig,
                                 TransportConfig)

@@ -31,9 +31,9 @@ from typing import Callable, Mapping
 import ray
 import torch
 
-from dcr_ray.actors.coordinator import CoordinatorActor
-from dcr_ray.actors.coordinator_inputs import write_inputs
-from dcr_ray.actors.held_owner import StandaloneOwner, check_owner
+from dcr_ray.actors.coordinator.actor import CoordinatorActor
+from dcr_ray.actors.fleet.inputs import write_inputs
+from dcr_ray.actors.owner.held import StandaloneOwner, check_owner
 from dcr_ray.config import ClusterSpec, RefitConfig, validate
 from dcr_ray.engines.base import EngineBackend
 from dcr_ray import progress
@@ -134,7 +134,7 @@ class Refit:
 
     def rejoin(self, engine_id: str) -> dict:
         """Bring ``engine_id`` to the committed version now (by the deltas it missed, else from a peer, else
-        densely from the owners: see :mod:`~dcr_ray.actors.healing`) and add it to the required set;
+        densely from the owners: see :mod:`~dcr_ray.actors.recovery.healing`) and add it to the required set;
         re-created first if its actor died."""
         return ray.get(self._actor.rejoin.remote(engine_id))
 

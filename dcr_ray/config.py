@@ -4,7 +4,7 @@ message that says how to fix them. Constructors only check; :func:`validate` (ru
 that need the file system (temporary directories).
 
 One environment variable exists, for the codec's CPU kernels: ``DCR_RAY_JIT=0`` selects the numpy
-apply path instead of the numba kernels (both write the same bits; see :mod:`dcr_ray.codec.kernels`).
+apply path instead of the numba kernels (both write the same bits; see :mod:`dcr_ray.codec.compiled.kernels`).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class CodecConfig:
     of old bits is walked by the sender and by every receiver. ``"auto"`` (default): the coordinator
     decides per refit from what recent refits measured, context where the link bounds the refit and plain
     where the CPU does, and records the choice and why in the report (``RefitReport.coding`` /
-    ``coding_reason``; :mod:`dcr_ray.actors.coding_choice`). Owners encode once for every cluster, so
+    ``coding_reason``; :mod:`dcr_ray.actors.owner.coding`). Owners encode once for every cluster, so
     ``"auto"`` judges the slowest cluster link the refit feeds. An owner streaming without a coordinator
     (vLLM's trainer-side weight transfer) codes ``"auto"`` plainly. Not ``"context"`` with vLLM's capture
     mode under tensor parallelism: a rank holds only its shard, cannot read the old bits class order
@@ -367,7 +367,7 @@ def validate(config: RefitConfig, clusters: list[ClusterSpec], owners: Mapping[s
     """Check a set-up as a whole before anything is spawned; returns ``config`` with defaults filled.
 
     Cluster names must be unique and at least one cluster given; at least one owner (``launch`` asks each
-    whether it is one: :func:`~dcr_ray.actors.held_owner.check_owner`). Missing ``commit.dir`` /
+    whether it is one: :func:`~dcr_ray.actors.owner.held.check_owner`). Missing ``commit.dir`` /
     ``transport.storage_url`` become fresh temporary directories (on the driver's machine: set both for a
     multi-machine cluster).
     """

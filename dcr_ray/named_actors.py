@@ -34,7 +34,7 @@ def kill_named(prefixes: tuple[str, ...], keep: set[str] = frozenset(), namespac
 
 def remove_placement_groups(namespace: str) -> None:
     """Remove the placement groups of the topology of ``namespace`` (named ``dcr_cluster:<namespace>/...``,
-    see :mod:`~dcr_ray.actors.placement`) that this driver can reach by name."""
+    see :mod:`~dcr_ray.actors.fleet.placement`) that this driver can reach by name."""
     for info in ray.util.placement_group_table().values():
         name = str(info.get("name") or "")
         if name.startswith(f"dcr_cluster:{namespace}/") and info.get("state") != "REMOVED":

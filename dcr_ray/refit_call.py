@@ -20,7 +20,7 @@ import time
 
 import ray
 
-from dcr_ray.actors.commit import CommitLog
+from dcr_ray.actors.fleet.commit import CommitLog
 from dcr_ray.errors import CoordinatorGoneError
 
 #: Key of a namespace's commit directory in Ray's key-value store.

@@ -46,13 +46,13 @@ class RefitReport:
     with ``"auto"``, what the coordinator chose for this refit)."""
     coding_reason: str = ""
     """Why that coding: configured, or ``"auto"``'s comparison of link and codec throughput, with its
-    figures (:mod:`dcr_ray.actors.coding_choice`)."""
+    figures (:mod:`dcr_ray.actors.owner.coding`)."""
     coding_inputs: dict = field(default_factory=dict)
     """The figures ``"auto"`` compared: the slowest fed link's bytes/s and where that figure comes from,
     the changed elements it planned for, and per coding the predicted link and codec seconds."""
     cpu_seconds: dict = field(default_factory=dict)
     """Process CPU seconds per role and actor, from before ``prepare`` to after ``activate``:
-    ``{"owners": {id: s}, "relays": {id: s}, "engines": {id: s}}`` (:mod:`dcr_ray.actors.cpu_clock`;
+    ``{"owners": {id: s}, "relays": {id: s}, "engines": {id: s}}`` (:mod:`dcr_ray.actors.coordinator.cpu_clock`;
     an actor that did not answer its reading is missing)."""
     from_record: bool = False
     """The refit committed, but the coordinator that ran it restarted before answering: this report was
@@ -74,8 +74,8 @@ class RefitReport:
         ``sums``: owner id -> stream summary; ``acks``: engine id -> flush reply; ``marks``: clock
         readings (``perf_counter``) at ``start``, ``prepare``, ``stream``, ``flushed``, ``record``,
         ``promoted``, ``activated`` and ``end``; ``coding``: the refit's
-        :class:`~dcr_ray.actors.coding_choice.CodingChoice`; ``cpu_seconds``: what
-        :meth:`~dcr_ray.actors.cpu_clock.CpuClock.stop` read.
+        :class:`~dcr_ray.actors.owner.coding.CodingChoice`; ``cpu_seconds``: what
+        :meth:`~dcr_ray.actors.coordinator.cpu_clock.CpuClock.stop` read.
         """
         m = marks
         construct = max(s["construct_s"] for s in sums.values())

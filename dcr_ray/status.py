@@ -99,7 +99,7 @@ def format_status(st: dict) -> str:
 
 
 def format_startup(startup: dict) -> list[str]:
-    """Lines of per-actor start-up seconds (:meth:`~dcr_ray.actors.inspection.Inspection.startup`): the
+    """Lines of per-actor start-up seconds (:meth:`~dcr_ray.actors.coordinator.inspection.Inspection.startup`): the
     coordinator's phases, then one row per engine and relay (``worker``: process start, imports and
     arguments; ``backend``: the model built; ``kernels``: numba kernels loaded, on a thread beside)."""
     if not startup:

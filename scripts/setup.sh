@@ -32,5 +32,5 @@ fi
 # pays for it). Both lie beside the sources; Python and numba check them against the sources, and a rerun
 # of this script rebuilds what changed.
 .venv/bin/python -m compileall -q dcr_ray
-.venv/bin/python -c "from dcr_ray.codec.kernels import warm_up_here; warm_up_here()"
+.venv/bin/python -c "from dcr_ray.codec.compiled.kernels import warm_up_here; warm_up_here()"
 echo "[setup] .venv ready: $(.venv/bin/python -c 'import torch, ray; print("torch", torch.__version__, "ray", ray.__version__)')"

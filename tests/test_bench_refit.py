@@ -303,7 +303,7 @@ def test_the_coding_comparison_table_lists_every_sample_and_what_auto_chose():
 def test_the_bench_receiver_keeps_the_engines_undo_record_in_the_applying_pass_and_rolls_back_exactly():
     # the engine's default rollback is in place, so the benchmark's light receiver pays for the record as a
     # transformers engine does: one pass (its own apply_with_undo), not the default read-back hook
-    from dcr_ray.codec.undo import UndoLog
+    from dcr_ray.codec.decoding.undo import UndoLog
     from dcr_ray.engines.base import TensorBackend
     from test_codec_context import small_step
     from test_undo_fused import _clone, _decoded, _frames, _model, _same

@@ -142,7 +142,7 @@ def test_a_recreated_engine_copies_its_peer_group_by_group_and_holds_the_committ
     try:
         # a/e0 hands its snapshot over in many objects even for the tiny model
         ray.get(refit.engines()["a/e0"].__ray_call__.remote(lambda self: setattr(
-            importlib.import_module("dcr_ray.actors.engine_heal"), "SNAPSHOT_GROUP_BYTES", 1 << 14)))
+            importlib.import_module("dcr_ray.actors.engine.peer_copy"), "SNAPSHOT_GROUP_BYTES", 1 << 14)))
         ray.get(trainer.step.remote(seed=0))
         refit.run()
         ray.kill(refit.engines()["a/e1"])

@@ -154,7 +154,7 @@ def test_closing_a_store_with_a_private_directory_removes_it():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_promote_writes_only_changes_and_leaves_the_bits_of_a_dense_rewrite(seed, tmp_path):
-    from dcr_ray.codec.baseline import write_changes
+    from dcr_ray.codec.encoding.baseline import write_changes
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 5000))

@@ -23,7 +23,8 @@ from dcr_ray.codec import (
     peek_meta,
     read_frame,
 )
-from dcr_ray.codec import bits, header
+from dcr_ray.codec import bits
+from dcr_ray.codec.decoding import header
 from dcr_ray.errors import BaseVersionMismatchError, DigestMismatchError, MalformedHeaderError
 
 KEY = b"format-test-key"

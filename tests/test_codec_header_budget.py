@@ -8,7 +8,7 @@ import struct
 import torch
 
 from dcr_ray.codec import FrameMeta, apply_frame, bits_equal, diff_tensor, encode_frames, bits_view
-from dcr_ray.codec.encode import HEADER_BUDGET_BYTES, item_header_bound
+from dcr_ray.codec.encoding.encode import HEADER_BUDGET_BYTES, item_header_bound
 from dcr_ray.codec.format import MAGIC, MAX_HEADER_BYTES
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dcr_ray.codec import diff, locations, scan
+from dcr_ray.codec.encoding import diff, scan
+from dcr_ray.codec.primitives import locations
 
 
 def _positions(rng, span, rate, clustered):

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dcr_ray.codec import kernels, locations, planes
+from dcr_ray.codec.compiled import kernels
+from dcr_ray.codec.primitives import locations, planes
 from dcr_ray.errors import IndexOutOfRangeError, MalformedHeaderError
 
 

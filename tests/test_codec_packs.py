@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from dcr_ray.codec import FrameMeta, apply_decoded, apply_frame, diff_tensor, encode_frames, read_frame
-from dcr_ray.codec import packed, ptrkernels
+from dcr_ray.codec import packed
+from dcr_ray.codec.compiled import ptrkernels
 from dcr_ray.codec.bits import bits_view, wire_name
-from dcr_ray.codec.packdiff import diff_pack
+from dcr_ray.codec.encoding.packdiff import diff_pack
 from dcr_ray.codec.packed import plan_packs
 from dcr_ray.errors import DuplicateIndexError, MalformedHeaderError, TargetMismatchError, UnknownEncodingError
 from test_codec_malformed import assemble, explode
@@ -71,8 +72,8 @@ def kernels(request, monkeypatch):
 
 def _tensor_deltas(pk) -> list:
     """A pack's changes as one sparse TensorDelta per tensor (what per-tensor diffs give)."""
-    from dcr_ray.codec import locations
-    from dcr_ray.codec.diff import ChunkDelta, TensorDelta
+    from dcr_ray.codec.primitives import locations
+    from dcr_ray.codec.encoding.diff import ChunkDelta, TensorDelta
     from dcr_ray.codec.packed import per_tensor
 
     out = []
@@ -192,7 +193,7 @@ def test_a_pack_declaring_what_packs_never_use_is_refused(field, value, error):
 
 
 def test_an_undo_log_returns_pack_writes_to_the_committed_bits(kernels):
-    from dcr_ray.codec.undo import UndoLog
+    from dcr_ray.codec.decoding.undo import UndoLog
     from dcr_ray.engines.hf import TransformersBackend
 
     old, new = experts(40, rate=0.1, dtype=torch.float32)
@@ -209,7 +210,7 @@ def test_an_undo_log_returns_pack_writes_to_the_committed_bits(kernels):
 
 
 def test_a_baseline_promotes_pending_packs_to_exactly_the_new_bits_and_rebuilds_their_masks(kernels, tmp_path):
-    from dcr_ray.codec.baseline import BaselineStore
+    from dcr_ray.codec.encoding.baseline import BaselineStore
 
     old, new = experts(300, rate=0.03, unchanged={7})
     store = BaselineStore(directory=str(tmp_path), chunk_elems=1 << 12)
@@ -233,7 +234,7 @@ def test_a_baseline_promotes_pending_packs_to_exactly_the_new_bits_and_rebuilds_
 
 
 def test_a_pack_of_the_wrong_dtype_is_refused_before_the_scan(tmp_path):
-    from dcr_ray.codec.baseline import BaselineStore
+    from dcr_ray.codec.encoding.baseline import BaselineStore
     from dcr_ray.errors import BaselineError
 
     old, new = experts(4)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dcr_ray.codec import FrameMeta, apply_frame, bits_view, diff_tensor, encode_frames, read_frame
-from dcr_ray.codec import apply, decode, diff, encode, scan
+from dcr_ray.codec.decoding import apply, decode
+from dcr_ray.codec.encoding import diff, encode, scan
 from dcr_ray.codec import format as wire
 from dcr_ray.errors import MalformedHeaderError, SizeLimitError
 
@@ -20,7 +21,7 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
 @pytest.mark.parametrize("n", [scan.PARALLEL_MIN_ELEMS + 3, 3 * scan.SCAN_BLOCK_ELEMS + 5])
 def test_the_threaded_scan_finds_exactly_the_changed_elements(itemsize, n, jit, monkeypatch):
-    from dcr_ray.codec import kernels
+    from dcr_ray.codec.compiled import kernels
 
     if jit and not kernels.ENABLED:
         pytest.skip("numba is not installed (or DCR_RAY_JIT=0): only the numpy scan exists here")
@@ -95,7 +96,7 @@ def test_a_corrupt_section_of_a_large_frame_is_rejected_before_any_write():
                                    torch.int32, torch.float32, torch.int64, torch.float64])
 @pytest.mark.parametrize("mode", ["mixed", "overwrite"])
 def test_compiled_and_numpy_apply_write_the_same_bits_for_every_width(monkeypatch, dtype, mode):
-    from dcr_ray.codec import kernels
+    from dcr_ray.codec.compiled import kernels
 
     if not kernels.ENABLED:
         pytest.skip("numba is not installed (or DCR_RAY_JIT=0): only the numpy path exists here")
@@ -164,7 +165,7 @@ def test_dcr_ray_jit_0_selects_the_numpy_path():
 def test_warming_up_the_kernels_loads_every_width_and_is_harmless_when_disabled(monkeypatch):
     import numpy as np
 
-    from dcr_ray.codec import kernels
+    from dcr_ray.codec.compiled import kernels
 
     if not kernels.ENABLED:
         pytest.skip("numba is not installed (or DCR_RAY_JIT=0): no kernels to warm")
@@ -186,7 +187,7 @@ def test_a_fresh_process_loads_every_warmed_kernel_from_numbas_cache_without_com
     import subprocess
     import sys
 
-    from dcr_ray.codec import kernels
+    from dcr_ray.codec.compiled import kernels
 
     if not kernels.ENABLED:
         pytest.skip("numba is not installed (or DCR_RAY_JIT=0): no kernels to cache")
@@ -203,8 +204,8 @@ def test_a_fresh_process_loads_every_warmed_kernel_from_numbas_cache_without_com
 
 _REFITS_AFTER_THE_WARM_UP = """
 import numpy as np, torch
-from dcr_ray.codec import (FrameMeta, apply_decoded, bits_view, diff_tensor, encode_frames, kernels, ptrkernels,
-                           read_frame)
+from dcr_ray.codec import FrameMeta, apply_decoded, bits_view, diff_tensor, encode_frames, read_frame
+from dcr_ray.codec.compiled import kernels, ptrkernels
 
 kernels.warm_up(background=False)
 ds = {**kernels._compiled(), **{"ptr." + k: v for k, v in ptrkernels._compiled().items()}}
@@ -239,7 +240,7 @@ def test_after_the_warm_up_refits_of_either_coding_compile_no_kernel():
     import subprocess
     import sys
 
-    from dcr_ray.codec import kernels
+    from dcr_ray.codec.compiled import kernels
 
     if not kernels.ENABLED:
         pytest.skip("numba is not installed (or DCR_RAY_JIT=0): no kernels to warm")
@@ -250,8 +251,8 @@ def test_after_the_warm_up_refits_of_either_coding_compile_no_kernel():
 
 @pytest.mark.parametrize("jit", [True, False], ids=["compiled", "numpy"])
 def test_an_undo_log_of_a_frame_large_enough_for_the_codec_threads_restores_the_committed_bits(jit, monkeypatch):
-    from dcr_ray.codec.undo import UndoLog
-    from dcr_ray.codec import kernels
+    from dcr_ray.codec.decoding.undo import UndoLog
+    from dcr_ray.codec.compiled import kernels
     from dcr_ray.engines.hf import TransformersBackend
 
     if jit and not kernels.ENABLED:

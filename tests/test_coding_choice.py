@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcr_ray.actors.coding_choice import LINK_BOUND, PRIOR, WINDOW, choose_coding, stream_coding
+from dcr_ray.actors.owner.coding import LINK_BOUND, PRIOR, WINDOW, choose_coding, stream_coding
 from dcr_ray.config import CodecConfig
 from dcr_ray.errors import ConfigError
 

@@ -1,10 +1,10 @@
-"""An engine's lifecycle (:mod:`dcr_ray.actors.engine_state`): each transition lands in the phase the
+"""An engine's lifecycle (:mod:`dcr_ray.actors.engine.state`): each transition lands in the phase the
 module doc names, with the data that phase carries."""
 
 import pytest
 
-from dcr_ray.actors.attempt import Attempt
-from dcr_ray.actors.engine_state import EngineState, Phase
+from dcr_ray.actors.engine.attempt import Attempt
+from dcr_ray.actors.engine.state import EngineState, Phase
 from dcr_ray.errors import EngineStateError, FrameError
 
 

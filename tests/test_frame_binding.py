@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dcr_ray
-from dcr_ray.actors.engine import EngineActor
+from dcr_ray.actors.engine.actor import EngineActor
 from dcr_ray.codec import BaselineStore, FrameMeta, apply_frame, encode_frames, peek_meta, read_frame
 from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES, MAX_BUCKET_BYTES
 from dcr_ray.engines.base import canonical_state_dict

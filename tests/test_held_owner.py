@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import dcr_ray
-from dcr_ray.actors.held_owner import HeldOwnerHandle, actor_handle, owner_endpoint
+from dcr_ray.actors.owner.held import HeldOwnerHandle, actor_handle, owner_endpoint
 from dcr_ray.errors import ConfigError
 from dcr_ray.testing.models import ModelSpec
 from dcr_ray.testing.trainer import TinyTrainer

@@ -89,8 +89,8 @@ def test_importing_the_library_does_not_import_vllm(module):
 #: The modules whose classes' handles reach processes that hold no model: Ray imports an actor class's module
 #: in every process that receives a handle to the actor (relays hold the engines', the coordinator and the
 #: worker that answers ``refit.remote()`` hold each other's and the relays').
-MODEL_FREE = ["dcr_ray.relay.relay", "dcr_ray.actors.engine", "dcr_ray.actors.coordinator", "dcr_ray.refit_call",
-              "dcr_ray.config", "dcr_ray.codec"]
+MODEL_FREE = ["dcr_ray.relay.relay", "dcr_ray.actors.engine.actor", "dcr_ray.actors.coordinator.actor",
+              "dcr_ray.refit_call", "dcr_ray.config", "dcr_ray.codec"]
 
 
 @pytest.mark.parametrize("module", MODEL_FREE)
@@ -254,40 +254,66 @@ def test_the_cycle_check_sees_function_local_and_relative_imports_and_skips_type
                                      ["dcr_ray.sub.a", "dcr_ray.sub.b", "dcr_ray.sub.a"])]
 
 
-#: The codec is a one-way stack: a module imports codec modules of its own layer or below, never above,
-#: and the encode side (owners) and the decode side (engines) never import each other. The package's
-#: ``__init__`` re-exports both sides and is no layer. A new codec module must be placed here.
-CODEC_LAYERS = {
-    **dict.fromkeys(["format", "bits", "packed", "jit", "threads", "arena", "kernels_numba", "ptrkernels_numba"],
-                    "format"),
-    **dict.fromkeys(["kernels", "ptrkernels"], "kernels"),
-    **dict.fromkeys(["locations", "classorder", "intdiff", "planes", "estimate"], "primitives"),
-    **dict.fromkeys(["scan", "diff", "packdiff", "encode", "baseline"], "encode"),
-    **dict.fromkeys(["header", "decoded", "sections", "packread", "decode", "classcounts", "context", "apply", "undo"],
-                    "decode"),
-}
+#: The codec is a one-way stack of packages: a module imports codec modules of its own package or the ones
+#: below, never above, and the encode side (owners) and the decode side (engines) never import each other.
+#: The format modules sit in the package itself, whose ``__init__`` re-exports both sides and is no layer.
 _MAY_IMPORT = {
     "format": {"format"},
-    "kernels": {"format", "kernels"},
-    "primitives": {"format", "kernels", "primitives"},
-    "encode": {"format", "kernels", "primitives", "encode"},
-    "decode": {"format", "kernels", "primitives", "decode"},
+    "compiled": {"format", "compiled"},
+    "primitives": {"format", "compiled", "primitives"},
+    "encoding": {"format", "compiled", "primitives", "encoding"},
+    "decoding": {"format", "compiled", "primitives", "decoding"},
 }
+
+
+def _codec_layer(module: str) -> str:
+    parts = module.split(".")  # dcr_ray.codec.<module> or dcr_ray.codec.<package>[.<module>]
+    layer = parts[2] if len(parts) > 3 or parts[2] in _MAY_IMPORT else "format"
+    assert layer in _MAY_IMPORT, f"{module}: a new codec package needs its place in _MAY_IMPORT"
+    return layer
 
 
 def test_the_codec_is_a_one_way_stack_whose_encode_and_decode_sides_never_import_each_other():
     graph = module_graph(ROOT)
-    codec = {m.rpartition(".")[2]: deps for m, deps in graph.items() if m.startswith("dcr_ray.codec.")}
-    assert not set(codec) - set(CODEC_LAYERS), "place the new codec modules in CODEC_LAYERS"
     bad = []
-    for name, deps in codec.items():
-        layer = CODEC_LAYERS[name]
+    for module, deps in graph.items():
+        if not module.startswith("dcr_ray.codec."):
+            continue
+        layer = _codec_layer(module)
         for dep in deps:
             if dep == "dcr_ray.codec":
-                bad.append(f"codec.{name} imports the codec package (import the module that defines the name)")
-            elif dep.startswith("dcr_ray.codec.") and CODEC_LAYERS[dep.rpartition(".")[2]] not in _MAY_IMPORT[layer]:
-                bad.append(f"codec.{name} ({layer}) imports {dep} ({CODEC_LAYERS[dep.rpartition('.')[2]]})")
+                bad.append(f"{module} imports the codec package (import the module that defines the name)")
+            elif dep.startswith("dcr_ray.codec.") and _codec_layer(dep) not in _MAY_IMPORT[layer]:
+                bad.append(f"{module} ({layer}) imports {dep} ({_codec_layer(dep)})")
     assert not bad
+
+
+#: The actors' subpackages by role, each importing only those after it (an arrow up this list is a
+#: subpackage reaching a role that drives it).
+ACTOR_ROLES = ["coordinator", "recovery", "fleet", "engine", "owner"]
+
+
+def test_the_actors_roles_import_only_the_roles_below_them():
+    graph = module_graph(ROOT)
+    bad = []
+    for module, deps in graph.items():
+        if not module.startswith("dcr_ray.actors.") or module.count(".") < 3:
+            continue
+        role = module.split(".")[2]
+        assert role in ACTOR_ROLES, f"{module}: place its subpackage in ACTOR_ROLES"
+        for dep in deps:
+            if dep.startswith("dcr_ray.actors.") and dep.count(".") >= 3:
+                other = dep.split(".")[2]
+                if ACTOR_ROLES.index(other) < ACTOR_ROLES.index(role):
+                    bad.append(f"{module} ({role}) imports {dep} ({other})")
+    assert not bad
+
+
+def test_no_library_folder_holds_more_than_fifteen_modules():
+    folders = [ROOT, *(p for p in ROOT.rglob("*") if p.is_dir() and p.name != "__pycache__")]
+    crowded = {str(d.relative_to(ROOT.parent)): n for d in folders
+               if (n := len([f for f in d.glob("*.py") if f.name != "__init__.py"])) > 15}
+    assert not crowded, f"group these by meaning into subpackages: {crowded}"
 
 
 def test_the_architecture_page_names_every_library_module():

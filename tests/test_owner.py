@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dcr_ray
-from dcr_ray.actors.owner import DeltaOwner
+from dcr_ray.actors.owner.delta import DeltaOwner
 from dcr_ray.codec import apply_frame
 from dcr_ray.errors import BaselineError
 

@@ -13,7 +13,7 @@ import torch
 
 import dcr_ray
 from dcr_ray.testing.models import ModelSpec, build_model
-from dcr_ray.actors.owner import BOOTSTRAP_BASE
+from dcr_ray.actors.owner.delta import BOOTSTRAP_BASE
 from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
 from dcr_ray.engines.base import canonical_state_dict
 from dcr_ray.testing.trainer import TinyTrainer

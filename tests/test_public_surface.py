@@ -111,8 +111,8 @@ def test_the_check_sees_private_imports_attributes_strings_and_inherited_private
     assert "_dcr_held" in names and "_dcr_held" in _inherited(["OwnerMixin"], per_class, bases)
     src = tmp_path / "t.py"
     src.write_text(
-        "from dcr_ray.actors.held_owner import OwnerMixin\n"
-        "from dcr_ray.codec.diff import _diff_chunk\n"
+        "from dcr_ray.actors.owner.held import OwnerMixin\n"
+        "from dcr_ray.codec.encoding.diff import _diff_chunk\n"
         "class Mine:\n"
         "    def f(self):\n"
         "        self._dcr_held = 1\n"  # a class of this file: its own attribute

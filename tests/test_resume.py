@@ -14,7 +14,7 @@ import ray
 import torch
 
 import dcr_ray
-from dcr_ray.actors.commit import CommitLog, CommitRecord
+from dcr_ray.actors.fleet.commit import CommitLog, CommitRecord
 from dcr_ray.errors import CommitConflictError, CoordinatorGoneError
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE
 from dcr_ray.engines.base import checkpoint_state_dict

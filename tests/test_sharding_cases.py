@@ -17,7 +17,7 @@ import torch
 from hypothesis import strategies as st
 
 from dcr_ray.codec import FrameMeta, apply_decoded, bits_view, diff_tensor, encode_frames, full_delta, read_frame
-from dcr_ray.codec.diff import TensorDelta
+from dcr_ray.codec.encoding.diff import TensorDelta
 from dcr_ray.sharding import (ShardSpec, box_target, fused_gate_up, fused_qkv, project, replicated_share,
                               row_slice, stacked_experts)
 

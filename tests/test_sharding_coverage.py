@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dcr_ray.actors.coverage import check_coverage
+from dcr_ray.actors.owner.coverage import check_coverage
 from dcr_ray.codec.bits import wire_name
 from dcr_ray.errors import ConfigError
 from dcr_ray.sharding import (Shard, ShardSpec, ShardSpecError, Target, box_target, canonical_specs, check_tiling,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dcr_ray
-from dcr_ray.actors.owner import DeltaOwner
+from dcr_ray.actors.owner.delta import DeltaOwner
 from dcr_ray.codec import BaselineStore, apply_frame
 from dcr_ray.sharding.device import DeviceBaseline, delta_from_changes
 from test_owner import ListSink

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcr_ray.actors.coverage import check_coverage
+from dcr_ray.actors.owner.coverage import check_coverage
 from dcr_ray.codec.bits import bits_view, wire_name
 from dcr_ray.engines.base import checkpoint_state_dict
 from dcr_ray.sharding import (Shard, ShardSpec, canonical_specs, fused_gate_up, fused_qkv, replicated_share,

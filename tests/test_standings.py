@@ -1,4 +1,4 @@
-"""Every engine's standing lives in one container (:mod:`dcr_ray.actors.standings`): the coordinator's
+"""Every engine's standing lives in one container (:mod:`dcr_ray.actors.fleet.standings`): the coordinator's
 parts change it only through its methods, and ``required`` is a read-only view of it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dcr_ray.actors.standings import HEALING, MOVES, Standing, Standings
+from dcr_ray.actors.fleet.standings import HEALING, MOVES, Standing, Standings
 from dcr_ray.errors import EngineStateError
 
 ROOT = Path(__file__).resolve().parents[1] / "dcr_ray"
@@ -56,7 +56,7 @@ def test_every_standing_has_its_moves_and_every_move_lands_on_a_standing():
 
 
 def test_the_coordinators_required_set_cannot_be_written_past_the_standings():
-    from dcr_ray.actors.coordinator_state import CoordinatorState
+    from dcr_ray.actors.fleet.state import CoordinatorState
 
     state = CoordinatorState(config=None, topology=None, commits=None, backend_factory=None)
     state.standings.require(["a/e0"])

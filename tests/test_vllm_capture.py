@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from dcr_ray.codec import BaselineStore, DecodedItem, FrameMeta, encode_frames, read_frame
-from dcr_ray.engines.vllm.capture import LoaderCapture
-from dcr_ray.engines.vllm.plan import Geometry, map_positions, strict_check
-from dcr_ray.engines.vllm.groups import fused_groups
-from dcr_ray.engines.vllm.storage import int_view
+from dcr_ray.engines.vllm.worker.capture import LoaderCapture
+from dcr_ray.engines.vllm.worker.plan import Geometry, map_positions, strict_check
+from dcr_ray.engines.vllm.worker.groups import fused_groups
+from dcr_ray.engines.vllm.worker.storage import int_view
 from dcr_ray.errors import BackendError, BackendUnavailableError, LoaderCaptureError
 
 H, Q, KV = 16, 16, 8

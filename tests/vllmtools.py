@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
 from dcr_ray.engines.base import checkpoint_state_dict
-from dcr_ray.engines.vllm.storage import int_view
+from dcr_ray.engines.vllm.worker.storage import int_view
 from dcr_ray.testing.models import ModelSpec, build_model
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ def measure_fixed_cost(step: Step, coding: str) -> dict:
     from dcr_ray.codec import apply_decoded, decode_frame, encode_frames, open_frame
     from dcr_ray.codec.bits import wire_name
     from dcr_ray.codec.arena import address
-    from dcr_ray.codec.packdiff import diff_pack
+    from dcr_ray.codec.encoding.packdiff import diff_pack
     from dcr_ray.codec.packed import plan_packs
 
     shapes = {n: (wire_name(t.dtype), tuple(t.shape)) for n, t in step.new.items()}
@@ -84,7 +84,7 @@ def zstd_sweep(step: Step, repeats: int) -> list[dict]:
     the default level with zstd's own default table, to show what that setting buys.
     """
     from dcr_ray.codec import diff_tensor, encode_frames
-    from dcr_ray.codec import encode as encode_mod
+    from dcr_ray.codec.encoding import encode as encode_mod
 
     deltas = [diff_tensor(n, step.old[n], t) for n, t in step.new.items()]
     t_diff = timed(lambda: [diff_tensor(n, step.old[n], t) for n, t in step.new.items()], repeats).best

@@ -71,10 +71,10 @@ def _h2(p: float) -> float:
 
 def _class_pos_bits(old, pos, dtype: str) -> float:
     """``sum over exponent classes c of n_c * H(p_c)`` for one tensor: positions coded knowing each old
-    value's class (:mod:`dcr_ray.codec.classorder`), zero-order within a class."""
+    value's class (:mod:`dcr_ray.codec.primitives.classorder`), zero-order within a class."""
     import numpy as np
 
-    from dcr_ray.codec.classorder import EXPONENT_FIELDS
+    from dcr_ray.codec.primitives.classorder import EXPONENT_FIELDS
 
     if dtype not in EXPONENT_FIELDS:
         return len(old) * _h2(len(pos) / max(len(old), 1))
@@ -90,7 +90,8 @@ def measure_step(step: Step, acc: Acc, repeats: int, coding: str = "plain") -> N
     import numpy as np
 
     from benchmarks import peers
-    from dcr_ray.codec import bits_view, diff_tensor, intdiff
+    from dcr_ray.codec import bits_view, diff_tensor
+    from dcr_ray.codec.primitives import intdiff
     from dcr_ray.codec.bits import wire_name
 
     # independent ground truth (naive numpy): positions, new bits and XOR values per tensor

@@ -21,8 +21,8 @@ def run(s: Settings) -> dict:
     import torch
     import zstandard
 
-    from dcr_ray.codec import threads as threads_mod
-    from dcr_ray.codec.encode import DEFAULT_ZSTD_LEVEL, ZSTD_HASH_LOG
+    from dcr_ray.codec.compiled import threads as threads_mod
+    from dcr_ray.codec.encoding.encode import DEFAULT_ZSTD_LEVEL, ZSTD_HASH_LOG
 
     t_start = time.perf_counter()
     load0 = provenance.loadavg()

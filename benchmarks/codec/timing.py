@@ -5,7 +5,7 @@ raw samples; the tables use the best (least) wall time of the repeats, the machi
 
 The receiver (:class:`Receiver`) is one engine's tensors for a step. Before each timed decode+apply they
 are set back, untimed, to the committed bits, and the engine's kept class counts
-(:mod:`dcr_ray.codec.classcounts`) to what it held then: the counts of exactly those bits, which a live
+(:mod:`dcr_ray.codec.decoding.classcounts`) to what it held then: the counts of exactly those bits, which a live
 engine keeps from its previous apply (primed here by placing the step's class-order items once, the same
 walk). ``cold`` timings drop the kept counts first: an engine whose bits were written some other way
 since (a dense bootstrap, a peer copy), or its first refit.
@@ -57,7 +57,7 @@ def encode(step, *, mode="mixed", zstd_level=None, coding="context"):
     """(deltas, frames) of ``step``: the owner's encode path (diff every tensor, then frames; class-order
     positions only for the context coding, as owners do)."""
     from dcr_ray.codec import diff_tensor, encode_frames
-    from dcr_ray.codec.encode import DEFAULT_ZSTD_LEVEL
+    from dcr_ray.codec.encoding.encode import DEFAULT_ZSTD_LEVEL
 
     deltas = [diff_tensor(n, step.old[n], t, class_order=coding == "context") for n, t in step.new.items()]
     frames = list(encode_frames(deltas, meta(), mode=mode, coding=coding,
@@ -106,7 +106,8 @@ class Receiver:
     def prime(self, frames) -> None:
         """Keep the class counts of the committed bits for the items of ``frames``, as a live engine
         holds them from its previous apply."""
-        from dcr_ray.codec import classcounts, context, read_frame
+        from dcr_ray.codec import read_frame
+        from dcr_ray.codec.decoding import classcounts, context
 
         classcounts.forget()
         self.reset(keep_counts=False)
@@ -116,7 +117,8 @@ class Receiver:
 
     def reset(self, keep_counts: bool = True) -> dict:
         """The tensors, holding the committed bits again, and the kept counts as primed (or none)."""
-        from dcr_ray.codec import bits_view, classcounts
+        from dcr_ray.codec import bits_view
+        from dcr_ray.codec.decoding import classcounts
 
         for n, x in self.targets.items():
             bits_view(x)[:] = self.step.old[n]

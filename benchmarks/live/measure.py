@@ -3,7 +3,7 @@ the new policy reaches them, refit after refit, by every method at every link of
 is measured, per refit:
 
 - ``pause_s``: the longest admission-closed window of any engine, on the engine's own clock
-  (:mod:`dcr_ray.actors.engine_pause`: generation could not be admitted), ``drain_s``: how long that
+  (:mod:`dcr_ray.actors.engine.pause`: generation could not be admitted), ``drain_s``: how long that
   engine waited before it for the requests already running (admission closed, the old version still
   answering them), ``apply_s``: what the pause spent writing;
 - ``client_gap_s``: the longest gap any client saw between two of its tokens, over the gaps that overlap

@@ -3,7 +3,7 @@
 Bytes, sender seconds and the bounds are what ``dcr-ray bench codec`` measures on the same step
 (:func:`benchmarks.codec.measure_step`: the owner's encode, diff included, both codings, best of the
 repeats, every decode checked on integer views against a numpy diff), and the default is the library's own
-:func:`~dcr_ray.actors.coding_choice.choose_coding` asked about those measurements at the run's link
+:func:`~dcr_ray.actors.owner.coding.choose_coding` asked about those measurements at the run's link
 (:func:`benchmarks.codec.default.library_default`). The receiver (:func:`receive_into_params`) is an
 engine's in-place apply (``read_frame`` + ``apply_decoded``) into the ``transformers`` model's own
 parameters, with the class counts a live engine keeps from its previous apply; on vLLM, see
@@ -28,7 +28,8 @@ def corruption(step, coding: str) -> dict:
     import numpy as np
 
     from benchmarks.codec.timing import decode_apply, encode, exact, fresh_targets, meta
-    from dcr_ray.codec import bits_view, classcounts, encode_frames
+    from dcr_ray.codec import bits_view, encode_frames
+    from dcr_ray.codec.decoding import classcounts
 
     deltas, frames = encode(step, coding=coding)
     retry = list(encode_frames(deltas, meta(), mode="overwrite"))
@@ -61,7 +62,8 @@ def receive_into_params(step, engine, repeats: int) -> dict:
     each timed apply the parameters hold the committed bits and the class counts are those a live engine
     keeps from its previous apply (primed by resolving the step's class-order items once), untimed."""
     from benchmarks.codec.timing import decode_apply, encode, timed
-    from dcr_ray.codec import classcounts, context, read_frame
+    from dcr_ray.codec import read_frame
+    from dcr_ray.codec.decoding import classcounts, context
 
     targets = {n: engine.params[n] for n in step.new}
     out = {}

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from dcr_ray.codec import bits_view, diff_tensor
-from dcr_ray.codec.diff import TensorDelta
+from dcr_ray.codec.encoding.diff import TensorDelta
 from dcr_ray.sharding import project
 from benchmarks.projection import layout as L
 
@@ -92,7 +92,7 @@ def project_rank(params: list[L.Param], rank: int, base: dict[str, np.ndarray], 
     """One owner: diff every local piece against its baseline and project it. Returns (local changed sets,
     canonical changed sets); with ``keep=False`` the canonical sets are dropped as they come, as the owner's
     frame encoder consumes them (the local sets stay, in the form the owner keeps them pending:
-    :meth:`~dcr_ray.codec.diff.TensorDelta.pending_form`, as ``BaselineStore.add_pending`` does)."""
+    :meth:`~dcr_ray.codec.encoding.diff.TensorDelta.pending_form`, as ``BaselineStore.add_pending`` does)."""
     local, canon = [], []
     for p in params:
         for pc in p.pieces.get(rank, ()):

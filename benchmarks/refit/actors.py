@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from dcr_ray.actors.owner import stable_hash
-from dcr_ray.actors.held_owner import OwnerMixin
+from dcr_ray.actors.owner.delta import stable_hash
+from dcr_ray.actors.owner.held import OwnerMixin
 from benchmarks.refit.settings import PEERS
 from dcr_ray.engines.base import TensorBackend
 from dcr_ray.testing.trainer import TinyTrainer
@@ -203,8 +203,8 @@ def _timed_promote(store, version: int) -> int:
     """``store.promote`` timed, keeping for :meth:`_Probe.bench_after_refit` where its changes were: the
     sparse chunks themselves (positions decoded later, off the refit's path) and, for the rare DENSE
     chunk, the positions that differ from the committed bits (compared before they are overwritten)."""
-    from dcr_ray.codec.baseline import chunk_changes
-    from dcr_ray.codec.packdiff import PackDelta
+    from dcr_ray.codec.encoding.baseline import chunk_changes
+    from dcr_ray.codec.encoding.packdiff import PackDelta
 
     changes = []
     pack_pages = []  # arena tensors share pages: count them by address

@@ -1,7 +1,7 @@
 """Per-actor CPU seconds of a refit, and the critical path they imply with one core per actor (derived).
 
 Each refit's report carries the process CPU seconds of every owner, relay and engine from before
-``prepare`` to after ``activate`` (:mod:`dcr_ray.actors.cpu_clock`). On this machine those actors share
+``prepare`` to after ``activate`` (:mod:`dcr_ray.actors.coordinator.cpu_clock`). On this machine those actors share
 two cores, so a CPU-bound refit takes at least their sum over the cores (``cpu_total_over_cores_s``).
 With a core per actor, as a deployment gives them, what follows from the same measurements is
 **derived, not measured**:
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 
-#: Roles of a report's ``cpu_seconds`` (:data:`dcr_ray.actors.cpu_clock.ROLES`; not imported: it imports Ray).
+#: Roles of a report's ``cpu_seconds`` (:data:`dcr_ray.actors.coordinator.cpu_clock.ROLES`; not imported: it imports
+#: Ray).
 ROLES = ("owners", "relays", "engines")
 
 

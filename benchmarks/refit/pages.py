@@ -5,9 +5,9 @@ page of them is clean, as after the kernel's periodic writeback), the refit runs
 then the owner sums ``Private_Dirty + Shared_Dirty`` of the mappings of its baseline files in
 ``/proc/self/smaps``: the pages written since the ``msync``, i.e. what writeback must write to disk again.
 The kernel counts a page dirty when it or its folio is dirty, so a large folio with one changed element
-counts whole; that is what reaches the disk, and what :mod:`dcr_ray.codec.baseline` avoids by advising
+counts whole; that is what reaches the disk, and what :mod:`dcr_ray.codec.encoding.baseline` avoids by advising
 4 KiB folios. ``changed_pages`` is the number of pages that hold at least one pending change
-(:meth:`~dcr_ray.codec.baseline.BaselineStore.pending_pages`), counted before the promote.
+(:meth:`~dcr_ray.codec.encoding.baseline.BaselineStore.pending_pages`), counted before the promote.
 
 Soft-dirty bits (``/proc/PID/clear_refs`` 4 + ``pagemap`` bit 55) would be the other real measurement;
 kernels built without ``CONFIG_MEM_SOFT_DIRTY`` (this machine's) never set them.

@@ -143,7 +143,7 @@ def launch_stress(s: Settings, transport: str, shapes: dict | None = None, kind:
     ``s.engines`` light engines."""
     import ray
 
-    from dcr_ray.actors.owner import owned_names
+    from dcr_ray.actors.owner.delta import owned_names
     from dcr_ray.options import actor_options
 
     shapes = shapes or canonical_shapes(s.size)

@@ -21,9 +21,10 @@ import time
 import numpy as np
 import torch
 
-from dcr_ray.codec import FrameMeta, apply_decoded, decode_frame, diff_tensor, encode_frames, kernels, open_frame
+from dcr_ray.codec import FrameMeta, apply_decoded, decode_frame, diff_tensor, encode_frames, open_frame
+from dcr_ray.codec.compiled import kernels
 from dcr_ray.codec.bits import bits_view, wire_name
-from dcr_ray.codec.undo import UndoLog
+from dcr_ray.codec.decoding.undo import UndoLog
 
 META = FrameMeta(transfer="t", attempt=0, producer="o", payload=0, base=1, target=2)
 
@@ -116,7 +117,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args()
     kernels.warm_up(background=False)
-    from dcr_ray.codec import threads
+    from dcr_ray.codec.compiled import threads
 
     print(f"{a.mib} MiB bf16 in {a.tensors} tensors, jit={kernels.ENABLED}, codec threads={threads.codec_threads()}, "
           f"load average {os.getloadavg()[0]:.1f}, {a.repeats} repeats (median)")

@@ -5,7 +5,7 @@ allows 65,530 per process by default, ``vm.max_map_count``) and 10^5 files. The 
 aligned slices of blocks of :data:`BLOCK_BYTES` (memory-mapped files in the store's directory, or plain
 memory), so the number of maps grows with the bytes, not the tensors. Each slice is an ordinary numpy
 array that stays valid for the arena's life; its data address (:func:`address`) is stable, which
-is what the pack kernels (:mod:`~dcr_ray.codec.ptrkernels`) read and write through.
+is what the pack kernels (:mod:`~dcr_ray.codec.compiled.ptrkernels`) read and write through.
 """
 
 from __future__ import annotations

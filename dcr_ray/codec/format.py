@@ -29,10 +29,10 @@ storage) that its owners did not produce. The header is a msgpack map::
         lm, lw, ls, le         locations of the changes in pack space, as for items
 
 Value codings of sparse items: ``xor`` (masks ``new ^ old``), ``add`` (``new - old`` modulo the word
-size, zigzagged: :mod:`~dcr_ray.codec.intdiff`) and ``ow`` (absolute new bits, every retry). A first
+size, zigzagged: :mod:`~dcr_ray.codec.primitives.intdiff`) and ``ow`` (absolute new bits, every retry). A first
 attempt picks ``xor`` or ``add`` per item, whichever byte planes are estimated smaller. Location modes
-``gaps``/``runs`` code flat positions (:mod:`~dcr_ray.codec.locations`); ``cgaps``/``cruns`` code the
-changed elements' ranks in the order of the old values' exponents (:mod:`~dcr_ray.codec.classorder`),
+``gaps``/``runs`` code flat positions (:mod:`~dcr_ray.codec.primitives.locations`); ``cgaps``/``cruns`` code the
+changed elements' ranks in the order of the old values' exponents (:mod:`~dcr_ray.codec.primitives.classorder`),
 float dtypes only. ``add`` and the class modes came after the first frames were written: a frame
 without them reads exactly as before, and a receiver that predates them refuses them (unknown
 encoding or location mode) instead of misreading them.
@@ -45,10 +45,10 @@ order: ``pnames`` (each tensor's name, UTF-8, ending in a newline), ``pshape`` (
 number of dimensions, then the dimensions), ``ploc``/``pesc`` (locations) and ``p``-prefixed value
 planes (``pxor2.0``, ...). A frame without packs is byte for byte what earlier releases wrote.
 
-Writing is :mod:`~dcr_ray.codec.encode`; reading is :mod:`~dcr_ray.codec.header` (prefix, digest,
-header) and :mod:`~dcr_ray.codec.decode` (everything else); :mod:`~dcr_ray.codec.apply` writes.
+Writing is :mod:`~dcr_ray.codec.encoding.encode`; reading is :mod:`~dcr_ray.codec.decoding.header` (prefix, digest,
+header) and :mod:`~dcr_ray.codec.decoding.decode` (everything else); :mod:`~dcr_ray.codec.decoding.apply` writes.
 Wire dtype names are :data:`dcr_ray.codec.bits.WIRE_NAMES`; location coding is
-:mod:`~dcr_ray.codec.locations`, byte planes :mod:`~dcr_ray.codec.planes`.
+:mod:`~dcr_ray.codec.primitives.locations`, byte planes :mod:`~dcr_ray.codec.primitives.planes`.
 """
 
 from __future__ import annotations
@@ -102,16 +102,17 @@ class Encoding(_WireStr):
     XOR = "xor"  #: sparse: ``new ^ old`` at the item's positions (the receiver holds ``old``)
     OVERWRITE = "ow"  #: sparse: the new bits at the item's positions
     DENSE = "dense"  #: every element of ``[lo, hi)``: its new bits, no positions
-    #: sparse: ``new - old`` modulo the word size, zigzagged (:mod:`~dcr_ray.codec.intdiff`); not for bool
+    #: sparse: ``new - old`` modulo the word size, zigzagged (:mod:`~dcr_ray.codec.primitives.intdiff`); not for bool
     ADD = "add"
 
 
 class LocationMode(_WireStr):
-    """How a sparse item's positions are coded (the header's ``lm``; see :mod:`~dcr_ray.codec.locations`)."""
+    """How a sparse item's positions are coded (the header's ``lm``; see :mod:`~dcr_ray.codec.primitives.locations`)."""
 
     GAPS = "gaps"  #: one gap symbol per position
     RUNS = "runs"  #: (gap, length - 1) per run of contiguous positions
-    #: gaps of the changed elements' ranks in the class order of the old bits (:mod:`~dcr_ray.codec.classorder`)
+    #: gaps of the changed elements' ranks in the class order of the old bits
+    #: (:mod:`~dcr_ray.codec.primitives.classorder`)
     CLASS_GAPS = "cgaps"
     CLASS_RUNS = "cruns"  #: runs of those ranks
 

@@ -5,14 +5,14 @@ the owner (diff, header entry) and at the engine (decode, write) and ~100 bytes 
 15+ bytes per change at 10^5 tensors. A pack lays ``k`` whole tensors of one wire dtype end to end in a
 flat pack space (tensor ``t`` holds positions ``offsets[t] .. offsets[t + 1]``), keeps one set of
 positions and values for all of them, and travels as one header entry plus a names table (see
-:mod:`~dcr_ray.codec.format`). The compiled pointer kernels (:mod:`~dcr_ray.codec.ptrkernels`) scan and
+:mod:`~dcr_ray.codec.format`). The compiled pointer kernels (:mod:`~dcr_ray.codec.compiled.ptrkernels`) scan and
 write every tensor of a pack in one call, wherever each tensor's storage lives.
 
 This module is the layout both sides share, and nothing else: which tensors go into packs
 (:func:`packable`), how an owner groups them (:func:`plan_packs`), where each tensor starts
 (:func:`pack_offsets`), and how a pack's positions split back into tensors (:func:`per_tensor`). The
-sender's pack is :class:`~dcr_ray.codec.packdiff.PackDelta`; the receiver's is
-:class:`~dcr_ray.codec.decoded.DecodedPack`.
+sender's pack is :class:`~dcr_ray.codec.encoding.packdiff.PackDelta`; the receiver's is
+:class:`~dcr_ray.codec.decoding.decoded.DecodedPack`.
 
 Invariants: a pack lists only tensors with at least one change, each whole (it covers ``[0, numel)``)
 and at most once; its positions are sorted and unique. Expanded tensor by tensor (:func:`per_tensor`)

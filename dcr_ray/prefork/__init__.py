@@ -51,7 +51,8 @@ from dcr_ray.errors import ConfigError
 #: loaded). A model's own modules (``transformers.models.qwen2.modeling_qwen2``, say) are the caller's to
 #: add: ``start(extra=...)``. ``module:function`` entries are imported, then called.
 DEFAULT_PRELOAD = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
-                   "dcr_ray.codec.kernels:warm_up_here", "requests", "jsonschema", "google.protobuf.json_format")
+                   "dcr_ray.codec.compiled.kernels:warm_up_here", "requests", "jsonschema",
+                   "google.protobuf.json_format")
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client.py")
 
 #: How the server's log begins its line for each worker it forked and each it refused (:meth:`PreforkServer.counts`).

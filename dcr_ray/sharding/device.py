@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dcr_ray.codec.bits import np_uint, torch_int, wire_name
-from dcr_ray.codec.diff import TensorDelta
+from dcr_ray.codec.encoding.diff import TensorDelta
 from dcr_ray.sharding.project import _grid_chunks
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it runs

@@ -1,6 +1,6 @@
 """Projection: a local shard's changed set, re-expressed in canonical (name, flat index) coordinates.
 
-The owner diffs its *local* shard against a baseline of that shard (:mod:`dcr_ray.codec.diff`), then
+The owner diffs its *local* shard against a baseline of that shard (:mod:`dcr_ray.codec.encoding.diff`), then
 :func:`project` maps the changed local positions through the :class:`~dcr_ray.sharding.spec.ShardSpec`:
 
 * a local tensor that is one contiguous run of its canonical tensor (a whole tensor, an FSDP
@@ -18,7 +18,7 @@ Cost grows with the shard's chunks and its changes, never with the canonical ten
 canonical-sized is allocated. Values are carried, not recomputed, so bits are exact by construction.
 Dense local chunks (most elements changed) become sparse canonical chunks that list every position;
 their XOR masks are taken against the local baseline the caller passes, as are the masks of pending
-chunks, which keep none (:meth:`~dcr_ray.codec.diff.ChunkDelta.pending_form`).
+chunks, which keep none (:meth:`~dcr_ray.codec.encoding.diff.ChunkDelta.pending_form`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from dcr_ray.codec import locations
-from dcr_ray.codec.diff import NARROW_SPAN, ChunkDelta, TensorDelta
-from dcr_ray.codec.packdiff import PackDelta
+from dcr_ray.codec.primitives import locations
+from dcr_ray.codec.encoding.diff import NARROW_SPAN, ChunkDelta, TensorDelta
+from dcr_ray.codec.encoding.packdiff import PackDelta
 from dcr_ray.sharding.spec import ShardSpec, contiguous_strides
 
 
@@ -71,7 +71,7 @@ def project_all(deltas: Iterable[TensorDelta], specs: dict[str, ShardSpec], *, c
                 old_bits: Callable[[str], np.ndarray] | None = None,
                 with_xor: bool = True) -> Iterator[TensorDelta]:
     """:func:`project` every local changed set of ``deltas`` through ``specs[td.name]``; packs of small
-    tensors (:class:`~dcr_ray.codec.packdiff.PackDelta`) hold only direct tensors and pass through."""
+    tensors (:class:`~dcr_ray.codec.encoding.packdiff.PackDelta`) hold only direct tensors and pass through."""
     for td in deltas:
         if isinstance(td, PackDelta):
             yield td

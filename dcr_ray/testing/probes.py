@@ -31,7 +31,7 @@ def _timed(totals: dict, label: str, fn):
 
 def engine_cpu_parts(engine) -> dict:
     """Install (once) CPU accounting of ``engine``'s payload path; the totals so far (see the module doc)."""
-    from dcr_ray.actors import engine_context, engine_receive
+    from dcr_ray.actors.engine import context as engine_context, receive as engine_receive
 
     totals = getattr(engine, "probe_cpu_parts", None)
     if totals is None:

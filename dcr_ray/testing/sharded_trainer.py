@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from dcr_ray.actors.held_owner import OwnerMixin
+from dcr_ray.actors.owner.held import OwnerMixin
 from dcr_ray.engines.base import canonical_state_dict, checkpoint_state_dict
 from dcr_ray.testing.models import ModelSpec, build_model
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from dcr_ray.actors.owner import owned_names
-from dcr_ray.actors.held_owner import OwnerMixin
+from dcr_ray.actors.owner.delta import owned_names
+from dcr_ray.actors.owner.held import OwnerMixin
 from dcr_ray.engines.base import checkpoint_state_dict
 from dcr_ray.testing.models import ModelSpec, build_model
 

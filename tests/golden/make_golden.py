@@ -26,7 +26,7 @@ import zstandard
 
 from dcr_ray.codec import FORMAT_VERSION, FrameMeta, diff_tensor, encode_frames
 from dcr_ray.codec.bits import bits_view, dtype_of
-from dcr_ray.codec.packdiff import diff_pack
+from dcr_ray.codec.encoding.packdiff import diff_pack
 
 HERE = Path(__file__).resolve().parent
 CASES_JSON = HERE / "cases.json"

@@ -1,7 +1,7 @@
 """vLLM as a refit receiver: engines dcr_ray starts and engines it adopts, refit the same way.
 
 Every vLLM engine dcr_ray refits runs the ``dcr`` backend of vLLM's weight-transfer API
-(``weight_transfer_config={"backend": "dcr"}``): a :class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver`
+(``weight_transfer_config={"backend": "dcr"}``): a :class:`~dcr_ray.engines.vllm.worker.receiver.MirrorReceiver`
 in each worker takes the frames, reloads or writes them, and keeps the undo record. An engine dcr_ray
 starts (:class:`VllmBackend`, through :class:`VllmEngine`) is a ``vllm.LLM`` in the engine actor's process,
 driven through those calls exactly as an adopted one is.
@@ -17,12 +17,12 @@ Two placement modes, both equal to a dense refit of the same canonical tensors b
     A canonical host mirror in each worker (name -> tensor, loaded from the checkpoint's safetensors)
     receives every frame exactly (:func:`~dcr_ray.codec.apply_decoded`); :meth:`VllmBackend.flush`
     (``finish_weight_update``) pushes the touched tensors, in whole fused groups, through vLLM's
-    in-place reload (:mod:`~dcr_ray.engines.vllm.groups`). vLLM's CPU backend repacks Linear weights
+    in-place reload (:mod:`~dcr_ray.engines.vllm.worker.groups`). vLLM's CPU backend repacks Linear weights
     after loading, so this is the only exact path there.
 ``capture`` (the default when vLLM runs on CUDA)
     The model's own ``load_weights`` is run once per tensor at start-up under a ``TorchDispatchMode``
     that records where each loader copy lands; frames are then written as sparse XOR / OVERWRITE
-    straight into live GPU storage (:mod:`~dcr_ray.engines.vllm.capture`). Tensors whose loader path
+    straight into live GPU storage (:mod:`~dcr_ray.engines.vllm.worker.capture`). Tensors whose loader path
     is not a plain view copy stay on the mirror path (or fail closed with ``strict_capture=True``). No
     full host copy of the model exists.
 
@@ -45,24 +45,28 @@ the backend must keep its top level under ``if __name__ == "__main__":`` (vLLM m
 re-import it). vLLM's CPU worker also binds this process's threads and lowers torch's thread count to 1
 for serving.
 
-Modules:
+Modules, the engine actor's side:
 
 - :mod:`~dcr_ray.engines.vllm.backend`    :class:`VllmBackend`, a ``vllm.LLM`` dcr_ray starts and drives
 - :mod:`~dcr_ray.engines.vllm.factory`    :class:`VllmEngine`, the factory engine actors call
-- :mod:`~dcr_ray.engines.vllm.groups`     fused groups and the post-load steps a reload skips
-- :mod:`~dcr_ray.engines.vllm.capture`    loader capture and sparse replay into live storage
-- :mod:`~dcr_ray.engines.vllm.storage`    live storage as bits: views, scatter, digests
+- :mod:`~dcr_ray.engines.vllm.serving`    greedy generation: token ids and logprobs for exact comparisons
 - :mod:`~dcr_ray.engines.vllm.checkpoint` reading the checkpoint directory
-- :mod:`~dcr_ray.engines.vllm.compat`     what exists only to make vLLM run here
-- :mod:`~dcr_ray.engines.vllm.transfer`   the ``dcr`` backend of vLLM's weight-transfer API (every worker)
-- :mod:`~dcr_ray.engines.vllm.receiver`   one worker's host mirror: frames in, fused groups reloaded
 - :mod:`~dcr_ray.engines.vllm.plugin`     the vLLM plugin that registers the ``dcr`` backend
-- :mod:`~dcr_ray.integrations.vllm.trainer`    the ``dcr`` backend's trainer side
-  (vLLM's ``WeightTransferTrainerFactory``)
+- :mod:`~dcr_ray.engines.vllm.compat`     what differs between vLLM releases, and what makes vLLM run here
+
+inside every vLLM worker (:mod:`~dcr_ray.engines.vllm.worker`): the ``dcr`` backend of vLLM's
+weight-transfer API (``transfer``), one worker's host mirror that takes frames and reloads fused groups
+(``receiver``, ``groups``), loader capture and sparse replay into live storage (``capture``, ``plan``,
+``storage``), and what a worker serves (``served``);
+
+and for engines dcr_ray did not start:
+
 - :mod:`~dcr_ray.engines.vllm.adopted`    :class:`AdoptedVllmEngine` / :class:`AdoptedVllmServer`: refit
   engines dcr_ray did not start (Ray actors, or ``vllm serve`` processes by URL)
 - :mod:`~dcr_ray.engines.vllm.sync`       how the weight-transfer calls travel: in process, Ray handles or HTTP
 - :mod:`~dcr_ray.engines.vllm.server`     ``python -m dcr_ray.engines.vllm.server``: ``vllm serve`` on CPU hosts
+- :mod:`~dcr_ray.integrations.vllm.trainer`    the ``dcr`` backend's trainer side
+  (vLLM's ``WeightTransferTrainerFactory``)
 
 Engines dcr_ray did not start (``LLM`` / ``AsyncLLM`` actors of veRL, OpenRLHF or your own code) are
 refit through vLLM's own weight-transfer API: start them with

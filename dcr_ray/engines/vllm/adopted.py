@@ -11,7 +11,7 @@ duplicate payloads) and drives the real engine with vLLM's own calls::
     flush      -> finish_weight_update(); update_weight_version(str(target)); reset_prefix_cache()
 
 and after each of those calls it reads every worker's outcome (``collective_rpc("dcr_transfer_status")``,
-see :mod:`~dcr_ray.engines.vllm.transfer`): with tensor parallelism the workers agree on a "no" and only
+see :mod:`~dcr_ray.engines.vllm.worker.transfer`): with tensor parallelism the workers agree on a "no" and only
 the last rank raises it, so vLLM's ``collective_rpc`` stays in step and every worker's session is
 closed; the status names each rank's reason. Any "no" is a :class:`~dcr_ray.errors.BackendError` here
 (a session some worker still reports open is closed without a version); the version label moves only
@@ -21,7 +21,7 @@ so the relay tree, the commit record, retries and the dirty-engine handling are 
 engines dcr_ray starts. The calls reach the engine through Ray actor handles (``LLM`` / ``AsyncLLM``
 actors) or over HTTP (``vllm serve`` processes, :class:`AdoptedVllmServer`); only the transport of the
 calls differs (:mod:`~dcr_ray.engines.vllm.sync`). The workers validate every frame again before writing
-(:class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver`). From ``finish_weight_update`` on the engine
+(:class:`~dcr_ray.engines.vllm.worker.receiver.MirrorReceiver`). From ``finish_weight_update`` on the engine
 serves the new bits and tags outputs with their version; a refit that is abandoned after that point
 leaves the engine dirty, and the coordinator re-bootstraps it densely.
 
@@ -207,7 +207,7 @@ class WeightSyncBackend(WireBackend):
         """Whether every worker of the engine holds the boxes digested in ``digests`` (the owners' committed
         ``version``); if so its outputs are tagged with ``version`` and no dense bootstrap is needed.
 
-        The workers digest what they serve (:meth:`~dcr_ray.engines.vllm.receiver.MirrorReceiver.verify`)
+        The workers digest what they serve (:meth:`~dcr_ray.engines.vllm.worker.receiver.MirrorReceiver.verify`)
         inside one ``update_weights`` call that writes nothing; a mismatch, or a worker that cannot prove
         its bits (a mirror whose version is unknown, a tensor-parallel shard on the capture path), is a
         refusal in that worker's status and this returns False (the session closed, nothing moved).
@@ -246,7 +246,7 @@ class AdoptedVllmEngine:
       ``--weight-transfer-config '{"backend": "dcr"}'`` (see :class:`AdoptedVllmServer`).
 
     ``checkpoint``: the directory it was started from, holding ``version`` (readable by the proxy and by
-    the engine's workers). ``capture``: see :class:`~dcr_ray.engines.vllm.transfer.DcrInitInfo` (default:
+    the engine's workers). ``capture``: see :class:`~dcr_ray.engines.vllm.worker.transfer.DcrInitInfo` (default:
     on CUDA). ``timeout_s``: bound on each weight-transfer call.
 
     When the engine joins, its workers digest the tensors they serve; if every tensor equals the owners'

@@ -5,14 +5,14 @@ driven exactly as an adopted engine is (:class:`~dcr_ray.engines.vllm.adopted.We
 :class:`~dcr_ray.engines.vllm.sync.LocalWeightSync`): every validated frame goes to the workers as its
 wire bytes in ``update_weights``, ``flush`` is ``finish_weight_update``, and every call is followed by a
 read of every worker's status. The refit itself happens in each worker, in its
-:class:`~dcr_ray.engines.vllm.receiver.MirrorReceiver` (host mirror, fused-group reload, loader capture,
+:class:`~dcr_ray.engines.vllm.worker.receiver.MirrorReceiver` (host mirror, fused-group reload, loader capture,
 the start-up reload self-check). What only an engine dcr_ray started has on top:
 
 - ``keep_undo``: the workers keep a finished update's undo record until :meth:`VllmBackend.activate`
   commits it, so :meth:`VllmBackend.rollback` returns an abandoned transfer in place (the engine actor
   asks it when a transfer is abandoned), even after its flush;
 - read-back: :meth:`VllmBackend.read_back` reads the canonical tensors the workers serve (peer healing,
-  digests, checks) through ``collective_rpc`` (:func:`~dcr_ray.engines.vllm.transfer.worker_query`);
+  digests, checks) through ``collective_rpc`` (:func:`~dcr_ray.engines.vllm.worker.transfer.worker_query`);
 - :meth:`VllmBackend.load_dense` loads named tensors densely, as dense frames of the bootstrap base;
 - :meth:`VllmBackend.generate`, under the lock :meth:`VllmBackend.flush` takes (no request sees a
   half-switched model).
@@ -31,7 +31,7 @@ from dcr_ray.codec.bits import wire_name
 from dcr_ray.engines.vllm.adopted import WeightSyncBackend
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files
 from dcr_ray.engines.vllm.compat import shutdown_llm, start_llm, will_use_cuda
-from dcr_ray.engines.vllm.plan import merge_summaries, strict_check
+from dcr_ray.engines.vllm.worker.plan import merge_summaries, strict_check
 from dcr_ray.engines.vllm.plugin import BACKEND_NAME
 from dcr_ray.engines.sampling import Sampling
 from dcr_ray.engines.vllm.serving import greedy, sample
@@ -134,8 +134,8 @@ class VllmBackend(WeightSyncBackend):
         return self._lock
 
     def _query(self, what: str, names: list[str] | None = None) -> list:
-        """Every worker's answer to :func:`~dcr_ray.engines.vllm.transfer.worker_query`, rank by rank."""
-        from dcr_ray.engines.vllm.transfer import worker_query
+        """Every worker's answer to :func:`~dcr_ray.engines.vllm.worker.transfer.worker_query`, rank by rank."""
+        from dcr_ray.engines.vllm.worker.transfer import worker_query
 
         replies = self.llm.collective_rpc(worker_query, args=(what, names))
         bad = [f"rank {i}: {r['error']}" for i, r in enumerate(replies) if not r["ok"]]
@@ -224,7 +224,7 @@ class VllmBackend(WeightSyncBackend):
 
     def rollback(self) -> bool:
         """Undo the update written since the last :meth:`activate` in place, flushed or not (the workers'
-        undo records; see :meth:`~dcr_ray.engines.vllm.receiver.MirrorReceiver.rollback`): True when the
+        undo records; see :meth:`~dcr_ray.engines.vllm.worker.receiver.MirrorReceiver.rollback`): True when the
         engine serves the update's base again; False when it cannot (no update, a bootstrap, captured
         writes in live storage, a worker's refusal), and the engine must be bootstrapped densely."""
         with self._lock:

@@ -1,7 +1,7 @@
 """vLLM plugin (entry point ``vllm.general_plugins`` -> ``dcr``): registers the ``dcr`` weight-transfer
 backend in every vLLM process, engine core and tensor-parallel workers included, and gives vLLM's
 workers the method ``dcr_transfer_status`` that the driver reads each call's outcome with
-(``collective_rpc("dcr_transfer_status", args=(nonce,))``; see :mod:`~dcr_ray.engines.vllm.transfer`).
+(``collective_rpc("dcr_transfer_status", args=(nonce,))``; see :mod:`~dcr_ray.engines.vllm.worker.transfer`).
 
 It also registers the trainer side, :class:`~dcr_ray.integrations.vllm.trainer.DcrTrainerWeightTransferEngine`,
 in vLLM's ``WeightTransferTrainerFactory`` (so a vLLM-style trainer can say ``backend="dcr"``), and
@@ -40,7 +40,7 @@ BACKEND_NAME = "dcr"
 
 
 def register() -> None:
-    """Register :class:`~dcr_ray.engines.vllm.transfer.DcrWeightTransferEngine` and its trainer twin as
+    """Register :class:`~dcr_ray.engines.vllm.worker.transfer.DcrWeightTransferEngine` and its trainer twin as
     backend ``dcr``, let vLLM's HTTP client send frames, add ``dcr_transfer_status`` to vLLM's worker
     base class, and make this process ready for a CPU engine (:func:`~dcr_ray.engines.vllm.compat.prepare_cpu_process`;
     all idempotent). An unsupported vLLM release raises :class:`~dcr_ray.errors.UnsupportedRuntimeError` first."""
@@ -52,7 +52,7 @@ def register() -> None:
     prepare_cpu_process()  # AMX and the llvmlite shim; nothing CUDA-related, so a later fork is unaffected
 
     try:
-        WeightTransferEngineFactory.register_engine(BACKEND_NAME, "dcr_ray.engines.vllm.transfer",
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, "dcr_ray.engines.vllm.worker.transfer",
                                                     "DcrWeightTransferEngine")
     except ValueError:  # already registered in this process
         pass
@@ -106,7 +106,7 @@ def frames_as_base64(update_info: Any) -> Any:
 
 def dcr_transfer_status(worker: Any, nonce: str | None = None) -> dict[str, Any]:
     """(A vLLM worker method.) The outcome of the last weight-transfer call on this worker's ``dcr``
-    engine (:meth:`~dcr_ray.engines.vllm.transfer.DcrWeightTransferEngine.transfer_status`), plus this
+    engine (:meth:`~dcr_ray.engines.vllm.worker.transfer.DcrWeightTransferEngine.transfer_status`), plus this
     worker's ``rank``, whether vLLM's weight-update ``session`` is open, and ``nonce`` echoed back (the
     driver's proof that this reply answers its own request). Never raises."""
     engine = getattr(worker, "weight_transfer_engine", None)

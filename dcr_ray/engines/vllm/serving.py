@@ -53,13 +53,13 @@ def sample(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int,
 
 def served_digests(llm: Any) -> list[dict[str, str]]:
     """Per worker, the digest of every parameter and buffer the engine serves with and of each linear
-    layer's kernel output on a probe (:func:`~dcr_ray.engines.vllm.served.served_fingerprint`: on CPU the
+    layer's kernel output on a probe (:func:`~dcr_ray.engines.vllm.worker.served.served_fingerprint`: on CPU the
     packed linear weights live outside the parameters), read from the workers themselves. Also usable on
     an ``LLM`` actor: ``handle.__ray_call__.remote(served_digests)``."""
     return llm.collective_rpc(_worker_digests)
 
 
 def _worker_digests(worker: Any) -> dict[str, str]:
-    from dcr_ray.engines.vllm.served import served_fingerprint
+    from dcr_ray.engines.vllm.worker.served import served_fingerprint
 
     return served_fingerprint(worker.get_model())

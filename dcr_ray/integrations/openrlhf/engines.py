@@ -98,13 +98,13 @@ class DcrRolloutRayActor(_openrlhf_vllm_engine.RolloutRayActor.__ray_actor_class
     async def dcr_storage_digests(self) -> list[dict[str, str]]:
         """Per vLLM worker: parameter/buffer name (and ``probe:<linear layer>``) -> digest of the bits it serves
         with (for checks: two engines serving the same weights give equal digests; see
-        :func:`~dcr_ray.engines.vllm.served.served_fingerprint`)."""
+        :func:`~dcr_ray.engines.vllm.worker.served.served_fingerprint`)."""
         return await self.llm.collective_rpc(_served_storage_digests)
 
 
 def _served_storage_digests(worker) -> dict[str, str]:
     """Runs inside a vLLM worker (sent by ``collective_rpc``; OpenRLHF's actor allows pickled callables)."""
-    from dcr_ray.engines.vllm.served import served_fingerprint
+    from dcr_ray.engines.vllm.worker.served import served_fingerprint
 
     return served_fingerprint(worker.get_model())
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from dcr_ray.actors.owner import owned_names
-from dcr_ray.actors.held_owner import OwnerMixin
+from dcr_ray.actors.owner.delta import owned_names
+from dcr_ray.actors.owner.held import OwnerMixin
 from dcr_ray.engines.base import checkpoint_state_dict
 from dcr_ray.errors import ConfigError
 

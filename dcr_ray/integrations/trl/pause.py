@@ -11,7 +11,7 @@ TRL 1.16's ``AsyncGRPOTrainer._sync_weight_merged`` calls, on the main process::
 
 TRL's NCCL client pauses the server at ``pause()``, so generation stops for the whole send. The ``dcr``
 transfer's frames only reach the workers' host mirrors until ``finish_weight_update`` reloads the touched
-groups (:mod:`~dcr_ray.engines.vllm.receiver`), so the server may go on generating with the weights it
+groups (:mod:`~dcr_ray.engines.vllm.worker.receiver`), so the server may go on generating with the weights it
 serves while the trainer diffs, encodes and streams. :class:`ApplyPause` therefore only *records* TRL's
 ``pause()``; the real pause (TRL's ``/pause?mode=keep``) is taken by :meth:`ApplyPause.around_apply`, which
 the sender enters around the apply (finish, version label, prefix-cache reset), and released as soon as

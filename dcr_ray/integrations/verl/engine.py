@@ -42,7 +42,7 @@ import torch
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from dcr_ray.actors.held_owner import StandaloneOwner
+from dcr_ray.actors.owner.held import StandaloneOwner
 from dcr_ray.errors import ConfigError
 from dcr_ray.integrations.verl.settings import VerlDcrSettings
 from dcr_ray.integrations.verl.shards import shards_from_verl

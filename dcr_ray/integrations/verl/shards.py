@@ -14,7 +14,7 @@ veRL hands a checkpoint engine one of two streams:
     (a dim-0 cut such as FSDP2 ``Shard(0)`` is a flat range; any other cut is a box of
     ``local_shape``);
   - neither: every rank holds the whole tensor; ranks split such tensors among themselves by a stable
-    hash of the name (:func:`dcr_ray.actors.owner.owned_names`), so each has one owner;
+    hash of the name (:func:`dcr_ray.actors.owner.delta.owned_names`), so each has one owner;
   - ``hf_slots`` without ``to_hf_chunk``: row ``e`` of the logical tensor *is* HF tensor
     ``hf_slots[e]`` (stacked experts), so each local row maps whole onto its slot;
   - ``to_hf_chunk``: a converter of whole dim-0 rows to HF tensors (veomni's fused expert stacks): the
@@ -33,7 +33,7 @@ from typing import Any, Iterable
 
 import torch
 
-from dcr_ray.actors.owner import stable_hash
+from dcr_ray.actors.owner.delta import stable_hash
 from dcr_ray.errors import ConfigError
 from dcr_ray.sharding import Shard, ShardSpec, from_dtensor
 from dcr_ray.sharding.flat import flat_shards

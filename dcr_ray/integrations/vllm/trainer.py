@@ -19,7 +19,7 @@ this module)::
 
 ``send_weights`` runs on every trainer rank; each iterates the source (materialising an FSDP ``DTensor``
 is a collective), only rank 0 (the sender) keeps the tensors and touches the client. The sender holds a
-dcr_ray owner (:class:`~dcr_ray.actors.owner.DeltaOwner`) whose baseline starts as the checkpoint's bits
+dcr_ray owner (:class:`~dcr_ray.actors.owner.delta.DeltaOwner`) whose baseline starts as the checkpoint's bits
 (what the engines serve at ``version``); each round it casts every tensor to the checkpoint's dtype,
 diffs it against the baseline, and sends the changed elements as XOR / OVERWRITE frames
 (``start_weight_update``, ``update_weights`` with up to ``call_bytes`` of frames per call,
@@ -32,7 +32,7 @@ workers' mirrors get back the bits the round replaced, the baseline stays) and r
 round in which no bit changed calls nothing.
 
 Every worker's outcome is read after each call (``collective_rpc("dcr_transfer_status")``, see
-:mod:`~dcr_ray.engines.vllm.transfer`) when the client is vLLM's ``RayVLLMWeightSyncClient`` (handles of
+:mod:`~dcr_ray.engines.vllm.worker.transfer`) when the client is vLLM's ``RayVLLMWeightSyncClient`` (handles of
 ``LLM`` / ``AsyncLLM`` actors) or ``HTTPVLLMWeightSyncClient`` (a server in ``VLLM_SERVER_DEV_MODE=1``,
 which serves ``/collective_rpc``); with another client only its raises are seen, which is vLLM's
 contract at one worker, not with tensor parallelism.
@@ -52,7 +52,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 from vllm.distributed.weight_transfer import clients as vllm_clients
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
 
-from dcr_ray.actors.owner import DeltaOwner
+from dcr_ray.actors.owner.delta import DeltaOwner
 from dcr_ray.config import CodecConfig, OwnerConfig, RefitConfig
 from dcr_ray.engines.vllm.adopted import WeightSyncBackend
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, iter_checkpoint
@@ -82,7 +82,7 @@ class DcrTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 300.0
     """Bound on each weight-transfer call through vLLM's built-in clients."""
     capture: bool | None = None
-    """The engines' capture setting (see :class:`~dcr_ray.engines.vllm.transfer.DcrInitInfo`)."""
+    """The engines' capture setting (see :class:`~dcr_ray.engines.vllm.worker.transfer.DcrInitInfo`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.checkpoint, str) or not self.checkpoint:

@@ -1,0 +1,4 @@
+"""The owner side: a delta owner diffs a trainer shard against its committed baseline and streams frames
+(:mod:`~dcr_ray.actors.owner.delta`); a trainer holds one or mixes one in (:mod:`~dcr_ray.actors.owner.held`);
+every canonical element has exactly one owner (:mod:`~dcr_ray.actors.owner.coverage`); the coding a stream
+uses, and how ``"auto"`` chooses it (:mod:`~dcr_ray.actors.owner.coding`)."""

@@ -1,0 +1,456 @@
+"""Healing, off the trainer's clock: engines outside the required set get the committed version in
+the background, inside their cluster where they can, and join when they hold it.
+
+``refit.remote()`` answers at commit. An engine that died (re-created here), one evicted as hung that
+answers again, or one that asks to rejoin is *healing*: it has its own phase in ``status()["healing"]``
+while the refits go on without it. Where its bits come from, in order of preference:
+
+1. **The deltas it missed**, when it holds an older committed version (evicted as hung, then answering
+   again): its cluster keeps the committed payloads of the last versions (the catch-up window,
+   :mod:`~dcr_ray.relay.window`), and it replays them (:mod:`~dcr_ray.actors.engine.catchup`), every
+   frame validated before any write. The bytes are the missed deltas, already inside the cluster;
+   where they outweigh the model (large learning rates, many versions), the peer's dense copy is
+   taken instead.
+2. **A peer of its cluster** (:mod:`~dcr_ray.actors.engine.peer_copy`): a required engine that holds the
+   committed version settled hands its canonical tensors over through the Ray object store; the copy
+   stays inside the cluster and is checked tensor by tensor against the peer's digests before the
+   healing engine holds the version. No byte crosses the cluster link; the owners do no work.
+3. **A peer of another cluster**, when the whole cluster was lost: the copy crosses a cluster link
+   once, as the owners' dense send would, but the trainer's owners do no work and the refits do not
+   wait for it; the cluster's other healing engines then copy from that one.
+4. **The owners**, only when no engine anywhere can hand the version over (a single cluster lost
+   whole, or a healing adopted engine, whose bits are not addressable): a dense bootstrap through the
+   transport, once per cluster.
+
+An engine whose cluster no live node can host (its region is gone) *waits for capacity*: it is not
+re-created (Ray would hold it pending, and a wait for it would sit on someone's path), its row says
+``waiting for capacity`` and since when, and the worker looks again every :data:`CAPACITY_POLL_S`; once
+a node with the cluster's resources joins, the cluster's relays are created anew
+(:meth:`~dcr_ray.actors.recovery.outages.Outages.regain`) and the engine heals as above, from a peer of another
+cluster first.
+
+A healing engine joins the required set under the coordinator's lock, and only if the version it
+took is still the committed one; if a refit committed meanwhile, it takes the newer version the
+same way (a bounded number of rounds, then it stays out and says why). A part of
+:class:`~dcr_ray.actors.coordinator.actor.CoordinatorActor` with its own state (the healing table and one
+worker thread); it is handed the coordinator's shared state
+(:class:`~dcr_ray.actors.fleet.state.CoordinatorState`: lock, topology, record, required set) and
+the dense bootstrap (:class:`~dcr_ray.actors.recovery.bootstrap.Bootstrap`), its last resort.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import ray
+from ray.exceptions import RayActorError
+
+from dcr_ray import metrics
+from dcr_ray.actors.recovery.bootstrap import Bootstrap
+from dcr_ray.actors.fleet.state import CoordinatorState
+from dcr_ray.actors.recovery.outages import Outages
+from dcr_ray.actors.fleet.standings import Standing
+from dcr_ray.errors import RefitError
+
+log = logging.getLogger("dcr_ray")
+
+#: Copies one healing engine may take in a row before it gives up (refits kept committing meanwhile,
+#: or its peers kept failing).
+MAX_ROUNDS = 5
+#: Completed heals ``status()`` lists.
+HEALED_KEPT = 20
+#: What a heal's record adds up over its rounds (bytes each source moved; ``steps``: versions replayed).
+TOOK = ("owner_bytes", "copy_bytes", "cross_bytes", "delta_bytes", "steps", "lock_seconds")
+#: Pause before another round when a peer was busy (inside a transfer) or a copy went stale.
+RETRY_PAUSE_S = 0.5
+#: How often engines waiting for capacity, and a re-created engine still starting, are looked at again.
+CAPACITY_POLL_S = 1.0
+
+
+class NoCapacity(Exception):
+    """No live node can host the engine's cluster: it waits (see the module doc)."""
+
+
+class _TimedLock:
+    """A lock whose every hold reports its seconds to ``add`` (used one hold at a time)."""
+
+    def __init__(self, lock, add):
+        self.lock, self.add, self._t = lock, add, 0.0
+
+    def __enter__(self):
+        self.lock.acquire()
+        self._t = time.perf_counter()
+
+    def __exit__(self, *exc):
+        try:
+            self.add(time.perf_counter() - self._t)
+        finally:
+            self.lock.release()
+
+
+def _record(e: str, reason: str | None, respawn: bool) -> dict:
+    """A healing engine's row: why it heals, and what it took so far (``sources`` in order); its phase is
+    its standing (:mod:`~dcr_ray.actors.fleet.standings`)."""
+    return {"engine": e, "reason": reason, "respawn": respawn, "source": None,
+            "since": time.time(), "waiting_since": None, "rounds": 0, "error": None, "sources": [],
+            "start_seconds": None, "created_at": None, **dict.fromkeys(TOOK, 0)}
+
+
+def _phase(standing: Standing | None) -> str:
+    return standing.value if standing is not None else "unknown"
+
+
+class Healing:
+    """The coordinator's healing table and worker: :meth:`schedule`, :meth:`heal_now`, :meth:`status`."""
+
+    def __init__(self, state: CoordinatorState, bootstrap: Bootstrap, outages: Outages):
+        self._s = state
+        self._bootstrap = bootstrap
+        self._outages = outages
+        self._table: dict[str, dict] = {}  # engine id -> its healing record (what status() shows)
+        self._guard = threading.Lock()  # guards the table and the worker's start
+        self._worker: threading.Thread | None = None
+        self.healed: list[dict] = []  # the last HEALED_KEPT completed heals, oldest first
+        metrics.record("healing_engines", 0)
+
+    # -- what the coordinator calls ----------------------------------------------------------------
+    def schedule(self, engine_ids, reason: str, *, respawn: bool) -> None:
+        """Heal ``engine_ids`` in the background (re-created first with ``respawn``: their actors died);
+        they stand ``queued`` until the worker takes them (an engine already healing keeps its place)."""
+        standings = self._s.standings
+        with self._guard:
+            for e in engine_ids:
+                rec = self._table.get(e)
+                if rec is not None and standings.of(e) is not Standing.FAILED:
+                    rec["respawn"] = rec["respawn"] or respawn
+                    continue
+                standings.heal([e])
+                self._table[e] = _record(e, reason, respawn)
+            metrics.record("healing_engines", len(self._table))
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._run, name="dcr-healing", daemon=True)
+                self._worker.start()
+
+    def keep(self, step) -> None:
+        """After a commit: the transport keeps ``step``'s payloads in its clusters' catch-up windows (and
+        releases the rest of the transfer). Statistics-like: a failure here is logged, never fails the
+        committed refit (the engines it would have served heal from a peer instead)."""
+        s = self._s
+        try:
+            s.transport.keep(step)
+        except Exception as err:
+            log.warning("dcr_ray: keeping %s in the catch-up window failed: %r", step.transfer, err)
+            try:
+                s.transport.release(step.transfer)
+            except Exception as err2:
+                log.warning("dcr_ray: releasing the payloads of %s failed: %r", step.transfer, err2)
+
+    def heal_now(self, engine_id: str, reason: str, *, respawn: bool) -> dict:
+        """Heal one engine in the caller's thread (``Refit.rejoin``); raises what made it fail."""
+        with self._guard:
+            self._s.standings.heal([engine_id])
+            self._table[engine_id] = _record(engine_id, reason, respawn)
+        try:
+            return self._heal(engine_id)
+        except NoCapacity as err:
+            self.schedule([], "waiting for capacity", respawn=False)  # the worker watches for capacity
+            raise RefitError(f"engine {engine_id}: no live node can host cluster {err}; it waits for capacity and "
+                             f"heals when a node with the cluster's resources joins (Refit.status()['healing'])"
+                             ) from None
+
+    def status(self) -> dict:
+        """``{"healing": {engine id: {"phase", "reason", "source", "since", "rounds", "error", ...}},
+        "healed": [...]}``: every engine healing now or whose healing failed (``phase``: its standing, one
+        of :data:`~dcr_ray.actors.fleet.standings.HEALING` or ``joining``; ``failed``: ``Refit.rejoin`` retries
+        it), and the last completed heals. ``sources`` lists where each round's
+        bits came from (a peer's id, ``window`` or ``owners``; a later round starts from what an earlier
+        one landed when a refit committed meanwhile), ``source`` the last one (``held``: none was
+        needed); ``owner_bytes``: what the owners sent for it; ``copy_bytes``: what peers handed over
+        (``cross_bytes``: the part a peer of another cluster handed over, across a cluster link);
+        ``delta_bytes`` / ``steps``: the missed deltas replayed from the catch-up window;
+        ``lock_seconds``: how long it held the coordinator's lock (refits wait only for that)."""
+        standings = self._s.standings
+        with self._guard:
+            return {"healing": {e: {"phase": _phase(standings.of(e)),
+                                    **{k: v for k, v in r.items() if k not in ("respawn", "created_at")}}
+                                for e, r in self._table.items()},
+                    "healed": list(self.healed)}
+
+    # -- the work ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._guard:
+                todo = sorted(e for e in self._table if self._s.standings.of(e) is Standing.QUEUED)
+                waiting = sorted(e for e in self._table if self._s.standings.of(e) is Standing.WAITING)
+                if not todo and not waiting:
+                    self._worker = None
+                    return
+            for e in waiting:  # capacity came back: heal it now
+                if self._outages.can_host(self._s.topology.engine_cluster[e]):
+                    self._set(e, Standing.QUEUED)
+                    todo.append(e)
+            self._recreate([e for e in todo if self._table[e]["respawn"]])
+            for e in todo:
+                try:
+                    self._heal(e)
+                except NoCapacity:
+                    pass  # it waits: looked at again below
+                except Exception as err:  # recorded; queued again after the next commit (or Refit.rejoin)
+                    log.warning("dcr_ray: healing engine %s failed: %r", e, err)
+            if not todo:
+                time.sleep(CAPACITY_POLL_S)
+
+    def _set(self, e: str, standing: Standing | None = None, **kw) -> None:
+        """``e`` moves to ``standing`` (its phase), and its row takes ``kw``."""
+        with self._guard:
+            if standing is not None:
+                self._s.standings.move([e], standing)
+            self._table[e].update(kw)
+
+    def _heal(self, e: str) -> dict:
+        t0 = time.perf_counter()
+        try:
+            self._start(e)
+            out = self._rounds(e)
+        except NoCapacity:
+            with self._guard:
+                if self._s.standings.of(e) is not Standing.WAITING:
+                    self._s.standings.move([e], Standing.WAITING)
+                    self._table[e].update(waiting_since=time.time(), respawn=True)
+            raise
+        except Exception as err:
+            self._set(e, Standing.FAILED, error=f"{type(err).__name__}: {err}")
+            raise
+        secs = time.perf_counter() - t0
+        with self._guard:
+            rec = self._table.pop(e, None) or _record(e, None, False)
+            out = {**out, "source": (rec["sources"] or ["held"])[-1], "sources": rec["sources"],
+                   **{k: rec[k] for k in TOOK}, "reason": rec["reason"], "seconds": secs, "at": time.time(),
+                   "start_seconds": rec["start_seconds"]}
+            self.healed = [*self.healed, out][-HEALED_KEPT:]
+            metrics.record("healing_engines", len(self._table))
+        metrics.record("heal_seconds", secs)
+        log.info("dcr_ray: engine %s healed to version %d from %s in %.1f s", e, out["version"],
+                 " then ".join(out["sources"]) or "what it held", secs)
+        return out
+
+    def _holding(self, e: str, lock) -> "_TimedLock":
+        """``lock`` (the coordinator's) for ``e``'s heal: each hold's seconds add to its ``lock_seconds``
+        (how long this heal kept refits waiting, whatever else loads the machine)."""
+        def add(seconds: float) -> None:
+            with self._guard:
+                self._table[e]["lock_seconds"] += seconds
+        return _TimedLock(lock, add)
+
+    def _took(self, e: str, source: str, **nbytes: int) -> None:
+        """Record that ``e`` took bits from ``source`` (``owner_bytes``, ``copy_bytes``, ``delta_bytes``,
+        ``steps``), whether or not that round's version is still the committed one when it lands."""
+        with self._guard:
+            rec = self._table[e]
+            rec["sources"] = [*rec["sources"], source]
+            for k, n in nbytes.items():
+                rec[k] += n
+
+    def _recreate(self, engine_ids: list[str]) -> None:
+        """Re-create the engines in ``engine_ids`` whose cluster can be hosted, all at once (a lost node's
+        engines start side by side, not one heal after another); the others wait for capacity in their
+        heal. Each then heals in turn (:meth:`_start` waits for it to answer)."""
+        s = self._s
+        ready = [e for e in engine_ids if self._outages.can_host(s.topology.engine_cluster[e])]
+        for e in ready:
+            self._set(e, Standing.RECREATING)
+            s.topology.retire(e, s.config)  # its name is released before the lock is taken
+        for e in ready:
+            with self._holding(e, s.lock):
+                if not self._outages.regain(s.topology.engine_cluster[e]):  # its relays come back first
+                    continue
+                s.topology.respawn(e, s.config)
+            self._set(e, Standing.STARTING, respawn=False, created_at=time.perf_counter())
+
+    def _start(self, e: str) -> None:
+        """Re-create ``e`` if its actor died (now or while it starts), and wait until its backend loaded
+        (the model is built): no lock is held and nothing is copied meanwhile. Raises :class:`NoCapacity`
+        when no live node can host its cluster (before it is re-created, or while it waits to start)."""
+        s = self._s
+        cluster = s.topology.engine_cluster[e]
+        for _ in range(MAX_ROUNDS):
+            if self._table[e]["respawn"]:
+                if not self._outages.can_host(cluster):
+                    raise NoCapacity(cluster)
+                self._recreate([e])
+                if self._table[e]["respawn"]:  # its cluster lost its capacity meanwhile
+                    raise NoCapacity(cluster)
+            self._set(e, Standing.STARTING)
+            try:
+                self._started(e, cluster)
+                created = self._table[e].get("created_at")
+                if created is not None:  # re-created to ready to heal: its process, imports and backend
+                    self._set(e, start_seconds=time.perf_counter() - created, created_at=None)
+                return
+            except RayActorError:
+                self._set(e, respawn=True)
+        raise RuntimeError(f"engine {e} died {MAX_ROUNDS} times while it was re-created")
+
+    def _started(self, e: str, cluster: str) -> None:
+        """Wait until ``e`` answers (its backend loaded), looking every :data:`CAPACITY_POLL_S` whether its
+        cluster can still be hosted: an engine Ray cannot place is killed and waits for capacity."""
+        s = self._s
+        ref = s.engines[e].get_version.remote()
+        deadline = time.monotonic() + s.config.commit.start_timeout_s
+        while not ray.wait([ref], timeout=CAPACITY_POLL_S)[0]:
+            if not self._outages.can_host(cluster) or s.topology.nodes.lost([f"engine:{e}"]):
+                s.topology.retire(e, s.config)
+                self._set(e, respawn=True)
+                raise NoCapacity(cluster)
+            if time.monotonic() > deadline:
+                raise RefitError(f"engine {e} did not start within {s.config.commit.start_timeout_s:.0f} s "
+                                 f"(CommitConfig.start_timeout_s)")
+        ray.get(ref)
+
+    def retry_failed(self) -> list[str]:
+        """Queue again every engine whose healing failed (the coordinator calls it after each commit);
+        returns their ids."""
+        with self._guard:
+            failed = sorted(e for e in self._table if self._s.standings.of(e) is Standing.FAILED)
+            for e in failed:
+                self._s.standings.heal([e])
+                self._table[e].update(error=None, rounds=0)
+        if failed:
+            self.schedule([], "retry", respawn=False)  # starts the worker for them
+        return failed
+
+    def _rounds(self, e: str) -> dict:
+        """Copies from a peer until one is still the committed version when it lands. The copies run
+        beside the refits; if refits keep committing faster than a copy lands, the last round holds the
+        coordinator's lock through one copy (refits wait for one in-cluster copy, never for the owners)."""
+        last: Exception | None = None
+        for r in range(MAX_ROUNDS):
+            self._set(e, rounds=r + 1)
+            out = self._round(e, final=r == MAX_ROUNDS - 1)
+            if isinstance(out, dict):
+                return out
+            last = out
+            if out is not None:  # a failure, not a stale copy: let the cluster settle first
+                time.sleep(RETRY_PAUSE_S)
+        raise RuntimeError(f"engine {e} did not catch up with the committed version in {MAX_ROUNDS} copies "
+                           f"(last error: {last!r}); Refit.rejoin({e!r}) tries again")
+
+    def _round(self, e: str, *, final: bool):
+        """One copy: the result dict once ``e`` joined, None when the copy landed on a version that is no
+        longer committed, or the error that failed it. Choosing the source and the join hold the
+        coordinator's lock (between refits); the peer's snapshot and the copy hold it only in the
+        ``final`` round (the peer refuses a snapshot unless it holds the committed version read under
+        the lock, settled)."""
+        s = self._s
+        t = s.config.commit.start_timeout_s
+        whole = self._holding(e, s.lock) if final else contextlib.nullcontext()
+        step = contextlib.nullcontext() if final else self._holding(e, s.lock)
+        handle = s.engines[e]
+        with whole:
+            try:
+                held = self._held(e, t)
+            except RayActorError as err:  # the healing engine died: re-created for the next round
+                s.topology.retire(e, s.config)
+                with step:
+                    s.topology.respawn(e, s.config)
+                return err
+            except Exception as err:  # e.g. it hangs: another round
+                return err
+            with step:
+                version, version_id = s.version, s.last_transfer()
+                if held == (version, version_id):  # it missed nothing (or took it in an earlier round)
+                    return self._join(e, version)
+                steps = self._window(e, held, (version, version_id))
+                peer = self._peer(e) if not steps or self._dense_is_smaller(e, steps) else None
+                if steps and peer is not None and not self._same_cluster(e, peer):
+                    peer = None  # deltas inside the cluster beat a dense copy across the link
+                steps = None if peer is not None else steps
+                if not steps and (peer is None or s.topology.is_adopted(e)):  # no delta, no peer can hand
+                    # it over (or it cannot take a copy: an adopted engine's bits are not addressable)
+                    self._set(e, Standing.JOINING, source="owners")
+                    sent = self._bootstrap.dense([e])  # joins the required set (an adopted engine by digest if it can)
+                    self._took(e, "owners" if sent else "digest", owner_bytes=sent)
+                    return {"engine": e, "version": version}
+            if peer is not None:
+                try:  # the peer hands over only the committed version read above, settled (else it refuses)
+                    snap = ray.get(s.engines[peer].snapshot.remote(version, version_id), timeout=t)
+                except Exception as err:  # the peer died, is inside a refit, or moved on: another round
+                    return err
+            try:
+                if steps:
+                    self._set(e, Standing.CATCHING_UP, source="window")
+                    got = ray.get(handle.catch_up.remote(steps, t), timeout=t)
+                    self._took(e, "window", delta_bytes=got["bytes"], steps=got["steps"])
+                else:
+                    self._set(e, Standing.COPYING, source=peer)
+                    ray.get(handle.heal_from.remote(snap, t), timeout=t)
+                    cross = 0 if self._same_cluster(e, peer) else snap["bytes"]
+                    self._took(e, peer, copy_bytes=snap["bytes"], cross_bytes=cross)
+            except RayActorError as err:  # the healing engine itself died: re-created for the next round
+                s.topology.retire(e, s.config)
+                with step:
+                    s.topology.respawn(e, s.config)
+                return err
+            except Exception as err:  # e.g. the peer died before the copy was pulled, a step did not fit
+                return err
+            with step:
+                if s.version != version or ray.get(handle.get_version.remote(), timeout=t) != version:
+                    return None  # a refit committed while it copied: the next round starts from there
+                return self._join(e, version)
+
+    def _held(self, e: str, timeout_s: float) -> tuple | None:
+        """``(version, content id)`` engine ``e`` holds settled, or None (no version, or dirty). Writes of
+        an abandoned transfer it still holds (evicted inside a refit) are rolled back in place first."""
+        handle = self._s.engines[e]
+        st = ray.get(handle.state.remote(), timeout=timeout_s)
+        if st["transfer"] is not None and not st["dirty"]:
+            ray.get(handle.abort.remote(st["transfer"], True), timeout=timeout_s)
+            st = ray.get(handle.state.remote(), timeout=timeout_s)
+        if st["dirty"] or st["version"] is None or st["transfer"] is not None:
+            return None
+        return st["version"], st.get("version_id")
+
+    def _window(self, e: str, held: tuple | None, committed: tuple) -> list | None:
+        """The committed steps from what ``e`` holds to ``committed``, from its cluster's catch-up window;
+        None when the window does not cover it (or there is none)."""
+        s = self._s
+        if held is None or held[0] > committed[0] or s.config.transport.catchup_window_bytes <= 0:
+            return None
+        try:
+            steps = s.transport.window(s.topology.engine_cluster[e], *held)
+        except Exception as err:  # the window is an optimisation: a peer or the owners still heal it
+            log.warning("dcr_ray: reading the catch-up window for engine %s failed: %r", e, err)
+            return None
+        if not steps or (steps[-1].target, steps[-1].transfer) != committed:
+            return None
+        return steps
+
+    def _same_cluster(self, e: str, peer: str) -> bool:
+        cluster = self._s.topology.engine_cluster
+        return cluster[e] == cluster[peer]
+
+    def _dense_is_smaller(self, e: str, steps: list) -> bool:
+        """Whether a peer's dense copy moves fewer bytes than replaying ``steps`` (large learning rates:
+        a few versions of deltas outweigh the model); an adopted engine cannot take a copy."""
+        s = self._s
+        model = s.model_bytes  # 0 when unknown (a resumed coordinator): replay
+        return bool(model) and not s.topology.is_adopted(e) and sum(st.nbytes for st in steps) >= model
+
+    def _join(self, e: str, version: int) -> dict:
+        """``e`` holds the committed ``version``: it joins the required set (under the coordinator's lock)."""
+        self._s.standings.require([e])
+        metrics.record("required_engines", len(self._s.required))
+        return {"engine": e, "version": version}
+
+    def _peer(self, e: str) -> str | None:
+        """A required engine that can hand over its bits (dcr_ray started it): one of ``e``'s cluster, else
+        one of another cluster (the whole cluster was lost: the copy crosses a cluster link once, as the
+        owners' would, but off the trainer's clock and without holding up the refits)."""
+        s = self._s
+        cluster = s.topology.engine_cluster[e]
+        ok = [p for p in sorted(s.required) if p != e and not s.topology.is_adopted(p)]
+        ok.sort(key=lambda p: s.topology.engine_cluster[p] != cluster)  # its own cluster first
+        return ok[0] if ok else None
