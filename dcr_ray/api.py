@@ -138,6 +138,14 @@ class Refit:
         re-created first if its actor died."""
         return ray.get(self._actor.rejoin.remote(engine_id))
 
+    def drain(self, engine_id: str) -> dict:
+        """Take ``engine_id`` out of the refits between two of them, with nothing scheduled (maintenance, a
+        user's engine lent elsewhere for a while): it keeps serving the version it holds and misses every
+        refit until :meth:`rejoin` brings it to the committed version (by the deltas it missed, where its
+        cluster's window still holds them). Returns ``status()``; ``ConfigError`` for an engine that is not
+        required now."""
+        return ray.get(self._actor.drain.remote(engine_id))
+
     def invalidate(self, engine_id: str, why: str = "changed outside dcr_ray") -> dict:
         """Tell dcr_ray that ``engine_id``'s weights changed outside it (a vLLM sleep at level 2 discarded
         them, a reload from disk, a manual edit): no delta may build on them. The engine leaves the

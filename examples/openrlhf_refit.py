@@ -10,7 +10,7 @@ bits (``--partial-rollout``: as OpenRLHF's async ``TrainingActor`` does with par
 is paused with requests kept, refit, resumed). At the end the engines' served parameter storage is
 compared, as integer bits, with a fresh engine loaded densely from the trainer's final weights.
 
-On CPU the policy ranks are :class:`~dcr_ray.integrations.openrlhf.cpu_policy.CpuPolicyActor` (OpenRLHF's
+On CPU the policy ranks are :class:`~dcr_ray.testing.openrlhf_policy.CpuPolicyActor` (OpenRLHF's
 ``PolicyModelActor`` needs DeepSpeed and flash-attn on GPUs), and Ray gets one *logical* GPU per engine
 because OpenRLHF places each engine on a ``{"GPU": 1, "CPU": 1}`` bundle. On a GPU cluster the same
 three swaps go into OpenRLHF's ``train_ppo_ray.py``: see ``docs/guide_openrlhf.md``.
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
 
     from dcr_ray.engines.vllm import VLLM_CPU_RUNTIME_ENV
     from dcr_ray.integrations.openrlhf import adopt_vllm_engines, create_vllm_engines
-    from dcr_ray.integrations.openrlhf.cpu_policy import CpuPolicyActor
+    from dcr_ray.testing.openrlhf_policy import CpuPolicyActor
     from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint
 
     cpu = not torch.cuda.is_available()

@@ -15,11 +15,12 @@ from raytools import assert_no_wrong_bits, check_engines, local_ray  # noqa: F40
 
 import pytest
 import ray
+import torch
 
 import dcr_ray
 from dcr_ray.errors import EngineStateError, FrameError
 from dcr_ray.relay.window import CatchUpWindow, CommittedStep
-from dcr_ray.testing.faults import StallingEngine, mislabel_engine, release_stall
+from dcr_ray.testing.faults import StallingEngine, release_stall
 from dcr_ray.testing.models import ModelSpec
 from dcr_ray.testing.trainer import TinyTrainer
 
@@ -104,7 +105,7 @@ def test_an_engine_that_missed_four_refits_catches_up_by_their_deltas_without_th
 
 @pytest.mark.slow
 def test_a_catch_up_that_does_not_fit_what_the_engine_holds_is_refused_before_any_write(local_ray):
-    trainer, refit = _launch(engines=1, lr=1e-3)
+    trainer, refit = _launch(engines=2, lr=1e-3)
     try:
         for seed in range(2):
             ray.get(trainer.step.remote(seed=seed))
@@ -120,17 +121,27 @@ def test_a_catch_up_that_does_not_fit_what_the_engine_holds_is_refused_before_an
         with pytest.raises(EngineStateError):  # the chain is checked first: still v2, not v1
             ray.get(eng.catch_up.remote([short], 30))
         assert_no_wrong_bits(refit, committed, 2)
+        with pytest.raises(dcr_ray.errors.ConfigError, match="unknown engine"):
+            refit.drain("a/e9")
+        assert refit.drain("a/e1")["required"] == ["a/e0"]  # it keeps v2 and misses the next refit
+        with pytest.raises(dcr_ray.errors.ConfigError, match="not in the required set"):
+            refit.drain("a/e1")
         ray.get(trainer.step.remote(seed=2))
-        refit.run()
+        assert refit.run().engine_versions == {"a/e0": 3}
+        lagging = refit.engines()["a/e1"]
+        assert ray.get(lagging.generate.remote([[1, 2, 3]], 2))["version"] == 2  # a drained engine serves
         steps = ray.get(_relay_head(refit, "a").window.remote(2, steps[-1].transfer))
         assert [s.target for s in steps] == [3]
         steps[0].keys = steps[0].keys + [(steps[0].transfer, steps[0].attempt, "nobody", 99)]
-        # the engine is told it holds v2 while it holds v3's bits: had anything of the v2->v3 step (a key
-        # the record names but no payload carries) been written, the XOR would leave wrong bits below
-        ray.get(eng.__ray_call__.remote(mislabel_engine, 2, steps[0].base_id))
+        # a/e1 holds v2, so the chain fits and its frames are checked: one key the record names arrives in
+        # no payload, and had anything of the step been written, a/e1's bits would no longer be v2's
         with pytest.raises(FrameError, match="not the committed attempt"):
-            ray.get(eng.catch_up.remote(steps, 30))
-        ray.get(eng.__ray_call__.remote(mislabel_engine, 3, steps[0].transfer))
+            ray.get(lagging.catch_up.remote(steps, 30))
+        got = ray.get(lagging.tensors.remote())
+        assert ray.get(lagging.get_version.remote()) == 2 and sorted(got) == sorted(committed)
+        for n, t in committed.items():
+            assert torch.equal(got[n].view(torch.int16), t.view(torch.int16)), n
+        assert refit.rejoin("a/e1")["required"] == ["a/e0", "a/e1"]
         assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 3)
     finally:
         refit.shutdown()

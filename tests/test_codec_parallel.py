@@ -156,7 +156,7 @@ def test_dcr_ray_jit_0_selects_the_numpy_path():
     import subprocess
     import sys
 
-    code = "from dcr_ray.codec import kernels; print(kernels.ENABLED)"
+    code = "from dcr_ray.codec.compiled import kernels; print(kernels.ENABLED)"
     env = {**__import__("os").environ, "DCR_RAY_JIT": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -192,7 +192,7 @@ def test_a_fresh_process_loads_every_warmed_kernel_from_numbas_cache_without_com
     if not kernels.ENABLED:
         pytest.skip("numba is not installed (or DCR_RAY_JIT=0): no kernels to cache")
     kernels.warm_up(background=False)  # fills the cache (or finds it filled)
-    code = ("from dcr_ray.codec import kernels, ptrkernels\n"
+    code = ("from dcr_ray.codec.compiled import kernels, ptrkernels\n"
             "kernels.warm_up(background=False)\n"
             "ds = {**kernels._compiled(), **{'ptr.' + k: v for k, v in ptrkernels._compiled().items()}}\n"
             "print({n: sum(d.stats.cache_misses.values()) for n, d in ds.items() if d.stats.cache_misses})\n"

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import dcr_ray
-from dcr_ray.actors.owner.held import HeldOwnerHandle, actor_handle, owner_endpoint
+from dcr_ray.actors.owner.endpoint import HeldEndpoint, MixinEndpoint, owner_endpoint
 from dcr_ray.errors import ConfigError
 from dcr_ray.testing.models import ModelSpec
 from dcr_ray.testing.trainer import TinyTrainer
@@ -28,7 +28,7 @@ def test_owner_takes_a_function_and_says_so_when_given_tensors():
         dcr_ray.Owner({"w": None})
 
 
-def test_a_mixin_actors_handle_is_its_own_endpoint_and_a_held_owners_handle_pickles(local_ray):
+def test_a_mixin_actor_and_an_actor_that_holds_an_owner_each_get_an_endpoint_that_pickles(local_ray):
     mixin = ray.remote(num_cpus=0)(TinyTrainer).remote(SPEC)
 
     @ray.remote(num_cpus=0)
@@ -37,11 +37,12 @@ def test_a_mixin_actors_handle_is_its_own_endpoint_and_a_held_owners_handle_pick
             return 1
 
     plain = Plain.remote()
-    assert owner_endpoint(mixin) is mixin and actor_handle(mixin) is mixin
+    mine = owner_endpoint(mixin)
+    assert isinstance(mine, MixinEndpoint) and mine.handle is mixin and owner_endpoint(mine) is mine
     ep = owner_endpoint(plain)
-    assert isinstance(ep, HeldOwnerHandle) and actor_handle(ep) is plain
+    assert isinstance(ep, HeldEndpoint) and ep.handle is plain
     again = pickle.loads(pickle.dumps(ep))
-    assert ray.get(again.ping.remote()) == 1  # other attributes are the handle's own
+    assert ray.get(again.handle.ping.remote()) == 1  # the endpoint pickles with its actor handle
 
 
 def test_an_actor_that_holds_no_owner_is_refused_before_anything_starts(local_ray):

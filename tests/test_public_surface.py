@@ -1,6 +1,6 @@
 """Tests, benchmarks and examples reach the library only through its public names: the API, the
-documented inspection surface (``status()``, ``EngineActor.stats()``, ``dcr_ray.testing``'s probes and
-faults) and module-level constants. Read from the source, no imports run.
+documented inspection surface (``status()``, ``EngineActor.stats()``, ``dcr_ray.testing``'s fault tools)
+and module-level constants. Read from the source, no imports run.
 
 A *private name of the library* is any ``_name`` (not a dunder) that the library defines: a function,
 class or method, or an attribute it sets or reads on ``self``. Flagged in ``tests/``, ``benchmarks/`` and

@@ -25,7 +25,6 @@ from vllmtools import fresh_engine_outputs, serve, start_user_engine  # noqa: E4
 
 import dcr_ray  # noqa: E402
 from dcr_ray.engines.vllm import AdoptedVllmEngine  # noqa: E402
-from dcr_ray.testing.faults import leave_required  # noqa: E402
 from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
 from dcr_ray.testing.trainer import TinyTrainer  # noqa: E402
 
@@ -43,7 +42,7 @@ def test_an_adopted_engine_that_missed_two_refits_catches_up_through_its_proxy_a
         dcr_ray.ClusterSpec(name="users", adopt=[AdoptedVllmEngine(user, checkpoint=ckpt)])])
     try:
         assert refit.status()["required"] == ["hf/e0", "users/a0"]
-        ray.get(refit.actor.__ray_call__.remote(leave_required, "users/a0"))
+        refit.drain("users/a0")
         reports = []
         for v in (1, 2):
             ray.get(trainer.step.remote(seed=v))

@@ -19,7 +19,8 @@ from vllmtools import MAX_TOKENS, PROMPTS, Trainer, bits_identical, refit, write
 
 from dcr_ray.codec import BaselineStore  # noqa: E402
 from dcr_ray.engines.base import checkpoint_state_dict  # noqa: E402
-from dcr_ray.engines.vllm import VllmBackend, groups  # noqa: E402
+from dcr_ray.engines.vllm import VllmBackend  # noqa: E402
+from dcr_ray.engines.vllm.worker import groups  # noqa: E402
 from dcr_ray.errors import BackendError  # noqa: E402
 from dcr_ray.testing.models import ModelSpec, build_model, hf_config, save_checkpoint  # noqa: E402
 

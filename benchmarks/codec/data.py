@@ -6,6 +6,7 @@ import time
 
 from benchmarks.codec.measure import Step
 from benchmarks.codec.settings import Settings, _log
+from benchmarks.common import adamw_step
 
 #: The MoE-shaped many-tensor case: tensors, elements per tensor, change rate.
 MOE_TENSORS = 100_000
@@ -80,11 +81,8 @@ def real_steps(s: Settings, lr: float):
         before = {n: bits_view(p.detach().to(torch.bfloat16)).copy() for n, p in params.items()}
         ids = torch.randint(0, vocab, s.batch, generator=g)
         t = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _log(f"  lr={lr:g} step {i + 1}/{s.warm_steps + s.steps} loss={loss.item():.3f} "
+        loss = adamw_step(model, opt, ids)
+        _log(f"  lr={lr:g} step {i + 1}/{s.warm_steps + s.steps} loss={loss:.3f} "
              f"({time.perf_counter() - t:.1f}s){' warm-up' if i < s.warm_steps else ''}")
         if i >= s.warm_steps:
             yield Step(old=before, new={n: p.detach().to(torch.bfloat16) for n, p in params.items()})

@@ -89,7 +89,7 @@ def measure_step(step: Step, acc: Acc, repeats: int, coding: str = "plain") -> N
     """Measure one step of a case into ``acc`` (``coding`` is what the throughput columns time)."""
     import numpy as np
 
-    from benchmarks import peers
+    from benchmarks.peers import encodings as peers
     from dcr_ray.codec import bits_view, diff_tensor
     from dcr_ray.codec.primitives import intdiff
     from dcr_ray.codec.bits import wire_name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from benchmarks.common import text_rows
 from benchmarks.codec.data import FIXED_COST_MAX_S
 from benchmarks.codec.settings import LINK_GBITPS, TARGETS
 
@@ -56,14 +57,6 @@ def _short(c: dict) -> str:
 # ---------------------------------------------------------------------------------------------------
 # output
 # ---------------------------------------------------------------------------------------------------
-def _rows(cols, rows) -> list[str]:
-    out = [" ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w, _) in enumerate(cols))]
-    for vals in rows:
-        cells = ["-" if v is None else f.format(v) for (_, _, f), v in zip(cols, vals)]
-        out.append(" ".join(c.rjust(w) if i else c.ljust(w) for i, ((_, w, _), c) in enumerate(zip(cols, cells))))
-    return out
-
-
 def format_table(r: dict) -> str:
     """The human-readable report."""
     m = r["machine"]
@@ -87,7 +80,7 @@ def format_table(r: dict) -> str:
                      c["mixed_saving"], c["peers_bytes_per_change"]["areal"],
                      c["peers_bytes_per_change"]["slime"],
                      "yes" if c["bit_exact"] and c.get("peers_bit_exact", True) else "NO"])
-    lines += _rows(cols, rows)
+    lines += text_rows(cols, rows)
     for c in r["cases"]:
         if c.get("step_change_rates"):
             lines.append(f"  {c['name']} per-step change rates: "
@@ -99,7 +92,7 @@ def format_table(r: dict) -> str:
             ("(cpu)", 6, "{:.2f}"), ("ctx enc", 7, "{:.2f}"), ("(cpu)", 6, "{:.2f}"), ("ctx app", 7, "{:.2f}"),
             ("(cpu)", 6, "{:.2f}"), ("ctx cold", 8, "{:.2f}")]
     nan = float("nan")
-    lines += _rows(cols, [[c["name"], *(c.get(k, nan) for k in (
+    lines += text_rows(cols, [[c["name"], *(c.get(k, nan) for k in (
         "plain_encode_gbps", "plain_encode_cpu_gbps", "plain_apply_gbps", "plain_apply_cpu_gbps",
         "context_encode_gbps", "context_encode_cpu_gbps", "context_apply_gbps", "context_apply_cpu_gbps",
         "context_apply_cold_gbps"))] for c in r["cases"]])
@@ -108,7 +101,7 @@ def format_table(r: dict) -> str:
                   f"links:" if link else "the library default:"]
     cols = [("case", 14, "{}"), ("coding", 7, "{}"), ("wire MB", 8, "{:.3f}"), ("B/chg", 6, "{:.3f}"),
             ("/plain", 6, "{:.3f}"), ("enc", 6, "{:.2f}"), ("apply", 6, "{:.2f}"), ("by link (Mbit/s)", 40, "{}")]
-    lines += _rows(cols, [[c["name"], c.get("default_coding"), c.get("default_wire_bytes", nan) / 1e6,
+    lines += text_rows(cols, [[c["name"], c.get("default_coding"), c.get("default_wire_bytes", nan) / 1e6,
                            c.get("default_bytes_per_change"), c.get("default_over_plain"),
                            c.get("default_encode_gbps"), c.get("default_apply_gbps"),
                            " ".join(f"{k}:{v}" for k, v in c.get("default_by_link", {}).items())]

@@ -1,5 +1,5 @@
 """What the peers' ways run inside an engine actor (``engine.__ray_call__.remote(fn, ...)``), through the
-engine's own loader, under the engine's own pause (:func:`dcr_ray.testing.probes.hold` / ``release``: the
+engine's own loader, under the engine's own pause (:meth:`~dcr_ray.actors.engine.actor.EngineActor.hold` / ``release``: the
 clock that times dcr_ray's pauses).
 
 The engine's own loader (:func:`load_tensors`):
@@ -58,15 +58,11 @@ def load_tensors(engine, tensors: dict) -> None:
 
 
 def hold(engine, label: str) -> None:
-    from dcr_ray.testing import probes
-
-    probes.hold(engine, label)
+    engine.hold(label)
 
 
 def release(engine, label: str) -> None:
-    from dcr_ray.testing import probes
-
-    probes.release(engine, label)
+    engine.release(label)
 
 
 def pull_and_load(engine, refs: list) -> None:

@@ -20,7 +20,7 @@ its own loader (vLLM: SkyRL's ``DeltaWeightTransferEngine`` inside vLLM's layerw
 
 Each returns the refit's sample: ``t_call`` / ``t_done`` (driver clock), ``trainer_stall_s`` (until the
 trainer's tensors were copied out: the object-store put, or SkyRL's publish) and ``construct_s`` (the same).
-The engines' own pause clock gives the pauses (``dcr_ray.testing.probes.hold`` / ``release``).
+The engines' own pause clock gives the pauses (``EngineActor.hold`` / ``release``).
 """
 
 from __future__ import annotations

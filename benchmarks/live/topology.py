@@ -4,7 +4,6 @@ fed by a real AdamW trainer (``adamw``) or by synthetic owners that change 3% of
 from __future__ import annotations
 
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -41,20 +40,12 @@ def launch(s, receiver: str, mode: str, data: str):
     from benchmarks.refit.actors import BenchOwner, BenchTrainer, canonical_shapes
     from dcr_ray.options import actor_options
     from dcr_ray.testing.links import EmulatedLinks
-    from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint
+    from benchmarks.common import bench_engine
+    from dcr_ray.testing.models import ModelSpec
 
     size = s.vllm_size if receiver == "vllm" else s.size
     spec = ModelSpec(size=size, seed=s.seed)
-    cleanup = []
-    if receiver == "vllm":
-        from dcr_ray.engines.vllm import VllmEngine
-
-        ckpt = tempfile.mkdtemp(prefix="dcr_bench_live_vllm_")
-        cleanup.append(ckpt)
-        save_checkpoint(build_model(spec.with_seed(s.seed + 1)), ckpt)
-        engine = VllmEngine(ckpt)
-    else:
-        engine = dcr_ray.HFEngine(spec.with_seed(s.seed + 1))  # the dense bootstrap gives it the owners' bits
+    engine, cleanup = bench_engine(receiver, spec, s.seed + 1, "dcr_bench_live_vllm_")
     if data == "adamw":
         trainer = ray.remote(BenchTrainer).options(**actor_options("owner", "dcr_live_trainer")).remote(
             spec, lr=s.lr)

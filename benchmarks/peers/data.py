@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 from benchmarks.codec.measure import Step
 from benchmarks.codec.settings import _log
+from benchmarks.common import adamw_step
 from benchmarks.peers.settings import Settings
 
 
@@ -50,12 +51,9 @@ def adamw_steps(size: str, lr: float, s: Settings) -> Iterator[tuple[int, Step]]
         before = {n: bits_view(p.detach().to(torch.bfloat16)).copy() for n, p in params.items()} if measured else None
         ids = torch.randint(0, vocab, s.batch, generator=g)
         t = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = adamw_step(model, opt, ids)
         if measured or k % 10 == 0:
-            _log(f"  {size} lr={lr:g} step {k}/{max(s.steps)} loss={loss.item():.3f} "
+            _log(f"  {size} lr={lr:g} step {k}/{max(s.steps)} loss={loss:.3f} "
                  f"({time.perf_counter() - t:.1f}s){' measured' if measured else ''}")
         if measured:
             yield k, Step(old=before, new={n: p.detach().to(torch.bfloat16) for n, p in params.items()})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from benchmarks.common import text_rows
 from benchmarks.peers.settings import TARGETS
 
 #: dcr_ray's rows (their corruption verdicts are what the last target checks).
@@ -64,14 +65,6 @@ def corruption_cell(v: dict, with_bytes: bool = True) -> str:
     return what
 
 
-def _rows(cols, rows) -> list[str]:
-    out = [" ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w, _) in enumerate(cols))]
-    for vals in rows:
-        cells = ["-" if v is None else f.format(v) for (_, _, f), v in zip(cols, vals)]
-        out.append(" ".join(c.rjust(w) if i else c.ljust(w) for i, ((_, w, _), c) in enumerate(zip(cols, cells))))
-    return out
-
-
 def _by_data(r: dict) -> dict:
     """Rows grouped by step (data, optimizer step, receiver), in run order."""
     out: dict = {}
@@ -113,7 +106,7 @@ def format_table(r: dict) -> str:
             c = rows[0]
             lines += ["", f"{_step_name(data, k)}, {receiver} receiver: {c['changed']:,} of {c['elements']:,} elements "
                           f"changed ({c['change_rate']:.2%}); per-tensor bound {c['bound_bytes_per_change']:.3f} B/chg"]
-            lines += _rows(cols, [[x["peer"], x["peer_code"], x["wire_bytes"] / 1e6, x["bytes_per_change"],
+            lines += text_rows(cols, [[x["peer"], x["peer_code"], x["wire_bytes"] / 1e6, x["bytes_per_change"],
                                    x["wire_over_skyrl"], x["sender_seconds"], x["receiver_seconds"],
                                    x["receiver_over_skyrl"], "yes" if x["bit_exact"] else "NO"] for x in rows])
             for x in rows:

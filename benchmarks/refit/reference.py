@@ -24,7 +24,6 @@ import time
 
 from benchmarks.refit.progress import log
 from benchmarks.refit.topology import Topology
-from dcr_ray.testing import probes
 
 #: A reference that took less than this is measured a second time and the faster run kept: on a shared
 #: 2-core machine a single short run can be slowed by other work, and the faster reference only makes the
@@ -38,7 +37,7 @@ def _dense_once(topo: Topology) -> tuple[float, int]:
 
     before = topo.link_busy()
     t = time.perf_counter()
-    ray.get(topo.refit.actor.__ray_call__.remote(probes.dense_refit))
+    ray.get(topo.refit.actor.bootstrap_dense.remote())
     seconds = time.perf_counter() - t
     after = topo.link_busy()
     return seconds, max(after[k][1] - before[k][1] for k in after)

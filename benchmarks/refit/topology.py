@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -177,24 +176,15 @@ def launch_adamw(s: Settings, transport: str, receiver: str = "hf") -> Topology:
     dcr_ray from a checkpoint of another random init; the dense bootstrap replaces its bits)."""
     import ray
 
-    import dcr_ray
+    from benchmarks.common import bench_engine
     from dcr_ray.options import actor_options
-    from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint
+    from dcr_ray.testing.models import ModelSpec
 
     size = "tiny" if s.size == "tiny" else "small"  # --size tiny: the smoke test's seconds-long run
     spec = ModelSpec(size=size, seed=s.seed)
     log(f"[{transport}] real-update topology: {size} model, AdamW lr={s.real_lr:g}, {s.engines} "
         f"{'vLLM (CPU)' if receiver == 'vllm' else 'HF'} engines")
-    cleanup = []
-    if receiver == "vllm":
-        from dcr_ray.engines.vllm import VllmEngine
-
-        ckpt = tempfile.mkdtemp(prefix="dcr_bench_vllm_")
-        cleanup.append(ckpt)
-        save_checkpoint(build_model(spec.with_seed(s.seed + 1)), ckpt)
-        engine = VllmEngine(ckpt)
-    else:
-        engine = dcr_ray.HFEngine(spec.with_seed(s.seed + 1))
+    engine, cleanup = bench_engine(receiver, spec, s.seed + 1, "dcr_bench_vllm_")
     Trainer = ray.remote(BenchTrainer)
     trainer = Trainer.options(**actor_options("owner", "dcr_bench_trainer")).remote(spec, lr=s.real_lr)
     owners = {"trainer": trainer}

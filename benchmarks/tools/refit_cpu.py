@@ -32,7 +32,6 @@ import subprocess
 import sys
 import time
 
-from dcr_ray.testing.probes import engine_cpu_parts
 
 ROLES = ("owners", "relays", "engines")
 
@@ -158,11 +157,11 @@ def _one(topo, perturb, rate, pids=None) -> dict:
     t0 = _thread_ticks(pids) if pids else {}
     c0 = _proc_counters(pids) if pids else {}
     g0 = _gc_all(_handles(topo))
-    e0 = ray.get([h.__ray_call__.remote(engine_cpu_parts) for h in topo.engines.values()])
+    e0 = ray.get([h.cpu_parts.remote() for h in topo.engines.values()])
     rep = topo.refit.run()
     ray.get([h.dcr_version.remote() for h in topo.owners.values()])  # every background promote done
     g1 = _gc_all(_handles(topo))
-    e1 = ray.get([h.__ray_call__.remote(engine_cpu_parts) for h in topo.engines.values()])
+    e1 = ray.get([h.cpu_parts.remote() for h in topo.engines.values()])
     parts = {e: {k: b[k] - a[k] for k in a} for e, a, b in zip(topo.engines, e0, e1)}
     gcs = {a: {"s": [y - x for x, y in zip(g0[a]["s"], g1[a]["s"])], "n": [y - x for x, y in zip(g0[a]["n"], g1[a]["n"])],
                "objects": g1[a]["objects"]} for a in g1}

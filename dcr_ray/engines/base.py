@@ -84,9 +84,6 @@ class EngineBackend(ABC):
     """What every receiver declares (see the module docstring); subclass :class:`TensorBackend` or
     :class:`WireBackend`, never this class directly."""
 
-    #: Whether validated frames go to ``apply_wire`` as wire bytes (:class:`WireBackend`) or to ``apply``
-    #: decoded (:class:`TensorBackend`).
-    wants_wire_frames: bool = False
     #: Whether ``apply`` takes frames with packs of small tensors (``frame.packs``, written by
     #: :func:`~dcr_ray.codec.apply_decoded`); otherwise the engine expands them into per-tensor items.
     applies_packs: bool = False
@@ -138,8 +135,6 @@ class EngineBackend(ABC):
 class TensorBackend(EngineBackend):
     """A receiver that holds the canonical tensors in this process and applies decoded frames into them."""
 
-    wants_wire_frames = False
-
     @abstractmethod
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """Canonical name -> tensor holding the engine's canonical bits (CPU, contiguous).
@@ -183,8 +178,6 @@ class TensorBackend(EngineBackend):
 class WireBackend(EngineBackend):
     """A receiver that forwards validated wire frames to a runtime of its own, which validates them again."""
 
-    wants_wire_frames = True
-
     @abstractmethod
     def apply_wire(self, data: bytes, frame: DecodedFrame) -> None:
         """Forward one validated frame as its wire bytes (``frame``: the same frame decoded, for its meta)."""
@@ -195,11 +188,13 @@ class WireBackend(EngineBackend):
         not return weights; compare its outputs and ``get_weight_version()`` instead)."""
         return None
 
-    def load_dense(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> bool:
-        """Replace the named tensors' bits completely (a peer's copy), through the runtime: True when done;
-        False (the default) when this backend takes dense bits only as frames of a refit (a dense
-        bootstrap through the protocol), so a peer's copy cannot reach it."""
-        return False
+    def load_dense(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the named tensors' bits completely (a peer's copy), through the runtime. The default
+        raises :class:`~dcr_ray.errors.BackendError`: such a backend takes dense bits only as frames of a
+        refit (a dense bootstrap through the protocol), so a peer's copy cannot reach it."""
+        from dcr_ray.errors import BackendError
+
+        raise BackendError(f"{type(self).__name__} takes dense bits only as frames of a refit, not a peer's copy")
 
 
 def readable_tensors(backend: EngineBackend) -> Mapping[str, torch.Tensor]:

@@ -84,7 +84,7 @@ def ray_system_config() -> dict:
     """``ray.init(_system_config=...)`` for a new Ray whose workers fork from a server (a new dict each call:
     ``ray.init`` adds to the one it is given; a Ray that is already running refuses it). Ray starts one
     ordinary worker per CPU when the first driver connects, for a job without a runtime env; a job whose
-    runtime env forks its workers never uses them, and on 2 cores they took 0.6 CPU-s from the start-up."""
+    runtime env forks its workers never uses them, and they would take CPU from the start-up."""
     return {"prestart_worker_first_driver": False}
 
 

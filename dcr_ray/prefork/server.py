@@ -1,8 +1,7 @@
 """A prefork server: imports what every dcr_ray worker needs once, then forks one child per Ray worker.
 
-Each Ray worker that runs torch and transformers spends about 3.4 CPU-seconds importing them before it can
-do anything (on this project's 2-core CI machine, about 1.7 s of wall time when two start at once). A
-topology starts one such process per engine and per trainer, and a re-created engine cannot heal until
+Each Ray worker that runs torch and transformers spends seconds of CPU importing them before it can do
+anything (``dcr-ray bench startup`` measures it per kind of actor). A topology starts one such process per engine and per trainer, and a re-created engine cannot heal until
 its imports are done. A child forked from this server starts with those modules already imported.
 
 Protocol (one Unix-socket connection per worker, opened by :mod:`dcr_ray.prefork.client`): the client
@@ -30,9 +29,8 @@ value), so a worker that sets another value itself is refused and starts the ord
 Copy-on-write, as Python's ``gc`` documentation advises for processes that fork without exec: the server
 imports with the garbage collector off, then moves every object it holds into the collector's permanent
 generation (``gc.freeze()``); each child turns collection on again. A child's collections then never walk
-the server's objects, so they never write to the pages that hold them and the child does not copy them:
-a trivial forked actor started in about 0.65 CPU-s instead of 1.0 (six at once on this 2-core machine:
-3.9 CPU-s and 2.1 s instead of 5.8 CPU-s and 3.0 s), and the server is ready in 2.7 s instead of 3.75.
+the server's objects, so they never write to the pages that hold them and the child does not copy them
+(BENCHMARKS.md, ``dcr-ray bench startup``, has what that saves).
 """
 
 from __future__ import annotations

@@ -279,17 +279,3 @@ class TrainerThatKillsTheCoordinatorAtPromote(TinyTrainer):
             self._killed = True
             ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE), no_restart=self._for_good)
         return super().dcr_promote(version)
-
-
-def mislabel_engine(engine, version: int, version_id: str | None) -> None:
-    """(Run in an engine actor with ``__ray_call__``.) Make the engine claim it holds ``version`` of
-    ``version_id`` whatever its bits are: a lie that a later frame's validation must catch."""
-    with engine._c.lock:
-        engine._c.state.activate(version, version_id)
-
-
-def leave_required(coordinator, engine_id: str) -> None:
-    """(Run in the coordinator with ``__ray_call__``.) Take ``engine_id`` out of the refits with nothing
-    scheduled, as if it had been left behind: it misses refits until ``Refit.rejoin`` brings it back."""
-    with coordinator._s.lock:
-        coordinator._s.standings.out([engine_id])

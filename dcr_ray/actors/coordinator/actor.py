@@ -84,7 +84,7 @@ class CoordinatorActor:
     def __init__(self, commit_dir: str):
         inputs = read_inputs(commit_dir)
         config = inputs.config
-        s = self._s = CoordinatorState(config=config, commits=CommitLog(config.commit.dir),
+        s = self._shared = CoordinatorState(config=config, commits=CommitLog(config.commit.dir),
                                        topology=Topology(inputs.clusters, inputs.owners,
                                                          inputs.transport or make_transport(config)),
                                        backend_factory=inputs.backend_factory)
@@ -106,7 +106,7 @@ class CoordinatorActor:
 
     def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
         try:
-            s = self._s
+            s = self._shared
             return (f"CoordinatorActor(v{s.version}, epoch {s.epoch}, {s.phase['phase']}, "
                     f"{len(s.required)}/{len(s.engines)} engines required)")
         except AttributeError:  # not constructed yet
@@ -115,19 +115,19 @@ class CoordinatorActor:
     # The settings, the engines and the required set, for code run inside this actor (``__ray_call__``).
     @property
     def config(self) -> RefitConfig:
-        return self._s.config
+        return self._shared.config
 
     @config.setter
     def config(self, config: RefitConfig) -> None:  # every part reads the shared state's at its next use
-        self._s.config = config
+        self._shared.config = config
 
     @property
     def engines(self) -> dict[str, object]:
-        return self._s.engines
+        return self._shared.engines
 
     @property
     def required(self) -> set[str]:
-        return self._s.required
+        return self._shared.required
 
     # -- start-up ---------------------------------------------------------------------------------
     def start(self, resume: bool = False) -> dict:
@@ -136,10 +136,10 @@ class CoordinatorActor:
         try:
             return self._start(resume)
         finally:
-            self._s.set_phase("idle")
+            self._shared.set_phase("idle")
 
     def _start(self, resume: bool) -> dict:
-        s = self._s
+        s = self._shared
         with s.lock:
             if self._started:
                 return self.status()
@@ -161,7 +161,7 @@ class CoordinatorActor:
             s.start.mark("spawn")
             t = cfg.commit.start_timeout_s
             s.set_phase("attach")
-            specs = get_all({o: h.dcr_attach.remote(o, cfg) for o, h in s.owners.items()}, t, "attach")
+            specs = get_all({o: h.attach(o, cfg) for o, h in s.owners.items()}, t, "attach")
             s.start.mark("attach owners")
             s.set_phase("engines up")  # the engines' actors start and load the model
             engine_specs = s.topology.engine_specs(t)
@@ -178,10 +178,15 @@ class CoordinatorActor:
             self._started = True
             return self.status()
 
-    def _bootstrap(self, engine_ids: list[str]) -> int:
-        """Dense bootstrap of ``engine_ids`` to the committed version (the benchmarks' dense reference runs
-        it inside this actor); see :meth:`~dcr_ray.actors.recovery.bootstrap.Bootstrap.dense`."""
-        return self._boot.dense(engine_ids)
+    def bootstrap_dense(self, engine_ids: list[str] | None = None) -> int:
+        """A dense bootstrap of ``engine_ids`` (default: every engine) to the committed version, between
+        refits, through the path a joining engine takes: the owners send every element (the dense
+        reference ``dcr-ray bench refit`` measures, or an operator's repair of engines whose bits are in
+        doubt); returns the frames sent. See :meth:`~dcr_ray.actors.recovery.bootstrap.Bootstrap.dense`."""
+        with self._shared.lock:
+            if not self._started:
+                raise RefitError("the coordinator was not started; use dcr_ray.launch(...)")
+            return self._boot.dense(sorted(engine_ids if engine_ids is not None else self._shared.engines))
 
     # -- one refit ----------------------------------------------------------------------------------
     def refit(self, request: str | None = None) -> RefitReport:
@@ -195,10 +200,10 @@ class CoordinatorActor:
         try:
             return self._recovery.answered(request) or self._refit(request or "", t_call)
         finally:
-            self._s.set_phase("idle")
+            self._shared.set_phase("idle")
 
     def _refit(self, request: str, t_call: float) -> RefitReport:
-        s = self._s
+        s = self._shared
         with s.lock:
             if not self._started:
                 if self._resume_error is not None:
@@ -276,7 +281,7 @@ class CoordinatorActor:
         so an abort still in flight could otherwise close the next attempt that a later ``prepare`` just
         opened.
         """
-        s = self._s
+        s = self._shared
         calls = {e: s.engines[e].abort.remote(transfer, final) for e in s.required}
         try:
             s.transport.release(transfer)
@@ -294,7 +299,7 @@ class CoordinatorActor:
 
     def _attempt(self, transfer: str, attempt: int, base: int, target: int, t_start: float,
                  request: str = "") -> RefitReport:
-        s = self._s
+        s = self._shared
         t = s.config.commit.timeout_s
         req = sorted(s.required)
         base_id = s.last_transfer()  # frames are bound to the committed content, not only its number
@@ -307,7 +312,7 @@ class CoordinatorActor:
         # engines outside the required set (healing, evicted) get nothing; their clusters' windows keep it
         sink = s.transport.sink(req, req, every_cluster=True)
         s.set_phase("stream", transfer, attempt, target)
-        sums = get_all({o: h.dcr_stream.remote(transfer, attempt, base, target, sink, base_id=base_id,
+        sums = get_all({o: h.stream(transfer, attempt, base, target, sink, base_id=base_id,
                                                 coding=choice.coding) for o, h in s.owners.items()}, t, "stream",
                        s.lost("owner"), s.relays_lost)
         # the owners read the trainer's tensors no more from here: its next optimizer step may run
@@ -327,7 +332,7 @@ class CoordinatorActor:
         s.version = target
         warnings = list(s.commits.warnings)
         s.set_phase("promote", transfer, attempt, target)
-        promoting = {o: h.dcr_promote.remote(target) for o, h in s.owners.items()}
+        promoting = {o: h.promote(target) for o, h in s.owners.items()}
         # the engines serve v+1 from now, beside the owners' promote: their pause ends at the record
         activating = {e: s.engines[e].activate.remote(target, transfer) for e in req}
         _, dead, errors = gather(promoting, t, "promote", s.lost("owner"))
@@ -372,8 +377,8 @@ class CoordinatorActor:
     def _discard_pending(self) -> None:
         """Owners drop their pending changed sets (their baselines stay the committed bits). A dead owner,
         or one whose node is gone, has nothing pending; a hung one fails the next refit's stream."""
-        s = self._s
-        gather({o: h.dcr_discard.remote() for o, h in s.owners.items()}, s.config.commit.timeout_s, "discard",
+        s = self._shared
+        gather({o: h.discard() for o, h in s.owners.items()}, s.config.commit.timeout_s, "discard",
                s.lost("owner"))
 
     # -- membership, recovery and inspection (each delegated to its part) -----------------------------
@@ -382,6 +387,12 @@ class CoordinatorActor:
         now: by the deltas it missed, from a peer, else densely from the owners
         (:meth:`~dcr_ray.actors.coordinator.membership.Membership.rejoin`)."""
         self._members.rejoin(engine_id)
+        return self.status()
+
+    def drain(self, engine_id: str) -> dict:
+        """``Refit.drain``: ``engine_id`` stays at its version and misses refits until it rejoins
+        (:meth:`~dcr_ray.actors.coordinator.membership.Membership.drain`)."""
+        self._members.drain(engine_id)
         return self.status()
 
     def invalidate(self, engine_id: str, why: str) -> dict:
@@ -407,14 +418,14 @@ class CoordinatorActor:
 
     def teardown(self) -> None:
         """Kill the engines and relays and remove the placement groups (``Refit.shutdown``)."""
-        self._s.topology.teardown()
+        self._shared.topology.teardown()
 
     def handles(self) -> dict:
         """Actor handles: ``{"engines": {id: h}, "owners": {id: h}, "relays": {id: h}}``."""
-        return self._s.topology.handles()
+        return self._shared.topology.handles()
 
     def relay_stats(self) -> list[dict]:
-        return self._s.transport.stats()
+        return self._shared.transport.stats()
 
     def reports(self) -> list[dict]:
-        return list(self._s.history)
+        return list(self._shared.history)

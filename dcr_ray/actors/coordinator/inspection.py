@@ -26,7 +26,7 @@ class Inspection:
     """``status`` and ``progress`` of the coordinator, read from its shared state and its healing table."""
 
     def __init__(self, state: CoordinatorState, healer: Healing, outages: Outages):
-        self._s = state
+        self._shared = state
         self._healer = healer
         self._outages = outages
 
@@ -35,7 +35,7 @@ class Inspection:
         far with the total expected (``None`` when unknown, e.g. a delta refit before owners diffed), and
         the payloads each engine in it applied (``engines``).
         The driver's progress bar polls it (:mod:`dcr_ray.progress`)."""
-        s = self._s
+        s = self._shared
         phase = dict(s.phase)
         done, engines = 0, {}
         if phase.get("transfer"):
@@ -54,7 +54,7 @@ class Inspection:
         clusters waiting for capacity (``capacity``: since when, and what their actors ask of a node) and,
         with ``detail``, each engine's state, the relays per cluster and the last refits
         (:mod:`dcr_ray.status` formats it for ``dcr-ray status``)."""
-        s = self._s
+        s = self._shared
         rec = s.commits.read()
         out = {"version": s.version, "epoch": s.epoch, "required": sorted(s.required),
                "standings": s.standings.as_dict(), "engines": sorted(s.engines), "owners": sorted(s.owners),
@@ -87,7 +87,7 @@ class Inspection:
         (``construct``, ``spawn``, ``attach owners``, ``engines up``, ``bootstrap``), and each engine's and
         relay's ``worker`` (process start, imports, arguments), ``backend`` and ``kernels`` seconds.
         Lock-free; an actor that does not answer within the status timeout is left out."""
-        s = self._s
+        s = self._shared
         infos, _, _ = gather({e: h.info.remote() for e, h in s.engines.items()}, STATUS_TIMEOUT_S, "status",
                              s.lost("engine"))
         try:

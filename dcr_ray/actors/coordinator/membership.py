@@ -41,20 +41,20 @@ class Membership:
     """The standings' transitions that need a decision (see the module doc)."""
 
     def __init__(self, state: CoordinatorState, bootstrap: Bootstrap, healer: Healing):
-        self._s = state
+        self._shared = state
         self._bootstrap = bootstrap
         self._healer = healer
         self._probes: dict[str, ray.ObjectRef] = {}  # evicted engine -> its pending readmission probe
 
     def evicted(self) -> list[str]:
         """Engines that did not answer a stage in time and have not answered since."""
-        return self._s.standings.with_standing(Standing.EVICTED)
+        return self._shared.standings.with_standing(Standing.EVICTED)
 
     def answers(self, calls: dict, stage: str, broken=None) -> dict:
         """Results of one engine stage. A dead engine raises :class:`ActorsDied`; an engine that is alive
         but does not answer within the stage timeout is *evicted* (it leaves the required set, and rejoins
         once it answers again, see :meth:`readmit`) while the others go on; any other error fails the attempt."""
-        s = self._s
+        s = self._shared
         out, dead, errors = gather(calls, s.config.commit.timeout_s, stage, s.lost("engine"), broken)
         if dead:
             raise ActorsDied(dead)
@@ -79,7 +79,7 @@ class Membership:
     def _heal_source(self, engine: str, dead) -> str:
         """Where a re-created ``engine`` will take the committed version from, as the report says it
         (:mod:`~dcr_ray.actors.recovery.healing`'s order: its cluster, another cluster, the owners)."""
-        s = self._s
+        s = self._shared
         cluster = s.topology.engine_cluster.get(engine)
         holders = [e for e in s.required if e not in set(dead)]
         if any(s.topology.engine_cluster.get(e) == cluster for e in holders):
@@ -114,7 +114,7 @@ class Membership:
         """Engines evicted as hung that answer again rejoin: activated if they took the whole transfer
         the record committed (they hung in its flush), else healed in the background (:mod:`healing`);
         one that died meanwhile is re-created and healed."""
-        s = self._s
+        s = self._shared
         for e in self.evicted():
             # a probe answers once the engine's lock is free; one still pending is kept for the next refit,
             # so a hung engine costs a refit nothing
@@ -156,7 +156,7 @@ class Membership:
     def rejoin(self, engine_id: str) -> None:
         """``Refit.rejoin``: bring an engine (new, dead, or fallen out of the required set) back at the
         committed version, now: by the deltas it missed, from a peer, else densely from the owners."""
-        s = self._s
+        s = self._shared
         self._known(engine_id)
         t = s.config.commit.timeout_s
         with s.lock:
@@ -174,19 +174,31 @@ class Membership:
         """``Refit.invalidate``: ``engine_id``'s weights changed outside dcr_ray; it leaves the required
         set, holds no version, and heals now (by digest when its bits are still the committed ones, else
         from a peer, else densely from the owners: :mod:`~dcr_ray.actors.recovery.healing`)."""
-        s = self._s
+        s = self._shared
         self._known(engine_id)
         with s.lock:  # between refits
             s.standings.heal([engine_id])
             ray.get(s.engines[engine_id].invalidate.remote(str(why)), timeout=s.config.commit.timeout_s)
         self._healer.heal_now(engine_id, f"invalidated: {why}", respawn=False)
 
+    def drain(self, engine_id: str) -> None:
+        """``Refit.drain``: ``engine_id`` leaves the required set between refits, nothing scheduled: it keeps
+        the version it holds, serves it, and misses every refit until ``Refit.rejoin`` brings it back (by
+        the deltas it missed where the window still holds them)."""
+        s = self._shared
+        self._known(engine_id)
+        with s.lock:  # between refits
+            if engine_id not in s.required:
+                standing = getattr(s.standings.of(engine_id), "value", "no standing")
+                raise ConfigError(f"engine {engine_id!r} is not in the required set ({standing}): nothing to drain")
+            s.standings.out([engine_id])
+
     def restore(self, dirty: list[str], owners: bool = True) -> str:
         """Dense re-bootstrap of engines an abandoned refit wrote into; a note for the error message.
         Without ``owners`` (one of them is lost) nobody can send the committed bits: they leave at once."""
         if not dirty:
             return ""
-        s = self._s
+        s = self._shared
         try:
             if not owners:
                 raise RefitError("an owner is lost")
@@ -200,5 +212,5 @@ class Membership:
                     f"they left the required set: Refit.rejoin(engine_id) restores each")
 
     def _known(self, engine_id: str) -> None:
-        if engine_id not in self._s.engines:
-            raise ConfigError(f"unknown engine {engine_id!r}; known: {sorted(self._s.engines)}")
+        if engine_id not in self._shared.engines:
+            raise ConfigError(f"unknown engine {engine_id!r}; known: {sorted(self._shared.engines)}")

@@ -62,35 +62,35 @@ class EngineActor:
             raise ConfigError(f"engine {engine_id}: the engine factory returned a {type(backend).__name__}; it "
                               f"must return a dcr_ray.engines.base.TensorBackend or WireBackend (subclass one and "
                               f"implement its abstract methods)")
-        self._c = EngineContext(engine_id=engine_id, cluster=cluster, config=config, backend=backend,
+        self._engine = EngineContext(engine_id=engine_id, cluster=cluster, config=config, backend=backend,
                                 reader=reader, specs=backend.tensor_specs())
-        self._receiver = Receiver(self._c)
-        self._serving = Serving(self._c)
-        self._digests = Digests(self._c, self._receiver)
-        self._peer = PeerCopy(self._c)
-        self._catchup = CatchUp(self._c, self._receiver)
+        self._receiver = Receiver(self._engine)
+        self._serving = Serving(self._engine)
+        self._digests = Digests(self._engine, self._receiver)
+        self._peer = PeerCopy(self._engine)
+        self._catchup = CatchUp(self._engine, self._receiver)
         kernels.warm_up(on_done=lambda secs: self._clock.add("kernels", secs))  # while the bootstrap runs
 
     def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
         try:
-            c = self._c
+            c = self._engine
             return f"EngineActor({c.engine_id}, cluster={c.cluster}, v{c.state.version}, {c.state!r})"
         except AttributeError:  # not constructed yet
             return "EngineActor(starting)"
 
     @property
     def engine_id(self) -> str:
-        return self._c.engine_id
+        return self._engine.engine_id
 
     @property
     def backend(self) -> EngineBackend:
         """The backend this engine hosts (for code run in the engine's process)."""
-        return self._c.backend
+        return self._engine.backend
 
     @property
     def version(self) -> int | None:
         """The committed version this engine holds (None: none, or its bits match no version)."""
-        return self._c.state.version
+        return self._engine.state.version
 
     # -- the refit protocol (engine_receive) ----------------------------------------------------------
     def prepare(self, transfer: str, attempt: int, base: int, target: int, base_id: str | None = None) -> dict:
@@ -118,6 +118,21 @@ class EngineActor:
 
     def pauses(self, since: float = 0.0) -> list[dict]:
         return self._serving.pauses(since)
+
+    def hold(self, label: str) -> None:
+        """Stop admitting generation for an operation outside the refit protocol (``label``: what it is, e.g.
+        a weight load another system makes), once the calls in flight finished; its pause is kept like a
+        refit's (mode ``label``). :meth:`release` ends it."""
+        self._serving.hold(label)
+
+    def release(self, label: str) -> None:
+        """End the hold ``label``: generation is admitted again."""
+        self._serving.release(label)
+
+    def cpu_parts(self) -> dict:
+        """Thread CPU seconds of this engine's payload path since it started: ``deliver`` and its parts
+        ``open``, ``decode`` and ``apply``, with ``calls`` (:class:`~dcr_ray.actors.engine.context.CpuParts`)."""
+        return dict(self._engine.cpu.totals)
 
     # -- membership by digest, a peer's copy, missed deltas ------------------------------------------
     def box_digests(self, boxes: list) -> dict:
@@ -147,7 +162,7 @@ class EngineActor:
         applied). A resumed coordinator settles an open transfer from this (activate it if the record
         committed it, else roll it back); an engine evicted as hung that flushed the transfer the record
         committed is activated instead of bootstrapped."""
-        c = self._c
+        c = self._engine
         with c.lock:
             st = c.state
             cur = st.attempt
@@ -159,7 +174,7 @@ class EngineActor:
     def info(self) -> dict:
         """Identity, placement, start-up seconds and counters (payloads applied, duplicate, stale,
         rejected; rollbacks; heals by digest, copy and catch-up)."""
-        c = self._c
+        c = self._engine
         with c.lock:
             return {"engine": c.engine_id, "cluster": c.cluster, "version": c.state.version,
                     "node": ray.get_runtime_context().get_node_id(),
@@ -170,22 +185,22 @@ class EngineActor:
         """Lock-free figures of the last (or open) transfer: ``apply_s``, ``bytes``, ``raw_bytes``
         (:meth:`Receiver.stats`), and the backend's own statistics of its last flush when it keeps them
         (``backend_flush``: a vLLM engine's reloaded tensors and reprocessed modules)."""
-        return {**self._receiver.stats(), "backend_flush": dict(getattr(self._c.backend, "last_flush", None) or {})}
+        return {**self._receiver.stats(), "backend_flush": dict(getattr(self._engine.backend, "last_flush", None) or {})}
 
     def get_version(self) -> int | None:
-        return self._c.state.version
+        return self._engine.state.version
 
     def crossing(self):
         """What this engine's reads of payloads cross, when its transport says so (the object-storage
         reader of an emulated link exposes it as ``crossing``), else None. Code run in the engine's
         process (``actor.__ray_call__``) reaches the link here, never through the engine's parts."""
-        return getattr(self._c.reader, "crossing", None)
+        return getattr(self._engine.reader, "crossing", None)
 
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Canonical name -> (wire dtype, shape) of what this engine holds."""
-        return dict(self._c.specs)
+        return dict(self._engine.specs)
 
     def tensors(self, names: list[str] | None = None) -> dict:
         """Copies of the engine's canonical tensors (all, or ``names``): what it serves from."""
-        ts = readable_tensors(self._c.backend)
+        ts = readable_tensors(self._engine.backend)
         return {n: ts[n].clone() for n in (names or ts)}

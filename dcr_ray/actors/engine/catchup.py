@@ -46,14 +46,14 @@ class CatchUp:
     """``catch_up`` of one engine (see the module doc)."""
 
     def __init__(self, ctx: EngineContext, receiver: Receiver):
-        self._c = ctx
+        self._engine = ctx
         self._receiver = receiver
 
     def catch_up(self, steps: list, timeout_s: float) -> dict:
         """Take ``steps`` (:class:`~dcr_ray.relay.window.CommittedStep`, in commit order); returns
         ``{"engine", "version", "steps", "bytes", "seconds"}``. Raises :class:`FrameError` or
         :class:`EngineStateError` before any write when a step does not fit what this engine holds."""
-        c = self._c
+        c = self._engine
         t0 = time.perf_counter()
         if not steps:
             raise EngineStateError(f"engine {c.engine_id}: nothing to catch up with")
@@ -88,7 +88,7 @@ class CatchUp:
                 "seconds": time.perf_counter() - t0}
 
     def _check_chain(self, steps: list) -> None:
-        c = self._c
+        c = self._engine
         with c.lock:
             st = c.state
             if not st.settled:
@@ -105,11 +105,11 @@ class CatchUp:
     def _read_all(self, payloads: list, timeout_s: float) -> list[bytes]:
         refs = [i for i, p in enumerate(payloads) if isinstance(p, ray.ObjectRef)]
         got = dict(zip(refs, ray.get([payloads[i] for i in refs], timeout=timeout_s))) if refs else {}
-        return [self._c.reader.read(got[i] if i in got else p) for i, p in enumerate(payloads)]
+        return [self._engine.reader.read(got[i] if i in got else p) for i, p in enumerate(payloads)]
 
     def _apply_step(self, cur: Attempt, frames: list) -> None:
         """One validated step in place, like an attempt of a refit; the engine then holds ``cur.target``."""
-        c = self._c
+        c = self._engine
         c.state.open(cur)
         c.state.wrote()
         try:

@@ -46,6 +46,23 @@ def _counters() -> dict[str, int]:
     return {"applied": 0, "duplicate": 0, "stale": 0, "rejected": 0, "rollbacks": 0}
 
 
+class CpuParts:
+    """Thread CPU seconds of the engine's payload path, always counted (two clock reads per part and frame):
+    ``deliver`` (a payload's whole validate-and-apply once its bytes arrived) and its parts ``open`` (digest
+    and header), ``decode`` and ``apply`` (the writes), with ``calls`` (payloads delivered)."""
+
+    def __init__(self):
+        self.totals = {"deliver": 0.0, "open": 0.0, "decode": 0.0, "apply": 0.0, "calls": 0}
+
+    def timed(self, part: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, its thread CPU seconds added to ``part``."""
+        t = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.totals[part] += time.thread_time() - t
+
+
 @dataclass(eq=False)
 class EngineContext:
     """One engine's backend, phase and journal, and the lock that orders every change of them."""
@@ -64,6 +81,7 @@ class EngineContext:
     pause: PauseClock = field(default_factory=PauseClock)  #: when generation could not serve, per refit
     serving: int = 0  #: generate calls reading the weights now (no write starts while > 0)
     held: str | None = None  #: generation held for an operation outside the refit protocol (its label)
+    cpu: CpuParts = field(default_factory=CpuParts)  #: thread CPU seconds of the payload path
 
     @property
     def tags(self) -> dict[str, str]:
@@ -107,11 +125,16 @@ class EngineContext:
     def decode(self, header, attempt: Attempt):
         """Validate and decode a frame of ``attempt`` completely (nothing is written)."""
         # a frame closes once its raw size reaches the bucket, so it holds under two buckets
-        return decode_frame(header, shapes=self.specs, expect_base=attempt.base, expect_base_id=attempt.base_id,
-                            max_raw_bytes=max(self.config.codec.bucket_bytes * 2, 1 << 20),
-                            keep_packs=self.backend.applies_packs)
+        return self.cpu.timed("decode", decode_frame, header, shapes=self.specs, expect_base=attempt.base,
+                              expect_base_id=attempt.base_id,
+                              max_raw_bytes=max(self.config.codec.bucket_bytes * 2, 1 << 20),
+                              keep_packs=self.backend.applies_packs)
 
     def write(self, data: bytes, frame) -> None:
+        """Write a validated frame (its thread CPU seconds counted as ``apply``): see :meth:`_write`."""
+        self.cpu.timed("apply", self._write, data, frame)
+
+    def _write(self, data: bytes, frame) -> None:
         """Write a validated frame: decoded into the backend (keeping the bits it replaces while an undo
         record is kept), or as wire bytes to a backend that forwards them to an engine of its own (adopted
         and vLLM engines, whose workers validate them again). Call with ``lock`` held, after :meth:`quiesce`."""

@@ -20,7 +20,7 @@ class Digests:
     """``box_digests``, ``invalidate`` and ``join_by_digest`` of one engine."""
 
     def __init__(self, ctx: EngineContext, receiver: Receiver):
-        self._c = ctx
+        self._engine = ctx
         self._receiver = receiver
 
     def box_digests(self, boxes: list) -> dict:
@@ -28,7 +28,7 @@ class Digests:
         replacement owner is checked against them); refused while a transfer is open or the engine is dirty."""
         from dcr_ray.sharding.digest import box_digests
 
-        c = self._c
+        c = self._engine
         with c.lock:
             if not c.state.settled:
                 raise EngineStateError(f"engine {c.engine_id} holds no settled version to digest")
@@ -39,7 +39,7 @@ class Digests:
         level 2 discarded them, or its owner reloaded them). It refuses deltas and generation until it
         heals (by digest, when its bits turn out to be the committed ones after all, else densely); an
         update it held open is closed unapplied."""
-        c = self._c
+        c = self._engine
         with c.lock:
             if c.state.attempt is not None:
                 self._receiver.abort(c.state.attempt.transfer)
@@ -50,7 +50,7 @@ class Digests:
         """Join at committed ``version`` without a dense bootstrap if the backend shows, by the owners'
         box ``digests``, that it already serves it (:meth:`EngineBackend.matches_digests`). False (the
         coordinator then bootstraps densely) when it does not, cannot tell, or a transfer is open."""
-        c = self._c
+        c = self._engine
         with c.lock:
             if c.state.paused or c.state.attempt is not None:
                 return False

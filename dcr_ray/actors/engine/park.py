@@ -31,12 +31,12 @@ class Parking:
     """One engine's set-aside writes (at most one transfer's) and the timer that sets them aside."""
 
     def __init__(self, ctx: EngineContext):
-        self._c = ctx
+        self._engine = ctx
         self._redo = None  # the transfer's writes, set aside (an UndoLog whose rollback writes them back)
 
     def _parks(self, transfer: str) -> bool:
         """Whether the flushed in-place writes of ``transfer`` may be set aside (call with the lock held)."""
-        c = self._c
+        c = self._engine
         st = c.state
         return (c.config.engines.hold_s is not None and st.phase is Phase.OPEN and st.written == transfer
                 and c.undo.transfer == transfer and isinstance(c.backend, TensorBackend))
@@ -45,12 +45,12 @@ class Parking:
         """The flush of ``(transfer, attempt)`` is done: park after ``hold_s`` unless activated before
         (call with the lock held)."""
         if self._parks(transfer):
-            timer = threading.Timer(self._c.config.engines.hold_s, self._park, (transfer, attempt))
+            timer = threading.Timer(self._engine.config.engines.hold_s, self._park, (transfer, attempt))
             timer.daemon = True
             timer.start()
 
     def _park(self, transfer: str, attempt: int) -> None:
-        c = self._c
+        c = self._engine
         st = c.state
         with c.lock:
             if not (st.is_in(transfer, attempt) and st.flushed == (transfer, attempt) and self._parks(transfer)):
@@ -69,7 +69,7 @@ class Parking:
     def write_back(self, transfer: str) -> None:
         """Activation of the parked ``transfer``: its writes go back into the weights (generation already
         reading them finishes first). Call with the lock held; the caller then activates."""
-        c = self._c
+        c = self._engine
         c.pause.unpark()
         c.state.unpark()
         c.quiesce()

@@ -51,14 +51,14 @@ class PeerCopy:
     """``snapshot`` (the peer's side) and ``heal_from`` (the healing engine's side) of one engine."""
 
     def __init__(self, ctx: EngineContext):
-        self._c = ctx
+        self._engine = ctx
 
     def snapshot(self, version: int, version_id: str | None) -> dict:
         """This engine's committed bits for a healing peer: ``{"version", "version_id", "specs",
         "digests", "ref": [ObjectRef of {name: tensor}, ...], "bytes"}`` (groups of at most
         :data:`SNAPSHOT_GROUP_BYTES`, in name order); refused unless it holds ``version`` of
         ``version_id`` settled."""
-        c = self._c
+        c = self._engine
         with c.lock:
             st = c.state
             if not st.settled or st.version != version or st.version_id != version_id:
@@ -85,7 +85,7 @@ class PeerCopy:
         """Take the committed version a peer's :meth:`snapshot` handed over (see the module doc); returns
         ``{"engine", "version", "bytes", "seconds"}``. Raises :class:`EngineStateError` (holding no
         version when bits were written) if the copy does not match the peer's digests."""
-        c = self._c
+        c = self._engine
         t0 = time.perf_counter()
         version, version_id, specs = snap["version"], snap["version_id"], snap["specs"]
         mine = {n: (dt, tuple(shape)) for n, (dt, shape) in c.specs.items()}
@@ -108,18 +108,17 @@ class PeerCopy:
                 group = ray.get(ref, timeout=timeout_s)
                 if any(n not in specs or n in seen or (wire_name(t.dtype), tuple(t.shape)) != tuple(specs[n])
                        for n, t in group.items()):
-                    st.dirty("a peer's copy held tensors its manifest did not name")
+                    c.mark_dirty("a peer's copy held tensors its manifest did not name")
                     raise EngineStateError(f"engine {c.engine_id}: {st.why}")
-                if c.backend.load_dense(group.items()) is False:
-                    raise EngineStateError(f"engine {c.engine_id}: {type(c.backend).__name__} took no dense copy")
+                c.backend.load_dense(group.items())
                 seen |= set(group)
                 del group
             c.backend.flush()
             got = tensor_digests(readable_tensors(c.backend))
             differ = sorted(n for n in snap["digests"] if got.get(n) != snap["digests"][n])
             if differ or seen != set(specs):
-                st.dirty(f"a copy from a peer did not land exactly ({len(differ)} tensors differ from the "
-                         f"peer's digests, e.g. {differ[:3]}; {len(set(specs) - seen)} never arrived)")
+                c.mark_dirty(f"a copy from a peer did not land exactly ({len(differ)} tensors differ from the "
+                             f"peer's digests, e.g. {differ[:3]}; {len(set(specs) - seen)} never arrived)")
                 raise EngineStateError(f"engine {c.engine_id}: {st.why}")
             c.become_ready(version, version_id, counter="healed_from_peer")
         return {"engine": c.engine_id, "version": version, "bytes": snap["bytes"],

@@ -61,7 +61,7 @@ class Receiver:
     """``prepare`` / ``deliver`` / ``flush`` / ``activate`` / ``abort`` of one engine (see the module doc)."""
 
     def __init__(self, ctx: EngineContext):
-        self._c = ctx
+        self._engine = ctx
         #: (key, decoded frame, class counts to renew after its write), written at activate
         self._staged: list[tuple[PayloadKey, object, list]] = []
         self._staged_bytes = 0
@@ -76,7 +76,7 @@ class Receiver:
         """Open attempt ``(transfer, attempt)``; checks that this engine holds ``base`` and, when
         ``base_id`` is given, that it holds that content (the transfer that produced ``base``): its
         frames are then refused unless built on exactly that content."""
-        c = self._c
+        c = self._engine
         st = c.state
         with c.lock:
             if st.written is not None and st.written != transfer:
@@ -115,9 +115,14 @@ class Receiver:
     def deliver(self, payload, targets: list[str] | None = None) -> str:
         """Validate and apply (or stage) one payload of the open attempt; returns ``applied`` (applied or
         staged), ``duplicate``, ``stale``, ``rejected`` or ``skipped`` (addressed to other engines)."""
-        c = self._c
+        c = self._engine
         if targets is not None and c.engine_id not in targets:
             return "skipped"
+        c.cpu.totals["calls"] += 1
+        return c.cpu.timed("deliver", self._deliver, payload)
+
+    def _deliver(self, payload) -> str:
+        c = self._engine
         try:
             data = c.reader.read(payload)
         except Exception as e:  # an unreadable payload fails this attempt's flush, as a bad frame does
@@ -126,7 +131,7 @@ class Receiver:
                 self._counted("rejected")
             return "rejected"
         try:  # the digest is checked outside the lock: generation is admitted and answered meanwhile
-            opened, bad = open_frame(data, key=c.config.codec.key), None
+            opened, bad = c.cpu.timed("open", open_frame, data, key=c.config.codec.key), None
         except FrameError as e:
             opened, bad = None, e
         with c.lock:
@@ -150,7 +155,7 @@ class Receiver:
                                              time.perf_counter() - t0))
 
     def _counted(self, status: str) -> str:
-        c = self._c
+        c = self._engine
         c.stats[status] = c.stats.get(status, 0) + 1
         c.lock.notify_all()
         if status in ("applied", "rejected"):
@@ -161,7 +166,7 @@ class Receiver:
         """Under the lock: is this payload (``header``: its opened frame, digest checked; ``bad``: why it
         would not open) for the open attempt, new, within the budget? Returns ``(status, header,
         attempt)``; a status is final (the payload is not applied)."""
-        c = self._c
+        c = self._engine
         st = c.state
         if st.attempt is None:
             st.fail_first(EngineStateError(
@@ -185,12 +190,12 @@ class Receiver:
     def _decode_ahead(self, cur: Attempt) -> bool:
         """Whether this attempt's frames are decoded outside the lock and kept for the flush (staged deltas
         into a backend that holds tensors; wire backends get their frames at once)."""
-        c = self._c
+        c = self._engine
         return c.staged and cur.base != BOOTSTRAP_BASE and isinstance(c.backend, TensorBackend)
 
     def _apply_now(self, data: bytes, header, cur: Attempt) -> str:
         """Under the lock: validate, then write (in place) or forward (a wire backend's staged frame)."""
-        c = self._c
+        c = self._engine
         st = c.state
         key = header.meta.key
         t0 = time.perf_counter()
@@ -217,7 +222,7 @@ class Receiver:
     def _stage(self, data: bytes, header, cur: Attempt, prepared, error, seconds: float) -> str:
         """Under the lock: keep a frame decoded (and its class-order positions resolved) outside it, if its
         attempt is still open. ``prepared``: ``(frame, class counts to renew after its write)``."""
-        c = self._c
+        c = self._engine
         st = c.state
         key = header.meta.key
         if not st.is_in(cur.transfer, cur.attempt):
@@ -245,12 +250,12 @@ class Receiver:
         self._apply_s += seconds
         self._bytes += len(data)
         self._raw += frame.raw_bytes
-        self._c.applied[key] = bytes(data[-DIGEST_SIZE:])
+        self._engine.applied[key] = bytes(data[-DIGEST_SIZE:])
 
     def flush(self, transfer: str, attempt: int, expected: list[tuple], timeout_s: float) -> dict:
         """Wait until every expected payload is applied (or staged), write what was staged, flush the
         backend, acknowledge."""
-        c = self._c
+        c = self._engine
         want = {PayloadKey(*k) for k in expected}
         deadline = time.monotonic() + timeout_s
         st = c.state
@@ -285,7 +290,7 @@ class Receiver:
 
         ``version_id`` names its content (the commit record's ``transfer``); it defaults to ``transfer``,
         which is right for a delta transfer (a dense bootstrap passes the record's id)."""
-        c = self._c
+        c = self._engine
         renew = []
         with c.lock:
             if transfer is None or c.state.is_in(transfer):
@@ -306,7 +311,7 @@ class Receiver:
         these writes and the backend's flush (a wire backend's runtime reloads what its frames touched).
         They are written only once committed, so they keep no undo record; a write that fails leaves the
         engine holding no version (it heals, as an engine that failed to activate does)."""
-        c = self._c
+        c = self._engine
         c.pause.begin(transfer, "staged")
         c.state.wrote()  # generation waits from here to the end of activate
         c.quiesce()
@@ -341,7 +346,7 @@ class Receiver:
         (``dirty``), refuses deltas and generation, and must be bootstrapped densely (the coordinator
         does it). Frames a wire backend holds staged are dropped unapplied.
         """
-        c = self._c
+        c = self._engine
         st = c.state
         with c.lock:
             if st.parked == transfer and st.is_in(transfer):  # its writes are already out of the weights
@@ -374,7 +379,7 @@ class Receiver:
     def _abandon_forwarded(self, transfer: str) -> None:
         """A wire backend holds staged frames of an abandoned transfer: its runtime drops them (what it
         serves never changed); if it cannot, the engine holds no version."""
-        c = self._c
+        c = self._engine
         try:
             c.backend.abandon()
         except Exception as e:
@@ -383,7 +388,7 @@ class Receiver:
     def _rolled_back(self, transfer: str) -> bool:
         """Undo ``transfer``'s in-place writes: from this engine's undo record, or with the undo record
         the backend keeps itself (vLLM's workers do); False when neither can (the engine goes dirty)."""
-        c = self._c
+        c = self._engine
         try:
             if c.undo.transfer == transfer:
                 c.undo.rollback(c.backend)
@@ -397,8 +402,8 @@ class Receiver:
     def progress(self) -> dict:
         """Lock-free counters of the open attempt (for progress bars; may be a moment stale): its
         transfer, the payloads applied and their decompressed bytes."""
-        cur = self._c.state.attempt
-        return {"transfer": cur.transfer if cur else None, "payloads": len(self._c.applied), "raw_bytes": self._raw}
+        cur = self._engine.state.attempt
+        return {"transfer": cur.transfer if cur else None, "payloads": len(self._engine.applied), "raw_bytes": self._raw}
 
     def stats(self) -> dict:
         """The last (or open) attempt's figures, as its flush acknowledged them: ``apply_s`` (validate,

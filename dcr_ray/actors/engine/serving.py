@@ -25,7 +25,7 @@ class Serving:
     """``generate`` and ``pauses`` of one engine (see the module doc)."""
 
     def __init__(self, ctx: EngineContext):
-        self._c = ctx
+        self._engine = ctx
 
     def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8, timeout_s: float | None = None,
                  sampling=None) -> dict:
@@ -34,7 +34,7 @@ class Serving:
         per prompt). Waits while the engine is paused for a refit (past ``timeout_s``, default the stage
         timeout: :class:`RefitTimeoutError`); refuses while it holds no version. ``t_start`` / ``t_end``:
         when it was admitted and answered, on the engine's clock (``time.time()``)."""
-        c = self._c
+        c = self._engine
         sampling = None if sampling is None else Sampling.of(sampling)
         deadline = time.monotonic() + (timeout_s or c.config.commit.timeout_s)
         with c.lock:
@@ -69,7 +69,7 @@ class Serving:
         """Stop admitting generation for an operation outside the refit protocol (``label``: what it is,
         e.g. a weight load another system makes), once the calls in flight finished; its pause is kept
         like a refit's (mode ``label``). :meth:`release` ends it."""
-        c = self._c
+        c = self._engine
         with c.lock:
             if c.held is not None:
                 raise EngineStateError(f"engine {c.engine_id} is already held for {c.held!r}")
@@ -79,7 +79,7 @@ class Serving:
 
     def release(self, label: str) -> None:
         """End the hold ``label``: generation is admitted again."""
-        c = self._c
+        c = self._engine
         with c.lock:
             if c.held == label:
                 c.held = None
@@ -91,4 +91,4 @@ class Serving:
         per refit, ``pause_s`` (generation could not serve), split into ``apply_s`` (writes and the
         backend's flush) and ``commit_s`` (waiting for the record and activation), ``blocked_s`` (how
         long ``generate`` calls waited), the ``mode`` and ``outcome`` (:mod:`~dcr_ray.actors.engine.pause`)."""
-        return self._c.pause.recent(since)
+        return self._engine.pause.recent(since)

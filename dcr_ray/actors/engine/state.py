@@ -152,7 +152,7 @@ class EngineState:
 
     def close(self, transfer: str) -> None:
         """Leave the open attempt of ``transfer`` (its next attempt re-prepares); in-place writes stay,
-        set-aside ones are dropped."""
+        set-aside ones are dropped. Allowed in every phase: outside that attempt it changes nothing."""
         if self.is_in(transfer):
             self.attempt = None
             if self.parked == transfer:
@@ -167,13 +167,15 @@ class EngineState:
         self._settle()
 
     def activate(self, version: int, version_id: str | None) -> None:
-        """Hold committed ``version`` of ``version_id`` settled (after the record, or a verified copy)."""
+        """Hold committed ``version`` of ``version_id`` settled (after the record, a dense bootstrap, a verified
+        copy or a replayed catch-up). Allowed in every phase: each of those paths checked its bits first."""
         self.version, self.version_id = version, version_id
         self.attempt = self.written = self.parked = self.why = None
         self.phase = Phase.READY
 
     def dirty(self, why: str) -> None:
-        """Its bits match no version (``why``); nothing it wrote in place can be rolled back any more."""
+        """Its bits match no version (``why``); nothing it wrote in place can be rolled back any more. Allowed
+        in every phase: any phase can learn that its bits are in doubt."""
         self.written = self.parked = None
         self.why = why
         self.version = self.version_id = None

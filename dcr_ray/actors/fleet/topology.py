@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from dcr_ray.actors.fleet import placement
 from dcr_ray.actors.engine.actor import EngineActor
 from dcr_ray.actors.fleet.nodes import NodeWatch
-from dcr_ray.actors.owner.held import actor_handle, owner_endpoint
+from dcr_ray.actors.owner.endpoint import owner_endpoint
 from dcr_ray.config import ClusterSpec, RefitConfig
 from dcr_ray.options import NAME_RELEASE_S, actor_options, create_named
 from dcr_ray.relay.transport import Transport
@@ -56,7 +56,7 @@ class Topology:
 
     def __init__(self, clusters: list[ClusterSpec], owners: dict[str, Any], transport: Transport):
         self.clusters = {c.name: c for c in clusters}
-        self.owners = {o: owner_endpoint(h) for o, h in owners.items()}  # `dcr_<call>.remote` on each
+        self.owners = {o: owner_endpoint(h) for o, h in owners.items()}  # an OwnerEndpoint each
         self.transport = transport
         self.engines: dict[str, Any] = {}
         self.engine_cluster: dict[str, str] = {}
@@ -99,7 +99,7 @@ class Topology:
         for r, h in self.transport.actors().items():
             self.nodes.locate(f"relay:{r}", h)
         for o, h in self.owners.items():
-            self.nodes.locate(f"owner:{o}", actor_handle(h))
+            self.nodes.locate(f"owner:{o}", h.handle)
 
     def _plan_engines(self, backend_factory, config: RefitConfig) -> None:
         for c in self.clusters.values():
@@ -197,7 +197,7 @@ class Topology:
 
     def handles(self) -> dict[str, dict[str, Any]]:
         """Actor handles: ``{"engines": {id: h}, "owners": {id: h}, "relays": {id: h}}``."""
-        return {"engines": dict(self.engines), "owners": {o: actor_handle(h) for o, h in self.owners.items()},
+        return {"engines": dict(self.engines), "owners": {o: h.handle for o, h in self.owners.items()},
                 "relays": self.transport.actors()}
 
     def engine_specs(self, timeout_s: float) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -9,8 +9,8 @@ How a trainer becomes an owner (:mod:`~dcr_ray.actors.owner.held`): it holds a :
 :class:`~dcr_ray.actors.owner.held.StandaloneOwner` actor. This module is the logic under all three,
 :class:`DeltaOwner`, independent of Ray.
 
-Protocol (driven by the coordinator, as ``dcr_<call>`` on the owner actor; every call is idempotent for
-the same arguments)::
+Protocol (driven by the coordinator through each owner's :class:`~dcr_ray.actors.owner.endpoint.OwnerEndpoint`;
+every call is idempotent for the same arguments)::
 
     dcr_attach(owner_id, config, baseline_dir=None, in_memory=False, version=0) -> specs
                                                  # baseline := current bits, at ``version``
@@ -45,7 +45,6 @@ from dcr_ray.sharding.device import DeviceBaseline, delta_from_changes
 from dcr_ray.sharding.digest import shard_digests
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
-from dcr_ray.relay.transport import Sink
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it runs
     import torch

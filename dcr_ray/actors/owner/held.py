@@ -8,9 +8,9 @@ nothing about its class changes::
         def __init__(self):
             self.dcr = dcr_ray.Owner(lambda: bf16_share(self.model))   # canonical name -> tensor
 
-The coordinator reaches a held owner through Ray's ``__ray_call__`` (:func:`owner_endpoint`: the same
-``dcr_<call>.remote(...)`` surface as a mixin actor's methods), so a trainer class keeps its own method
-names. :class:`OwnerMixin` is the thin shim for classes that prefer ``dcr_*`` methods of their own (and may
+The coordinator reaches a held owner through Ray's ``__ray_call__``
+(:class:`~dcr_ray.actors.owner.endpoint.HeldEndpoint`), so a trainer class keeps its own method names.
+:class:`OwnerMixin` is the thin shim for classes that prefer ``dcr_*`` methods of their own (and may
 override one, e.g. to observe ``dcr_promote``); :class:`StandaloneOwner` is an owner actor that is handed
 its tensors. All three run :class:`~dcr_ray.actors.owner.delta.DeltaOwner`. A trainer must not take an
 optimizer step between a transfer's ``stream`` and its ``promote``/``discard``.
@@ -167,51 +167,8 @@ def held_owner(actor: Any) -> Owner:
     return found[0]
 
 
-def _call_held(actor: Any, call: str, *args, **kwargs):
-    return getattr(held_owner(actor), call)(*args, **kwargs)
-
-
 def _holds_owner(actor: Any) -> bool:
     return isinstance(actor, OwnerMixin) or len(_owners_in(actor)) == 1
-
-
-class _HeldCall:
-    """``dcr_<call>.remote(...)`` of an actor that holds an :class:`Owner`."""
-
-    def __init__(self, handle, call: str):
-        self._handle, self._call = handle, call
-
-    def remote(self, *args, **kwargs):
-        return self._handle.__ray_call__.remote(_call_held, self._call, *args, **kwargs)
-
-
-class HeldOwnerHandle:
-    """An actor handle whose ``dcr_<call>`` attributes reach the :class:`Owner` the actor holds; every
-    other attribute is the handle's own (``__ray_call__``, ...). ``handle``: the actor handle itself."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def __getattr__(self, name: str):
-        if name.startswith("dcr_"):
-            return _HeldCall(self.handle, name[len("dcr_"):])
-        return getattr(self.handle, name)
-
-    def __reduce__(self):
-        return HeldOwnerHandle, (self.handle,)
-
-
-def owner_endpoint(handle):
-    """What the coordinator calls ``dcr_<call>.remote(...)`` on: a mixin actor's handle as it is, or a
-    :class:`HeldOwnerHandle` for an actor that holds an :class:`Owner`."""
-    if isinstance(handle, HeldOwnerHandle) or hasattr(handle, "dcr_attach"):
-        return handle
-    return HeldOwnerHandle(handle)
-
-
-def actor_handle(endpoint):
-    """The actor handle behind :func:`owner_endpoint`'s result."""
-    return endpoint.handle if isinstance(endpoint, HeldOwnerHandle) else endpoint
 
 
 def check_owner(oid: str, handle, timeout_s: float) -> None:

@@ -32,13 +32,13 @@ class Bootstrap:
     """Dense bootstrap of engines to the committed version (see the module doc)."""
 
     def __init__(self, state: CoordinatorState):
-        self._s = state
+        self._shared = state
 
     def dense(self, engine_ids: list[str]) -> int:
         """Dense refit of ``engine_ids`` to the committed version (they join the required set); adopted
         engines that show by digest that they already serve it join as they are. Returns the payload
         bytes the owners sent."""
-        s = self._s
+        s = self._shared
         engine_ids = self._join_by_digest(engine_ids)
         if not engine_ids:
             return 0
@@ -51,7 +51,7 @@ class Bootstrap:
             get_all({e: engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, s.version)
                      for e in engine_ids}, t, "bootstrap prepare")
             sink = transport.sink(engine_ids, sorted(s.required))
-            sums = get_all({o: h.dcr_bootstrap.remote(transfer, sink) for o, h in s.owners.items()}, t,
+            sums = get_all({o: h.bootstrap(transfer, sink) for o, h in s.owners.items()}, t,
                            "bootstrap stream")
             keys = [k for x in sums.values() for k in x["payloads"]]
             get_all({e: engines[e].flush.remote(transfer, 0, keys, t) for e in engine_ids}, t, "bootstrap flush")
@@ -74,14 +74,14 @@ class Bootstrap:
         """Adopted engines among ``engine_ids`` whose served tensors have the owners' committed box
         digests join the required set without dense frames; returns the engines still to bootstrap.
         Any failure of the check leaves every engine to the dense bootstrap."""
-        s = self._s
+        s = self._shared
         adopted = [e for e in engine_ids if s.topology.is_adopted(e)]
         if not adopted:
             return engine_ids
         t = s.config.commit.timeout_s
         try:
             digests: dict = {}
-            for d in get_all({o: h.dcr_digests.remote() for o, h in s.owners.items()}, t,
+            for d in get_all({o: h.digests() for o, h in s.owners.items()}, t,
                              "bootstrap digests").values():
                 digests.update(d)
             joined = get_all({e: s.engines[e].join_by_digest.remote(s.version, digests, s.last_transfer())

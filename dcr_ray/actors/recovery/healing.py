@@ -107,7 +107,7 @@ class Healing:
     """The coordinator's healing table and worker: :meth:`schedule`, :meth:`heal_now`, :meth:`status`."""
 
     def __init__(self, state: CoordinatorState, bootstrap: Bootstrap, outages: Outages):
-        self._s = state
+        self._shared = state
         self._bootstrap = bootstrap
         self._outages = outages
         self._table: dict[str, dict] = {}  # engine id -> its healing record (what status() shows)
@@ -120,7 +120,7 @@ class Healing:
     def schedule(self, engine_ids, reason: str, *, respawn: bool) -> None:
         """Heal ``engine_ids`` in the background (re-created first with ``respawn``: their actors died);
         they stand ``queued`` until the worker takes them (an engine already healing keeps its place)."""
-        standings = self._s.standings
+        standings = self._shared.standings
         with self._guard:
             for e in engine_ids:
                 rec = self._table.get(e)
@@ -138,7 +138,7 @@ class Healing:
         """After a commit: the transport keeps ``step``'s payloads in its clusters' catch-up windows (and
         releases the rest of the transfer). Statistics-like: a failure here is logged, never fails the
         committed refit (the engines it would have served heal from a peer instead)."""
-        s = self._s
+        s = self._shared
         try:
             s.transport.keep(step)
         except Exception as err:
@@ -151,7 +151,7 @@ class Healing:
     def heal_now(self, engine_id: str, reason: str, *, respawn: bool) -> dict:
         """Heal one engine in the caller's thread (``Refit.rejoin``); raises what made it fail."""
         with self._guard:
-            self._s.standings.heal([engine_id])
+            self._shared.standings.heal([engine_id])
             self._table[engine_id] = _record(engine_id, reason, respawn)
         try:
             return self._heal(engine_id)
@@ -172,7 +172,7 @@ class Healing:
         (``cross_bytes``: the part a peer of another cluster handed over, across a cluster link);
         ``delta_bytes`` / ``steps``: the missed deltas replayed from the catch-up window;
         ``lock_seconds``: how long it held the coordinator's lock (refits wait only for that)."""
-        standings = self._s.standings
+        standings = self._shared.standings
         with self._guard:
             return {"healing": {e: {"phase": _phase(standings.of(e)),
                                     **{k: v for k, v in r.items() if k not in ("respawn", "created_at")}}
@@ -183,13 +183,13 @@ class Healing:
     def _run(self) -> None:
         while True:
             with self._guard:
-                todo = sorted(e for e in self._table if self._s.standings.of(e) is Standing.QUEUED)
-                waiting = sorted(e for e in self._table if self._s.standings.of(e) is Standing.WAITING)
+                todo = sorted(e for e in self._table if self._shared.standings.of(e) is Standing.QUEUED)
+                waiting = sorted(e for e in self._table if self._shared.standings.of(e) is Standing.WAITING)
                 if not todo and not waiting:
                     self._worker = None
                     return
             for e in waiting:  # capacity came back: heal it now
-                if self._outages.can_host(self._s.topology.engine_cluster[e]):
+                if self._outages.can_host(self._shared.topology.engine_cluster[e]):
                     self._set(e, Standing.QUEUED)
                     todo.append(e)
             self._recreate([e for e in todo if self._table[e]["respawn"]])
@@ -207,7 +207,7 @@ class Healing:
         """``e`` moves to ``standing`` (its phase), and its row takes ``kw``."""
         with self._guard:
             if standing is not None:
-                self._s.standings.move([e], standing)
+                self._shared.standings.move([e], standing)
             self._table[e].update(kw)
 
     def _heal(self, e: str) -> dict:
@@ -217,8 +217,8 @@ class Healing:
             out = self._rounds(e)
         except NoCapacity:
             with self._guard:
-                if self._s.standings.of(e) is not Standing.WAITING:
-                    self._s.standings.move([e], Standing.WAITING)
+                if self._shared.standings.of(e) is not Standing.WAITING:
+                    self._shared.standings.move([e], Standing.WAITING)
                     self._table[e].update(waiting_since=time.time(), respawn=True)
             raise
         except Exception as err:
@@ -258,7 +258,7 @@ class Healing:
         """Re-create the engines in ``engine_ids`` whose cluster can be hosted, all at once (a lost node's
         engines start side by side, not one heal after another); the others wait for capacity in their
         heal. Each then heals in turn (:meth:`_start` waits for it to answer)."""
-        s = self._s
+        s = self._shared
         ready = [e for e in engine_ids if self._outages.can_host(s.topology.engine_cluster[e])]
         for e in ready:
             self._set(e, Standing.RECREATING)
@@ -274,7 +274,7 @@ class Healing:
         """Re-create ``e`` if its actor died (now or while it starts), and wait until its backend loaded
         (the model is built): no lock is held and nothing is copied meanwhile. Raises :class:`NoCapacity`
         when no live node can host its cluster (before it is re-created, or while it waits to start)."""
-        s = self._s
+        s = self._shared
         cluster = s.topology.engine_cluster[e]
         for _ in range(MAX_ROUNDS):
             if self._table[e]["respawn"]:
@@ -297,7 +297,7 @@ class Healing:
     def _started(self, e: str, cluster: str) -> None:
         """Wait until ``e`` answers (its backend loaded), looking every :data:`CAPACITY_POLL_S` whether its
         cluster can still be hosted: an engine Ray cannot place is killed and waits for capacity."""
-        s = self._s
+        s = self._shared
         ref = s.engines[e].get_version.remote()
         deadline = time.monotonic() + s.config.commit.start_timeout_s
         while not ray.wait([ref], timeout=CAPACITY_POLL_S)[0]:
@@ -314,9 +314,9 @@ class Healing:
         """Queue again every engine whose healing failed (the coordinator calls it after each commit);
         returns their ids."""
         with self._guard:
-            failed = sorted(e for e in self._table if self._s.standings.of(e) is Standing.FAILED)
+            failed = sorted(e for e in self._table if self._shared.standings.of(e) is Standing.FAILED)
             for e in failed:
-                self._s.standings.heal([e])
+                self._shared.standings.heal([e])
                 self._table[e].update(error=None, rounds=0)
         if failed:
             self.schedule([], "retry", respawn=False)  # starts the worker for them
@@ -344,7 +344,7 @@ class Healing:
         coordinator's lock (between refits); the peer's snapshot and the copy hold it only in the
         ``final`` round (the peer refuses a snapshot unless it holds the committed version read under
         the lock, settled)."""
-        s = self._s
+        s = self._shared
         t = s.config.commit.start_timeout_s
         whole = self._holding(e, s.lock) if final else contextlib.nullcontext()
         step = contextlib.nullcontext() if final else self._holding(e, s.lock)
@@ -404,7 +404,7 @@ class Healing:
     def _held(self, e: str, timeout_s: float) -> tuple | None:
         """``(version, content id)`` engine ``e`` holds settled, or None (no version, or dirty). Writes of
         an abandoned transfer it still holds (evicted inside a refit) are rolled back in place first."""
-        handle = self._s.engines[e]
+        handle = self._shared.engines[e]
         st = ray.get(handle.state.remote(), timeout=timeout_s)
         if st["transfer"] is not None and not st["dirty"]:
             ray.get(handle.abort.remote(st["transfer"], True), timeout=timeout_s)
@@ -416,7 +416,7 @@ class Healing:
     def _window(self, e: str, held: tuple | None, committed: tuple) -> list | None:
         """The committed steps from what ``e`` holds to ``committed``, from its cluster's catch-up window;
         None when the window does not cover it (or there is none)."""
-        s = self._s
+        s = self._shared
         if held is None or held[0] > committed[0] or s.config.transport.catchup_window_bytes <= 0:
             return None
         try:
@@ -429,27 +429,27 @@ class Healing:
         return steps
 
     def _same_cluster(self, e: str, peer: str) -> bool:
-        cluster = self._s.topology.engine_cluster
+        cluster = self._shared.topology.engine_cluster
         return cluster[e] == cluster[peer]
 
     def _dense_is_smaller(self, e: str, steps: list) -> bool:
         """Whether a peer's dense copy moves fewer bytes than replaying ``steps`` (large learning rates:
         a few versions of deltas outweigh the model); an adopted engine cannot take a copy."""
-        s = self._s
+        s = self._shared
         model = s.model_bytes  # 0 when unknown (a resumed coordinator): replay
         return bool(model) and not s.topology.is_adopted(e) and sum(st.nbytes for st in steps) >= model
 
     def _join(self, e: str, version: int) -> dict:
         """``e`` holds the committed ``version``: it joins the required set (under the coordinator's lock)."""
-        self._s.standings.require([e])
-        metrics.record("required_engines", len(self._s.required))
+        self._shared.standings.require([e])
+        metrics.record("required_engines", len(self._shared.required))
         return {"engine": e, "version": version}
 
     def _peer(self, e: str) -> str | None:
         """A required engine that can hand over its bits (dcr_ray started it): one of ``e``'s cluster, else
         one of another cluster (the whole cluster was lost: the copy crosses a cluster link once, as the
         owners' would, but off the trainer's clock and without holding up the refits)."""
-        s = self._s
+        s = self._shared
         cluster = s.topology.engine_cluster[e]
         ok = [p for p in sorted(s.required) if p != e and not s.topology.is_adopted(p)]
         ok.sort(key=lambda p: s.topology.engine_cluster[p] != cluster)  # its own cluster first

@@ -62,24 +62,24 @@ class Outages:
     """The capacity table and the sweep (see the module doc)."""
 
     def __init__(self, state: CoordinatorState):
-        self._s = state
+        self._shared = state
         self.waiting: dict[str, float] = {}  #: cluster -> when it started waiting for capacity (time.time())
 
     def status(self) -> dict:
         """``{cluster: {"waiting_since": time.time(), "needs": {resource: amount}}}`` of every cluster
         waiting for capacity."""
-        topo = self._s.topology
+        topo = self._shared.topology
         return {c: {"waiting_since": t, "needs": topo.needs(c)} for c, t in sorted(self.waiting.items())}
 
     def can_host(self, cluster: str) -> bool:
         """Whether ``cluster``'s actors can be placed now (a live node offers what they ask)."""
-        return self._s.topology.can_host(cluster)
+        return self._shared.topology.can_host(cluster)
 
     def regain(self, cluster: str) -> bool:
         """If ``cluster`` waits for capacity and a live node can host it now: resume its transport (relays
         created on a live node) and stop waiting. Returns whether it can be hosted. Call with the
         coordinator's lock held."""
-        s = self._s
+        s = self._shared
         if cluster not in self.waiting:
             return True
         if not self.can_host(cluster):
@@ -94,7 +94,7 @@ class Outages:
     def sweep(self) -> Sweep:
         """One pass over the live nodes (see the module doc); raises ``RefitError`` if an owner's node is
         gone. The caller schedules the heals of ``lost_engines`` and ``out_engines``."""
-        s = self._s
+        s = self._shared
         topo = s.topology
         topo.locate()
         topo.nodes.live(fresh=True)

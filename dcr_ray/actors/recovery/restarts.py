@@ -29,7 +29,7 @@ from dcr_ray.actors.fleet.calls import gather, get_all
 from dcr_ray.actors.fleet.commit import CommitRecord
 from dcr_ray.actors.fleet.state import CoordinatorState
 from dcr_ray.actors.recovery.healing import Healing
-from dcr_ray.actors.owner.held import owner_endpoint
+from dcr_ray.actors.owner.endpoint import owner_endpoint
 from dcr_ray.errors import ConfigError
 from dcr_ray.report import RefitReport
 
@@ -43,7 +43,7 @@ class Recovery:
     """Resume, answers about a commit, relay repair and owner replacement (see the module doc)."""
 
     def __init__(self, state: CoordinatorState, healer: Healing):
-        self._s = state
+        self._shared = state
         self._healer = healer
         self._owner_specs: dict[str, dict] = {}  # owner id -> what it covers (checked on replacement)
 
@@ -54,7 +54,7 @@ class Recovery:
 
     def resume(self) -> None:
         """Carry on from the durable record with the actors that are still alive (see the module doc)."""
-        s = self._s
+        s = self._shared
         cfg, t = s.config, s.config.commit.timeout_s
         rec = s.commits.read()
         if rec is None:
@@ -64,7 +64,7 @@ class Recovery:
         s.version = rec.version
         fresh = s.topology.reconnect(s.backend_factory, cfg)
         self._load_owners()
-        specs, dead_owners, errors = gather({o: h.dcr_attach.remote(o, cfg) for o, h in s.owners.items()}, t,
+        specs, dead_owners, errors = gather({o: h.attach(o, cfg) for o, h in s.owners.items()}, t,
                                             "attach")
         if errors:
             raise next(iter(errors.values()))
@@ -73,12 +73,12 @@ class Recovery:
         self._owner_specs = {**self._owner_specs, **specs}
         # owners: promote a pending set the record committed, drop any other
         live = {o: h for o, h in s.owners.items() if o not in dead_owners}
-        for o, st in get_all({o: h.dcr_state.remote() for o, h in live.items()}, t, "owner state").items():
+        for o, st in get_all({o: h.state() for o, h in live.items()}, t, "owner state").items():
             h = s.owners[o]
             if st["version"] < rec.version and st["pending"] == rec.version:
-                ray.get(h.dcr_promote.remote(rec.version), timeout=t)
+                ray.get(h.promote(rec.version), timeout=t)
             elif st["pending"] is not None:
-                ray.get(h.dcr_discard.remote(), timeout=t)
+                ray.get(h.discard(), timeout=t)
         # engines: activate the transfer the record committed, roll back any other
         states, dead, _ = gather({e: s.engines[e].state.remote() for e in s.engines if e not in fresh},
                                  t, "engine state")
@@ -102,7 +102,7 @@ class Recovery:
     # -- answers about a commit ---------------------------------------------------------------------
     def answered(self, request: str | None) -> RefitReport | None:
         """The report of ``request`` if it already committed (a retried call), else None."""
-        s = self._s
+        s = self._shared
         if not request:
             return None
         for r in reversed(s.history):
@@ -119,26 +119,26 @@ class Recovery:
     def committed_anyway(self, transfer: str, attempt: int, err: BaseException) -> RefitReport:
         """The report of a refit whose record is durable although a step after it raised ``err``: the
         version stays committed (never rolled back), the failure is a warning."""
-        s = self._s
+        s = self._shared
         log.warning("dcr_ray: version %d is committed; a step after the record failed: %r", s.version, err)
         warning = f"version {s.version} is committed, but a step after the commit record failed: {err!r}"
         return RefitReport(version=s.version, transfer=transfer, attempts=attempt + 1, warnings=[warning],
                            engine_versions={e: s.version for e in sorted(s.required)})
 
     def _owners_path(self) -> str:
-        return os.path.join(self._s.config.commit.dir, OWNERS_FILE)
+        return os.path.join(self._shared.config.commit.dir, OWNERS_FILE)
 
     def _save_owners(self) -> None:
         """Persist the owner handles and their specs (replacements must survive a coordinator restart,
         which re-runs the constructor with the owners given at launch)."""
-        s = self._s
+        s = self._shared
         tmp = self._owners_path() + ".tmp"
         with open(tmp, "wb") as f:
             f.write(ray.cloudpickle.dumps({"owners": dict(s.owners), "specs": self._owner_specs}))
         os.replace(tmp, self._owners_path())
 
     def _load_owners(self) -> None:
-        s = self._s
+        s = self._shared
         try:
             with open(self._owners_path(), "rb") as f:
                 saved = ray.cloudpickle.loads(f.read())
@@ -149,7 +149,7 @@ class Recovery:
 
     def repair(self) -> None:
         """Before the next attempt: re-create transport actors that died (a relay death is not an owner's)."""
-        s = self._s
+        s = self._shared
         topo = s.topology
         try:
             dead = s.transport.repair(list(topo.clusters.values()), topo.engines, topo.engine_cluster)
@@ -166,18 +166,18 @@ class Recovery:
         digests of every canonical box it covers must equal a required engine's. Otherwise nothing
         changes and ``ConfigError`` says what differs.
         """
-        s = self._s
+        s = self._shared
         handle = owner_endpoint(handle)  # a mixin actor, or one that holds a dcr_ray.Owner
         with s.lock:
             if owner_id not in s.owners:
                 raise ConfigError(f"unknown owner {owner_id!r}; known: {sorted(s.owners)}")
             t = s.config.commit.timeout_s
-            specs = ray.get(handle.dcr_attach.remote(owner_id, s.config, version=s.version), timeout=t)
+            specs = ray.get(handle.attach(owner_id, s.config, version=s.version), timeout=t)
             if specs != self._owner_specs[owner_id]:
                 differ = sorted(set(specs) ^ set(self._owner_specs[owner_id]))[:5] or "same names, other boxes"
                 raise ConfigError(f"the replacement for {owner_id} covers other tensors or boxes than it did: "
                                   f"{differ}")
-            mine = ray.get(handle.dcr_digests.remote(), timeout=t)
+            mine = ray.get(handle.digests(), timeout=t)
             theirs, why = None, "no required engine"
             for e in sorted(s.required):
                 try:

@@ -18,9 +18,9 @@ milliseconds (a test checks that every kernel :func:`warm_up` loads comes from t
 The sender's scan (:func:`changed_in_block`) compacts without a branch: every element's index is stored
 at the next free slot and the slot advances by ``old != new``, so scattered changes cost no branch
 mispredictions, and the output is a reused block-sized buffer, so its pages are not faulted in anew
-per block. It runs 2-3x faster than numpy's word compare and lane split
-(:mod:`dcr_ray.codec.encoding.scan`; BENCHMARKS.md); branching on each element or each differing word was tried
-and is slower.
+per block. It runs faster than numpy's word compare and lane split (:mod:`dcr_ray.codec.encoding.scan`;
+``dcr-ray bench codec`` and BENCHMARKS.md have the figures); branching on each element or each differing word
+is slower.
 
 Whether the kernels are used, and their loading on first use, is :mod:`~dcr_ray.codec.compiled.jit`'s
 (``DCR_RAY_JIT=0`` selects the numpy paths). Every caller checks :data:`ENABLED` here and falls back;

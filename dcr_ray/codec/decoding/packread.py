@@ -9,7 +9,6 @@ than one location stream can address raises a ``FrameError``.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,9 +33,6 @@ from dcr_ray.errors import (
     TargetMismatchError,
     UnknownEncodingError,
 )
-
-if TYPE_CHECKING:  # annotations only: torch is imported where it runs
-    import torch
 
 #: Encodings a pack may use (whole tensors, sparse: never DENSE).
 _PACK_ENCODINGS = (Encoding.XOR.value, Encoding.ADD.value, Encoding.OVERWRITE.value)

@@ -189,7 +189,7 @@ class VllmBackend(WeightSyncBackend):
                 self._kept = self._update is not None and self._update[0] != BOOTSTRAP_BASE
             self.last_flush = stats
 
-    def load_dense(self, tensors: Iterable[tuple[str, Any]]) -> bool:
+    def load_dense(self, tensors: Iterable[tuple[str, Any]]) -> None:
         """Replace the named tensors completely and make them visible now (bootstrap, peer healing): dense
         frames of the bootstrap base, checked against the checkpoint's tensors before any is sent."""
         with self._lock:
@@ -203,14 +203,13 @@ class VllmBackend(WeightSyncBackend):
                                               f"holds {dt}{list(shape)}")
                 deltas.append(full_delta(name, t.detach().cpu().contiguous()))
             if not deltas:
-                return True
+                return
             meta = FrameMeta(transfer="load_dense", attempt=0, producer="VllmBackend", payload=0,
                              base=BOOTSTRAP_BASE, target=self.version)
             self._update, self._kept = None, False  # a bootstrap has no undo: the workers drop the kept one
             for data in encode_frames(deltas, meta, bucket_bytes=_DENSE_FRAME_BYTES):
                 self.send_frames([data], BOOTSTRAP_BASE, self.version)
             self.flush()
-            return True
 
     def activate(self, version: int) -> None:
         """The engine now holds committed ``version`` (after its commit record): the workers drop the

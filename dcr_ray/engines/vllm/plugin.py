@@ -19,8 +19,8 @@ vLLM runs plugins once per process, so :func:`~dcr_ray.engines.vllm.compat.start
 llvmlite shim before each engine it starts (numba may have loaded since).
 Without AMX permission, an AMX kernel that does not ask for it (vLLM's CPU attention picks AMX from the
 CPU's flags alone) kills the process with SIGILL, and the actor sees only ``EngineDeadError``. oneDNN asks
-for the permission itself when it first uses AMX, so the death depended on which ran first: 5 of 13 runs
-of the OpenRLHF recipe here.
+for the permission itself when it first uses AMX, so without the plugin the death depends on which kernel
+runs first.
 
 vLLM loads general plugins only when ``VLLM_PLUGINS`` is unset or names them (``VLLM_PLUGINS=dcr``).
 
