@@ -44,7 +44,7 @@ class CpuClock:
     def start(cls, topology, engines) -> "CpuClock":
         """Start reading every owner and relay of ``topology`` and the engines ``engines`` (ids)."""
         relays = topology.transport.actors()
-        return cls({"owners": dict(topology.owners), "relays": dict(relays),
+        return cls({"owners": {o: ep.handle for o, ep in topology.owners.items()}, "relays": dict(relays),
                     "engines": {e: topology.engines[e] for e in engines if e in topology.engines}})
 
     def stop(self) -> dict[str, dict[str, float]]:
