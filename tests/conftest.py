@@ -53,6 +53,18 @@ def pytest_collection_finish(session):
     session.config._dcr_prefork = server
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _environment_restored_after_each_module():
+    """Each test module leaves the process environment as it found it. An in-process vLLM engine sets
+    variables every later child inherits (LD_PRELOAD of its OpenMP and allocator, among others): left in
+    place, every Ray started by a later module passes them to its workers, which the prefork server then
+    refuses (their environment differs from its own), and which start with another OpenMP."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def pytest_terminal_summary(terminalreporter, config):
     server = getattr(config, "_dcr_prefork", None)
     if server is not None:
