@@ -31,12 +31,12 @@ from typing import Callable, Mapping
 import ray
 import torch
 
+from dcr_ray import progress
 from dcr_ray.actors.coordinator.actor import CoordinatorActor
 from dcr_ray.actors.fleet.inputs import write_inputs
 from dcr_ray.actors.owner.held import StandaloneOwner, check_owner
 from dcr_ray.config import ClusterSpec, RefitConfig, validate
 from dcr_ray.engines.base import EngineBackend
-from dcr_ray import progress
 from dcr_ray.errors import ConfigError, RefitError, RefitTimeoutError
 from dcr_ray.named_actors import (TOPOLOGY_PREFIXES, coordinator_exists, kill_named, named,
                                   remove_placement_groups)

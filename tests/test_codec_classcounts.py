@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcr_ray.codec import FrameMeta, apply_decoded, diff_tensor, encode_frames, read_frame
-from dcr_ray.codec.decoding import classcounts
-from dcr_ray.codec.primitives import classorder
-from dcr_ray.codec.compiled import kernels
 from dcr_ray.codec.bits import bits_view, wire_name
+from dcr_ray.codec.compiled import kernels
+from dcr_ray.codec.decoding import classcounts
 from dcr_ray.codec.decoding.undo import UndoLog
+from dcr_ray.codec.primitives import classorder
 
 META = FrameMeta(transfer="t", attempt=0, producer="owner-0", payload=0, base=1, target=2)
 FLOATS = ["bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"]

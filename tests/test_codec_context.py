@@ -13,14 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcr_ray.codec.decoding.undo import UndoLog
 from dcr_ray.codec import FrameMeta, apply_decoded, decode_frame, diff_tensor, encode_frames, open_frame, read_frame
-from dcr_ray.codec.primitives import classorder, estimate, intdiff
-from dcr_ray.codec.decoding import context
-from dcr_ray.codec.compiled import kernels
 from dcr_ray.codec.bits import bits_view, np_uint, wire_name
+from dcr_ray.codec.compiled import kernels
+from dcr_ray.codec.decoding import context
 from dcr_ray.codec.decoding.decoded import DecodedFrame, DecodedItem
+from dcr_ray.codec.decoding.undo import UndoLog
 from dcr_ray.codec.format import Encoding
+from dcr_ray.codec.primitives import classorder, estimate, intdiff
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 META = FrameMeta(transfer="t", attempt=0, producer="owner-0", payload=0, base=1, target=2)

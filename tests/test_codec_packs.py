@@ -13,8 +13,8 @@ import torch
 
 from dcr_ray.codec import FrameMeta, apply_decoded, apply_frame, diff_tensor, encode_frames, read_frame
 from dcr_ray.codec import packed
-from dcr_ray.codec.compiled import ptrkernels
 from dcr_ray.codec.bits import bits_view, wire_name
+from dcr_ray.codec.compiled import ptrkernels
 from dcr_ray.codec.encoding.packdiff import diff_pack
 from dcr_ray.codec.packed import plan_packs
 from dcr_ray.errors import DuplicateIndexError, MalformedHeaderError, TargetMismatchError, UnknownEncodingError

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dcr_ray.codec import FrameMeta, apply_frame, bits_view, diff_tensor, encode_frames, read_frame
+from dcr_ray.codec import format as wire
 from dcr_ray.codec.decoding import apply, decode
 from dcr_ray.codec.encoding import diff, encode, scan
-from dcr_ray.codec import format as wire
 from dcr_ray.errors import MalformedHeaderError, SizeLimitError
 
 META = FrameMeta(transfer="t", attempt=0, producer="p", payload=0, base=0, target=1)

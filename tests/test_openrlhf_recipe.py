@@ -44,8 +44,8 @@ import dcr_ray  # noqa: E402
 from dcr_ray.engines.vllm import VLLM_CPU_RUNTIME_ENV  # noqa: E402
 from dcr_ray.errors import ConfigError  # noqa: E402
 from dcr_ray.integrations.openrlhf import DcrBroadcastMixin, refit_vllm_engines  # noqa: E402
-from dcr_ray.testing.openrlhf_policy import CpuPolicyActor  # noqa: E402
 from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
+from dcr_ray.testing.openrlhf_policy import CpuPolicyActor  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -12,10 +12,10 @@ import ray
 import torch
 
 import dcr_ray
-from dcr_ray.testing.models import ModelSpec, build_model
 from dcr_ray.actors.owner.delta import BOOTSTRAP_BASE
 from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames
 from dcr_ray.engines.base import canonical_state_dict
+from dcr_ray.testing.models import ModelSpec, build_model
 from dcr_ray.testing.trainer import TinyTrainer
 
 pytestmark = pytest.mark.slow

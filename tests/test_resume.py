@@ -15,9 +15,9 @@ import torch
 
 import dcr_ray
 from dcr_ray.actors.fleet.commit import CommitLog, CommitRecord
+from dcr_ray.engines.base import checkpoint_state_dict
 from dcr_ray.errors import CommitConflictError, CoordinatorGoneError
 from dcr_ray.options import COORDINATOR_NAME, NAMESPACE
-from dcr_ray.engines.base import checkpoint_state_dict
 from dcr_ray.testing.faults import TrainerThatKillsTheCoordinatorAtPromote
 from dcr_ray.testing.models import ModelSpec, build_model
 from dcr_ray.testing.trainer import TinyTrainer

@@ -16,13 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcr_ray.codec import FrameMeta, decode_frame, diff_tensor, encode_frames, open_frame
-from dcr_ray.codec.decoding import apply
-from dcr_ray.codec.compiled import kernels, ptrkernels
-from dcr_ray.codec.decoding.apply import apply_decoded, swap_item, write_item
 from dcr_ray.codec.bits import bits_view, np_uint, wire_name
+from dcr_ray.codec.compiled import kernels, ptrkernels
+from dcr_ray.codec.decoding import apply
+from dcr_ray.codec.decoding.apply import apply_decoded, swap_item, write_item
 from dcr_ray.codec.decoding.decoded import DecodedFrame, DecodedItem
-from dcr_ray.codec.format import Encoding
 from dcr_ray.codec.decoding.undo import FrameUndo, UndoLog
+from dcr_ray.codec.format import Encoding
 from dcr_ray.engines.base import TensorBackend
 from dcr_ray.engines.hf import TransformersBackend
 from test_codec_context import _Backend, small_step  # _Backend: inverse frames written back plainly

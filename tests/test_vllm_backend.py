@@ -17,8 +17,8 @@ from vllmtools import MAX_TOKENS, PROMPTS, Trainer, bits_identical, refit, write
 
 from dcr_ray.codec import BaselineStore, FrameMeta, encode_frames, full_delta, read_frame  # noqa: E402
 from dcr_ray.engines.vllm import VllmBackend  # noqa: E402
-from dcr_ray.engines.vllm.worker.capture import LoaderCapture  # noqa: E402
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, iter_checkpoint  # noqa: E402
+from dcr_ray.engines.vllm.worker.capture import LoaderCapture  # noqa: E402
 from dcr_ray.engines.vllm.worker.storage import int_view  # noqa: E402
 from dcr_ray.errors import BaseVersionMismatchError, DcrError, TargetMismatchError  # noqa: E402
 from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # noqa: E402

@@ -20,8 +20,8 @@ import torch
 
 from dcr_ray.codec import BaselineStore, DecodedItem, FrameMeta, encode_frames, read_frame
 from dcr_ray.engines.vllm.worker.capture import LoaderCapture
-from dcr_ray.engines.vllm.worker.plan import Geometry, map_positions, strict_check
 from dcr_ray.engines.vllm.worker.groups import fused_groups
+from dcr_ray.engines.vllm.worker.plan import Geometry, map_positions, strict_check
 from dcr_ray.engines.vllm.worker.storage import int_view
 from dcr_ray.errors import BackendError, BackendUnavailableError, LoaderCaptureError
 

@@ -60,10 +60,10 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo  # noqa: E402
 from dcr_ray.codec import apply_decoded, read_frame  # noqa: E402
 from dcr_ray.engines.vllm.checkpoint import checkpoint_specs, iter_checkpoint, checkpoint_files  # noqa: E402
 from dcr_ray.engines.vllm.plugin import register  # noqa: E402
-from dcr_ray.integrations.vllm.trainer import DcrTrainerInitInfo, DcrTrainerWeightTransferEngine  # noqa: E402
-from dcr_ray.engines.vllm.worker.transfer import DcrInitInfo, DcrUpdateInfo, DcrWeightTransferEngine  # noqa: E402
 from dcr_ray.engines.vllm.worker.storage import int_view  # noqa: E402
+from dcr_ray.engines.vllm.worker.transfer import DcrInitInfo, DcrUpdateInfo, DcrWeightTransferEngine  # noqa: E402
 from dcr_ray.errors import BackendError, ConfigError  # noqa: E402
+from dcr_ray.integrations.vllm.trainer import DcrTrainerInitInfo, DcrTrainerWeightTransferEngine  # noqa: E402
 from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint  # noqa: E402
 from dcr_ray.testing.trainer import TinyTrainer  # noqa: E402
 

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from dcr_ray.codec import FrameMeta, apply_decoded, decode_frame, diff_tensor, encode_frames, open_frame
-from dcr_ray.codec.compiled import kernels
 from dcr_ray.codec.bits import bits_view, wire_name
+from dcr_ray.codec.compiled import kernels
 from dcr_ray.codec.decoding.undo import UndoLog
 
 META = FrameMeta(transfer="t", attempt=0, producer="o", payload=0, base=1, target=2)

@@ -34,8 +34,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Iterable, Mapping
 
-from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec import DecodedFrame
+from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec.decoding.undo import FrameUndo
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it runs

@@ -12,8 +12,8 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from dcr_ray.codec.bits import bits_view
 from dcr_ray.codec import DecodedFrame, apply_decoded
+from dcr_ray.codec.bits import bits_view
 from dcr_ray.codec.decoding.undo import FrameUndo
 from dcr_ray.engines.base import EngineBackend, TensorBackend, canonical_state_dict
 from dcr_ray.engines.sampling import Sampling

@@ -28,9 +28,9 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from dcr_ray.codec.primitives import locations
 from dcr_ray.codec.encoding.diff import NARROW_SPAN, ChunkDelta, TensorDelta
 from dcr_ray.codec.encoding.packdiff import PackDelta
+from dcr_ray.codec.primitives import locations
 from dcr_ray.sharding.spec import ShardSpec, contiguous_strides
 
 

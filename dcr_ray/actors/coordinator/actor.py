@@ -52,20 +52,20 @@ import uuid
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from dcr_ray import metrics
-from dcr_ray.actors.recovery.bootstrap import Bootstrap
+from dcr_ray.actors.coordinator.cpu_clock import CpuClock
+from dcr_ray.actors.coordinator.inspection import Inspection
+from dcr_ray.actors.coordinator.membership import Membership
 from dcr_ray.actors.fleet.calls import ActorsDied, NoAnswerError, gather, get_all
-from dcr_ray.actors.owner.coding import choose_coding
 from dcr_ray.actors.fleet.commit import CommitLog, CommitRecord
 from dcr_ray.actors.fleet.inputs import is_restart, read_inputs
 from dcr_ray.actors.fleet.state import CoordinatorState
+from dcr_ray.actors.fleet.topology import Topology
+from dcr_ray.actors.owner.coding import choose_coding
 from dcr_ray.actors.owner.coverage import check_coverage
-from dcr_ray.actors.coordinator.cpu_clock import CpuClock
+from dcr_ray.actors.recovery.bootstrap import Bootstrap
 from dcr_ray.actors.recovery.healing import Healing
-from dcr_ray.actors.coordinator.inspection import Inspection
-from dcr_ray.actors.coordinator.membership import Membership
 from dcr_ray.actors.recovery.outages import Outages
 from dcr_ray.actors.recovery.restarts import Recovery
-from dcr_ray.actors.fleet.topology import Topology
 from dcr_ray.codec.bits import dtype_of, itemsize
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, CommitConflictError, ConfigError, DcrError, RefitError

@@ -23,11 +23,11 @@ import logging
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from dcr_ray.actors.recovery.bootstrap import Bootstrap
 from dcr_ray.actors.fleet.calls import ActorsDied, NoAnswerError, gather
-from dcr_ray.actors.fleet.state import CoordinatorState
-from dcr_ray.actors.recovery.healing import Healing
 from dcr_ray.actors.fleet.standings import Standing
+from dcr_ray.actors.fleet.state import CoordinatorState
+from dcr_ray.actors.recovery.bootstrap import Bootstrap
+from dcr_ray.actors.recovery.healing import Healing
 from dcr_ray.errors import ConfigError, RefitError
 from dcr_ray.report import RefitReport
 

@@ -32,10 +32,10 @@ from dcr_ray import metrics
 from dcr_ray.actors.engine.attempt import Attempt
 from dcr_ray.actors.engine.pause import PauseClock
 from dcr_ray.actors.engine.state import EngineState
-from dcr_ray.codec.format import BOOTSTRAP_BASE
 from dcr_ray.codec import PayloadKey, decode_frame
 from dcr_ray.codec.decoding import context
 from dcr_ray.codec.decoding.undo import UndoLog
+from dcr_ray.codec.format import BOOTSTRAP_BASE
 from dcr_ray.config import RefitConfig
 from dcr_ray.engines.base import EngineBackend, TensorBackend, WireBackend
 

@@ -44,8 +44,8 @@ from dcr_ray.actors.engine.attempt import Attempt
 from dcr_ray.actors.engine.context import EngineContext, log
 from dcr_ray.actors.engine.park import Parking
 from dcr_ray.actors.engine.state import Phase
-from dcr_ray.codec.format import BOOTSTRAP_BASE
 from dcr_ray.codec import DIGEST_SIZE, PayloadKey, open_frame
+from dcr_ray.codec.format import BOOTSTRAP_BASE
 from dcr_ray.engines.base import TensorBackend
 from dcr_ray.errors import EngineStateError, FrameError, RefitError, RefitTimeoutError, StagingBudgetError
 

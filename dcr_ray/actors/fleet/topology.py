@@ -29,8 +29,8 @@ import ray
 
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dcr_ray.actors.fleet import placement
 from dcr_ray.actors.engine.actor import EngineActor
+from dcr_ray.actors.fleet import placement
 from dcr_ray.actors.fleet.nodes import NodeWatch
 from dcr_ray.actors.owner.endpoint import owner_endpoint
 from dcr_ray.config import ClusterSpec, RefitConfig

@@ -34,17 +34,17 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 from dcr_ray import metrics
 from dcr_ray.actors.owner.coding import stream_coding
-from dcr_ray.codec.encoding.baseline import BaselineStore
+from dcr_ray.codec import BOOTSTRAP_BASE, FrameMeta, PayloadKey, encode_frames
 from dcr_ray.codec.bits import wire_name
+from dcr_ray.codec.compiled import kernels
+from dcr_ray.codec.encoding.baseline import BaselineStore
 from dcr_ray.codec.encoding.diff import TensorDelta, full_delta
 from dcr_ray.codec.encoding.packdiff import PackDelta
-from dcr_ray.codec import BOOTSTRAP_BASE, FrameMeta, PayloadKey, encode_frames
-from dcr_ray.codec.compiled import kernels
+from dcr_ray.config import RefitConfig
+from dcr_ray.errors import BaselineError, ConfigError
 from dcr_ray.sharding import Shard, ShardSpec, canonical_specs, project_all, resolve_shards
 from dcr_ray.sharding.device import DeviceBaseline, delta_from_changes
 from dcr_ray.sharding.digest import shard_digests
-from dcr_ray.config import RefitConfig
-from dcr_ray.errors import BaselineError, ConfigError
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it runs
     import torch

@@ -49,10 +49,10 @@ import ray
 from ray.exceptions import RayActorError
 
 from dcr_ray import metrics
-from dcr_ray.actors.recovery.bootstrap import Bootstrap
-from dcr_ray.actors.fleet.state import CoordinatorState
-from dcr_ray.actors.recovery.outages import Outages
 from dcr_ray.actors.fleet.standings import Standing
+from dcr_ray.actors.fleet.state import CoordinatorState
+from dcr_ray.actors.recovery.bootstrap import Bootstrap
+from dcr_ray.actors.recovery.outages import Outages
 from dcr_ray.errors import RefitError
 
 log = logging.getLogger("dcr_ray")

@@ -28,8 +28,8 @@ import ray
 from dcr_ray.actors.fleet.calls import gather, get_all
 from dcr_ray.actors.fleet.commit import CommitRecord
 from dcr_ray.actors.fleet.state import CoordinatorState
-from dcr_ray.actors.recovery.healing import Healing
 from dcr_ray.actors.owner.endpoint import owner_endpoint
+from dcr_ray.actors.recovery.healing import Healing
 from dcr_ray.errors import ConfigError
 from dcr_ray.report import RefitReport
 

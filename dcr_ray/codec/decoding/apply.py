@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from dcr_ray.codec.decoding import context
-from dcr_ray.codec.compiled import kernels, ptrkernels, threads
 from dcr_ray.codec.bits import bits_view
+from dcr_ray.codec.compiled import kernels, ptrkernels, threads
+from dcr_ray.codec.decoding import context
 from dcr_ray.codec.decoding.decode import read_frame
 from dcr_ray.codec.decoding.decoded import DecodedFrame, DecodedItem, DecodedPack
 from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES, Encoding

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
-from dcr_ray.codec.decoding import classcounts
-from dcr_ray.codec.primitives import classorder
-from dcr_ray.codec.compiled import threads
 from dcr_ray.codec.bits import bits_view, wire_name
+from dcr_ray.codec.compiled import threads
+from dcr_ray.codec.decoding import classcounts
 from dcr_ray.codec.decoding.decoded import DecodedItem
 from dcr_ray.codec.format import Encoding
+from dcr_ray.codec.primitives import classorder
 from dcr_ray.errors import TargetMismatchError
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it runs

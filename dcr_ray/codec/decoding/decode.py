@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 import zstandard
 
-from dcr_ray.codec.primitives import classorder, intdiff, locations, planes
-from dcr_ray.codec.compiled import threads
 from dcr_ray.codec.bits import dtype_of, itemsize, np_uint
+from dcr_ray.codec.compiled import threads
+from dcr_ray.codec.primitives import classorder, intdiff, locations, planes
 from dcr_ray.codec.format import (
     DEFAULT_MAX_RAW_BYTES,
     ESC_SECTION,

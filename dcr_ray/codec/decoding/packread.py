@@ -12,8 +12,8 @@ import math
 
 import numpy as np
 
-from dcr_ray.codec.primitives import locations
 from dcr_ray.codec.bits import dtype_of, itemsize, np_uint
+from dcr_ray.codec.primitives import locations
 from dcr_ray.codec.format import (
     PACK_ESC_SECTION,
     PACK_LOC_SECTION,
@@ -24,8 +24,8 @@ from dcr_ray.codec.format import (
     value_section,
 )
 from dcr_ray.codec.decoding.header import need
-from dcr_ray.codec.packed import pack_offsets
 from dcr_ray.codec.decoding.sections import ItemJob, SectionReader, receiver_holds
+from dcr_ray.codec.packed import pack_offsets
 from dcr_ray.errors import (
     DuplicateIndexError,
     MalformedHeaderError,

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from dcr_ray.codec.decoding import context
-from dcr_ray.codec.compiled import kernels, ptrkernels, threads
-from dcr_ray.codec.decoding.apply import APPLY_PARALLEL_MIN
 from dcr_ray.codec.bits import bits_view
+from dcr_ray.codec.compiled import kernels, ptrkernels, threads
+from dcr_ray.codec.decoding import context
+from dcr_ray.codec.decoding.apply import APPLY_PARALLEL_MIN
 from dcr_ray.codec.decoding.decoded import DecodedFrame, DecodedItem, DecodedPack
 from dcr_ray.codec.format import Encoding
 

@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from dcr_ray.codec import packed
-from dcr_ray.codec.compiled import ptrkernels
 from dcr_ray.codec.arena import Arena, address, advise_small_folios as _advise_small_folios
 from dcr_ray.codec.bits import bits_view, dtype_of, wire_name
+from dcr_ray.codec.compiled import ptrkernels
 from dcr_ray.codec.encoding.diff import (
     DEFAULT_CHUNK_ELEMS,
     DEFAULT_DENSE_CROSSOVER,

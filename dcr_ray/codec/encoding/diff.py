@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dcr_ray.codec.primitives import classorder, estimate, locations
 from dcr_ray.codec.bits import bits_view, wire_name
-from dcr_ray.codec.encoding.scan import PARALLEL_MIN_ELEMS, gather, join_column, scan_parts
 from dcr_ray.codec.compiled.threads import codec_threads, run_all
+from dcr_ray.codec.encoding.scan import PARALLEL_MIN_ELEMS, gather, join_column, scan_parts
+from dcr_ray.codec.primitives import classorder, estimate, locations
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it runs
     import torch

@@ -27,11 +27,11 @@ import msgpack
 import numpy as np
 import zstandard
 
-from dcr_ray.codec.primitives import estimate, intdiff, locations, planes
-from dcr_ray.codec.compiled import threads
 from dcr_ray.codec.bits import dtype_of, itemsize
+from dcr_ray.codec.compiled import threads
 from dcr_ray.codec.encoding.diff import ChunkDelta, TensorDelta
 from dcr_ray.codec.encoding.packdiff import PackDelta
+from dcr_ray.codec.primitives import estimate, intdiff, locations, planes
 from dcr_ray.codec.format import (
     ESC_SECTION,
     FORMAT_VERSION,

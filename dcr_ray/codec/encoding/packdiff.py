@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from dcr_ray.codec.compiled import ptrkernels
 from dcr_ray.codec.arena import address
 from dcr_ray.codec.bits import bits_view, wire_name
-from dcr_ray.codec.packed import pack_offsets
+from dcr_ray.codec.compiled import ptrkernels
 from dcr_ray.codec.encoding.scan import changed_positions
+from dcr_ray.codec.packed import pack_offsets
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it runs
     import torch

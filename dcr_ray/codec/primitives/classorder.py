@@ -48,8 +48,8 @@ import dataclasses
 import numpy as np
 
 from dcr_ray.codec.compiled import kernels
-from dcr_ray.codec.primitives import locations
 from dcr_ray.codec.format import LocationMode
+from dcr_ray.codec.primitives import locations
 from dcr_ray.errors import MalformedHeaderError
 
 #: Wire dtype -> (mantissa bits, exponent bits): the class of an element is its exponent field.

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcr_ray.codec.compiled import kernels
 from dcr_ray.codec.bits import np_uint
+from dcr_ray.codec.compiled import kernels
 from dcr_ray.codec.format import LocationMode
 from dcr_ray.errors import IndexOutOfRangeError, MalformedHeaderError
 

@@ -28,14 +28,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from dcr_ray.codec import BOOTSTRAP_BASE, DecodedFrame, FrameMeta, encode_frames, full_delta, read_frame
 from dcr_ray.codec.bits import wire_name
+from dcr_ray.engines.sampling import Sampling
 from dcr_ray.engines.vllm.adopted import WeightSyncBackend
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files
 from dcr_ray.engines.vllm.compat import shutdown_llm, start_llm, will_use_cuda
-from dcr_ray.engines.vllm.worker.plan import merge_summaries, strict_check
 from dcr_ray.engines.vllm.plugin import BACKEND_NAME
-from dcr_ray.engines.sampling import Sampling
 from dcr_ray.engines.vllm.serving import greedy, sample
 from dcr_ray.engines.vllm.sync import LocalWeightSync
+from dcr_ray.engines.vllm.worker.plan import merge_summaries, strict_check
 from dcr_ray.errors import BackendError, ConfigError, TargetMismatchError
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dcr_ray.codec import Encoding
-from dcr_ray.codec.decoding import context
 from dcr_ray.codec.bits import np_int
+from dcr_ray.codec.decoding import context
 from dcr_ray.engines.vllm.worker.plan import CopyOp, Geometry, TensorPlan, map_positions
 from dcr_ray.engines.vllm.worker.storage import int_view, scatter, storage_flat, storage_key
 from dcr_ray.errors import BackendError

@@ -46,11 +46,11 @@ from typing import Any
 
 import torch
 
-from dcr_ray.codec.decoding.undo import UndoLog
 from dcr_ray.codec import BOOTSTRAP_BASE, DecodedFrame, DecodedItem, apply_decoded, decode_frame, open_frame
-from dcr_ray.engines.vllm.worker.capture import LoaderCapture
+from dcr_ray.codec.decoding.undo import UndoLog
 from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
+from dcr_ray.engines.vllm.worker.capture import LoaderCapture
 from dcr_ray.engines.vllm.worker.groups import fused_groups, reload_groups, whole_groups
 from dcr_ray.engines.vllm.worker.served import ServedSnapshot, served_fingerprint
 from dcr_ray.engines.vllm.worker.verify_request import checked_boxes
