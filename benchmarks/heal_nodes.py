@@ -4,8 +4,8 @@ Real node faults (``Cluster.remove_node(node, allow_graceful=False)``: the node'
 workers at once) on a multi-node Ray cluster on this machine: owners and coordinator on the head node,
 cluster ``a`` on two nodes (both its engines and its head relay on the first), ``b`` on one, two
 ``transformers`` engines each, every cluster behind a 10 Mbit/s emulated link
-(:class:`~dcr_ray.testing.links.EmulatedLinks`). After warm-up and quiet refits (their median is the
-reference), two cases run on the same topology:
+(:class:`~dcr_ray.testing.links.EmulatedLinks`), a trainer taking AdamW steps at :data:`LR`. After warm-up
+and quiet refits (their median is the reference), two cases run on the same topology:
 
 * ``node_death_mid_refit``: ``a``'s first node dies while the owners stream. Measured: the refit's
   ``attempts`` and ``seconds`` (driver wall time) and their ratio to the quiet median, and
@@ -28,6 +28,11 @@ import time
 
 #: The emulated link of each cluster (Mbit/s, one-way latency s).
 LINK = (10.0, 0.0)
+#: The trainer's AdamW learning rate: RL-sized steps (about 1-2% of BF16 elements change per step), so a
+#: refit moves its delta across the 10 Mbit/s link in about a second, as in the issue's set-up. (The heal
+#: cases above use lr 1e-3, where nearly every element changes: over this link each refit would move a
+#: dense model, ~35 s for the small model.)
+LR = 1e-6
 #: Targets from the outage issue.
 TARGETS = {"node_death_attempts_max": 2, "node_death_ratio_max": 3.0, "fleet_back_s_max": 30.0,
            "lost_next_refit_s_floor": 10.0, "lost_next_refit_ratio_max": 3.0, "lost_later_ratio_max": 1.5,
@@ -49,7 +54,7 @@ def run_node_cases(spec, say, limit_s: float = 600.0) -> dict:
     nodes = LocalClusters(("a", "b"))
     refit = None
     try:
-        trainer = ray.remote(num_cpus=0, resources={"train": 0.01})(TinyTrainer).remote(spec, lr=1e-3)
+        trainer = ray.remote(num_cpus=0, resources={"train": 0.01})(TinyTrainer).remote(spec, lr=LR)
         clusters = [dcr_ray.ClusterSpec(name=c, engines=2, resources=nodes.resources(c)) for c in "ab"]
         engine = dcr_ray.HFEngine(spec.with_seed(9))
         config = validate(dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(timeout_s=60.0),
@@ -76,7 +81,7 @@ def run_node_cases(spec, say, limit_s: float = 600.0) -> dict:
         quiet = [one().seconds["driver"] for _ in range(QUIET_REFITS)]
         base = statistics.median(quiet)
         say(f"node cases: quiet refits {', '.join(f'{q:.2f}' for q in quiet)} s")
-        out = {"quiet_refit_seconds": quiet, "link_mbps": LINK[0], "targets": TARGETS}
+        out = {"quiet_refit_seconds": quiet, "link_mbps": LINK[0], "lr": LR, "targets": TARGETS}
         out["node_death_mid_refit"] = _node_death(refit, nodes, trainer, step, base, limit_s)
         say(f"node_death_mid_refit: {out['node_death_mid_refit']}")
         out["cluster_lost"] = _cluster_lost(refit, nodes, trainer, one, base, limit_s)
