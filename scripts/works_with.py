@@ -44,7 +44,7 @@ def table() -> str:
     rows = ["| stack | versions | what ran | result | what and why |", "|---|---|---|---|---|"]
     suite = suite_versions()
     rows.append(f"| suite (`.venv`) | {versions_cell(suite) or 'see scripts/setup.sh'} | every test "
-                f"(`scripts/test.sh`) | CI | {SUITE_WHY} |")
+                f"(`.ci/run`) | CI | {SUITE_WHY} |")
     found = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "compat").glob("*.json"))}
     for name in sorted(found, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)):
         r = found[name]
