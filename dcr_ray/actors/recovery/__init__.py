@@ -1,6 +1,7 @@
 """How the fleet gets back to the committed version and its configured size, off the trainer's clock where
 it can: the dense bootstrap from the owners (:mod:`~dcr_ray.actors.recovery.bootstrap`), engines that heal
-in the background from a peer (:mod:`~dcr_ray.actors.recovery.healing`; the engine's side of the copy is
+in the background from a peer (:mod:`~dcr_ray.actors.recovery.healing`, its sources chosen by
+:mod:`~dcr_ray.actors.recovery.sources`; the engine's side of the copy is
 :mod:`~dcr_ray.actors.engine.peer_copy`), lost nodes and lost capacity
 (:mod:`~dcr_ray.actors.recovery.outages`), and a restarted coordinator, a retried call, dead relays and a dead
 owner (:mod:`~dcr_ray.actors.recovery.restarts`)."""

@@ -51,6 +51,7 @@ from ray.exceptions import RayActorError
 from dcr_ray import metrics
 from dcr_ray.actors.fleet.standings import Standing
 from dcr_ray.actors.fleet.state import CoordinatorState
+from dcr_ray.actors.recovery import sources
 from dcr_ray.actors.recovery.bootstrap import Bootstrap
 from dcr_ray.actors.recovery.outages import Outages
 from dcr_ray.errors import RefitError
@@ -351,7 +352,7 @@ class Healing:
         handle = s.engines[e]
         with whole:
             try:
-                held = self._held(e, t)
+                held = sources.held(s, e, t)
             except RayActorError as err:  # the healing engine died: re-created for the next round
                 s.topology.retire(e, s.config)
                 with step:
@@ -363,9 +364,9 @@ class Healing:
                 version, version_id = s.version, s.last_transfer()
                 if held == (version, version_id):  # it missed nothing (or took it in an earlier round)
                     return self._join(e, version)
-                steps = self._window(e, held, (version, version_id))
-                peer = self._peer(e) if not steps or self._dense_is_smaller(e, steps) else None
-                if steps and peer is not None and not self._same_cluster(e, peer):
+                steps = sources.window_steps(s, e, held, (version, version_id))
+                peer = sources.peer_for(s, e) if not steps or sources.dense_is_smaller(s, e, steps) else None
+                if steps and peer is not None and not sources.same_cluster(s, e, peer):
                     peer = None  # deltas inside the cluster beat a dense copy across the link
                 steps = None if peer is not None else steps
                 if not steps and (peer is None or s.topology.is_adopted(e)):  # no delta, no peer can hand
@@ -387,7 +388,7 @@ class Healing:
                 else:
                     self._set(e, Standing.COPYING, source=peer)
                     ray.get(handle.heal_from.remote(snap, t), timeout=t)
-                    cross = 0 if self._same_cluster(e, peer) else snap["bytes"]
+                    cross = 0 if sources.same_cluster(s, e, peer) else snap["bytes"]
                     self._took(e, peer, copy_bytes=snap["bytes"], cross_bytes=cross)
             except RayActorError as err:  # the healing engine itself died: re-created for the next round
                 s.topology.retire(e, s.config)
@@ -401,56 +402,8 @@ class Healing:
                     return None  # a refit committed while it copied: the next round starts from there
                 return self._join(e, version)
 
-    def _held(self, e: str, timeout_s: float) -> tuple | None:
-        """``(version, content id)`` engine ``e`` holds settled, or None (no version, or dirty). Writes of
-        an abandoned transfer it still holds (evicted inside a refit) are rolled back in place first."""
-        handle = self._shared.engines[e]
-        st = ray.get(handle.state.remote(), timeout=timeout_s)
-        if st["transfer"] is not None and not st["dirty"]:
-            ray.get(handle.abort.remote(st["transfer"], True), timeout=timeout_s)
-            st = ray.get(handle.state.remote(), timeout=timeout_s)
-        if st["dirty"] or st["version"] is None or st["transfer"] is not None:
-            return None
-        return st["version"], st.get("version_id")
-
-    def _window(self, e: str, held: tuple | None, committed: tuple) -> list | None:
-        """The committed steps from what ``e`` holds to ``committed``, from its cluster's catch-up window;
-        None when the window does not cover it (or there is none)."""
-        s = self._shared
-        if held is None or held[0] > committed[0] or s.config.transport.catchup_window_bytes <= 0:
-            return None
-        try:
-            steps = s.transport.window(s.topology.engine_cluster[e], *held)
-        except Exception as err:  # the window is an optimisation: a peer or the owners still heal it
-            log.warning("dcr_ray: reading the catch-up window for engine %s failed: %r", e, err)
-            return None
-        if not steps or (steps[-1].target, steps[-1].transfer) != committed:
-            return None
-        return steps
-
-    def _same_cluster(self, e: str, peer: str) -> bool:
-        cluster = self._shared.topology.engine_cluster
-        return cluster[e] == cluster[peer]
-
-    def _dense_is_smaller(self, e: str, steps: list) -> bool:
-        """Whether a peer's dense copy moves fewer bytes than replaying ``steps`` (large learning rates:
-        a few versions of deltas outweigh the model); an adopted engine cannot take a copy."""
-        s = self._shared
-        model = s.model_bytes  # 0 when unknown (a resumed coordinator): replay
-        return bool(model) and not s.topology.is_adopted(e) and sum(st.nbytes for st in steps) >= model
-
     def _join(self, e: str, version: int) -> dict:
         """``e`` holds the committed ``version``: it joins the required set (under the coordinator's lock)."""
         self._shared.standings.require([e])
         metrics.record("required_engines", len(self._shared.required))
         return {"engine": e, "version": version}
-
-    def _peer(self, e: str) -> str | None:
-        """A required engine that can hand over its bits (dcr_ray started it): one of ``e``'s cluster, else
-        one of another cluster (the whole cluster was lost: the copy crosses a cluster link once, as the
-        owners' would, but off the trainer's clock and without holding up the refits)."""
-        s = self._shared
-        cluster = s.topology.engine_cluster[e]
-        ok = [p for p in sorted(s.required) if p != e and not s.topology.is_adopted(p)]
-        ok.sort(key=lambda p: s.topology.engine_cluster[p] != cluster)  # its own cluster first
-        return ok[0] if ok else None
