@@ -43,14 +43,9 @@ class Probe:
 
 @pytest.fixture(scope="module")
 def server():
-    # An in-process vLLM engine of an earlier test sets LD_PRELOAD (its OpenMP and allocator) in this process;
-    # this module's server and Ray start from the environment a user's would, and get it back afterwards.
-    preload = os.environ.pop("LD_PRELOAD", None)
     s = dcr_ray.prefork.start(wait=True)
     yield s
     s.stop()
-    if preload is not None:
-        os.environ["LD_PRELOAD"] = preload
 
 
 @pytest.fixture
