@@ -26,6 +26,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -280,6 +281,23 @@ def _dist_name(requirement: str) -> str:
     return re.split(r"[\[<>=!~; ]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
 
 
+def run_limited(cmd: list[str], env: dict, limit: float, name: str) -> int:
+    """``cmd``'s exit status; past ``limit`` seconds it is interrupted as Ctrl-C does (pytest then names the test
+    it was in and still writes its report), and killed 60 s later if it has not ended."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    try:
+        return proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        print(f"[compat] {name}: pytest outlived its {limit:.0f} s limit: interrupted", flush=True)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return 124
+
+
 def test(name: str, build_seconds: float) -> dict:
     spec = STACKS[name]
     env_dir = WORK / spec.get("env", name)
@@ -305,11 +323,7 @@ def test(name: str, build_seconds: float) -> dict:
         limit = spec.get("timeout_s", 900)
         cmd = [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=15", f"--junitxml={junit}", *args]
         print(f"[compat] $ (limit {limit} s)", " ".join(cmd), flush=True)
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=limit).returncode
-        except subprocess.TimeoutExpired:
-            print(f"[compat] {name}: pytest outlived its {limit} s limit and was stopped", flush=True)
-            rc = 124
+        rc = run_limited(cmd, env, limit, name)
         got = junit_cases(junit) if junit.exists() else []
         cases += got
         if rc != 0 and not any(c["outcome"] == "failed" for c in got):

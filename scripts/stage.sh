@@ -1,9 +1,9 @@
 # Sourced by .ci/run (and by tests/test_ci_run.py): `stage NAME LIMIT_S COMMAND...` runs one CI stage under
 # its own time limit and prints its wall time; `stages_summary` prints every stage's time at the end.
 #
-# A stage that outlives LIMIT_S is sent SIGTERM (its whole process group: pytest and the Ray processes it
-# started), then SIGKILL 30 s later, and fails with status 124 and a line that names the stage and its
-# limit. A test that hangs inside a stage is caught earlier by pytest-timeout (pyproject.toml's `timeout`),
+# A stage that outlives LIMIT_S is sent SIGINT, as Ctrl-C (its whole process group: pytest, which then names the
+# test it was in, prints its summary and slowest tests, and the Ray processes it started), then SIGKILL 60 s
+# later, and fails with status 124 (137 if killed) and a line that names the stage and its limit. A test that hangs inside a stage is caught earlier by pytest-timeout (pyproject.toml's `timeout`),
 # which fails that test by name and lets the stage go on.
 
 _STAGES=()
@@ -13,7 +13,7 @@ stage() {
   shift 2
   local t0=$SECONDS rc=0
   echo "[ci] ===== stage ${name} (limit ${limit} s): $*"
-  timeout --kill-after=30 "${limit}" "$@" || rc=$?
+  timeout --signal=INT --kill-after=60 "${limit}" "$@" || rc=$?
   local took=$((SECONDS - t0))
   if ((rc == 124 || rc == 137)); then
     echo "[ci] stage ${name} TIMED OUT after ${took} s (its limit is ${limit} s): the slowest tests above, or" \
