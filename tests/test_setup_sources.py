@@ -57,3 +57,10 @@ def test_every_install_of_setup_passes_the_torch_source():
     assert 'scripts/torch_cpu.py pip' in text
     installs = [line for line in text.splitlines() if "pip install" in line and "--no-deps" not in line]
     assert installs and all('"${TORCH_SOURCE[@]}"' in line for line in installs), installs
+
+
+def test_every_shell_script_ci_runs_parses_under_bash():
+    scripts = [ROOT / ".ci" / "run", *sorted((ROOT / "scripts").glob("*.sh"))]
+    for script in scripts:
+        got = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert got.returncode == 0, f"{script.relative_to(ROOT)} does not parse: {got.stderr}"
