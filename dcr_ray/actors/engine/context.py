@@ -97,11 +97,17 @@ class EngineContext:
         self.stats[name] = self.stats.get(name, 0) + n
 
     # -- steps several parts take ---------------------------------------------------------------------
-    def become_ready(self, version: int, version_id: str | None, *, counter: str | None = None) -> None:
+    def become_ready(self, version: int, version_id: str | None, *, counter: str | None = None,
+                     verified: bool = False) -> None:
         """Hold committed ``version`` of content ``version_id``, settled: the journal and undo record of
         the transfer that got it there are dropped, the backend tags its outputs with it, the version
-        metric moves and every waiter (generation, flush) wakes. Call with ``lock`` held."""
-        self.state.activate(version, version_id)
+        metric moves and every waiter (generation, flush) wakes. ``verified``: the bits were checked
+        against the version's digests (the only way besides a dense bootstrap out of dirty bits). Call
+        with ``lock`` held."""
+        if verified:
+            self.state.restore(version, version_id)
+        else:
+            self.state.activate(version, version_id)
         self.applied.clear()
         self.undo.clear()
         self.backend.activate(version)
