@@ -79,25 +79,38 @@ class Recovery:
                 ray.get(h.promote(rec.version), timeout=t)
             elif st["pending"] is not None:
                 ray.get(h.discard(), timeout=t)
-        # engines: activate the transfer the record committed, roll back any other
-        states, dead, _ = gather({e: s.engines[e].state.remote() for e in s.engines if e not in fresh},
-                                 t, "engine state")
-        behind = list(fresh) + list(dead)
+        # engines: activate the transfer the record committed where it names them and they flushed it; roll
+        # back any other open transfer. An engine that did not answer heals (it has a standing either way).
+        states, dead, unsure = gather({e: s.engines[e].state.remote() for e in s.engines if e not in fresh},
+                                      t, "engine state")
+        behind = list(fresh) + list(dead) + sorted(unsure)
         for e, st in states.items():
-            if st["transfer"] is not None and st["transfer"] == rec.transfer and st["target"] == rec.version:
-                ray.get(s.engines[e].activate.remote(rec.version, rec.transfer), timeout=t)
-            elif st["transfer"] is not None:
-                ray.get(s.engines[e].abort.remote(st["transfer"], True), timeout=t)
-            if ray.get(s.engines[e].get_version.remote(), timeout=t) == rec.version:
-                s.standings.require([e])
-            else:
-                behind.append(e)
+            try:
+                if self._settle(e, st, rec, t) == rec.version:
+                    s.standings.require([e])
+                    continue
+            except Exception as err:  # its bits are in doubt: it heals (a peer's copy checks them)
+                log.warning("dcr_ray: engine %s could not be settled at resume: %r", e, err)
+            behind.append(e)
         for e in dead:
             s.topology.respawn(e, cfg)
         if behind:  # from a peer of their cluster where one holds the version, in the background
             self._healer.schedule(sorted(behind), "behind the commit record at resume", respawn=False)
         log.info("dcr_ray: coordinator epoch %d resumed at version %d (%d engines heal in the background)",
                  s.epoch, s.version, len(behind))
+
+    def _settle(self, e: str, st: dict, rec: CommitRecord, t: float) -> int | None:
+        """Settle engine ``e``'s open transfer (``st``: its state) against the record ``rec``: activated
+        only if the record names it as a member and it flushed the record's transfer (an engine evicted
+        mid-stream holds part of it), else rolled back (or left dirty). Returns the version it holds."""
+        h = self._shared.engines[e]
+        if st["transfer"] is not None:
+            commits = (st["transfer"] == rec.transfer and st["target"] == rec.version and st.get("flushed")
+                       and e in rec.members)
+            if commits:
+                return ray.get(h.activate.remote(rec.version, rec.transfer), timeout=t)
+            ray.get(h.abort.remote(st["transfer"], True), timeout=t)
+        return ray.get(h.get_version.remote(), timeout=t)
 
     # -- answers about a commit ---------------------------------------------------------------------
     def answered(self, request: str | None) -> RefitReport | None:
