@@ -16,7 +16,7 @@ attempt, and after each failed one, the coordinator sweeps (:meth:`Outages.sweep
 3. **Required engines on lost nodes** leave the required set at once and are re-created and healed
    after the commit; no stage of this refit calls them again.
 4. **Relays on lost nodes** are re-created now, beside the live engines of their cluster.
-5. **Owners on lost nodes** fail the refit at once (:class:`~dcr_ray.errors.RefitError` naming
+5. **Owners on lost nodes** fail the refit at once (:class:`~dcr_ray.errors.OwnerLostError` naming
    ``Refit.replace_owner``): their committed bits went with them.
 
 A part of :class:`~dcr_ray.actors.coordinator.actor.CoordinatorActor`; it owns the capacity table and is
@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from dcr_ray.actors.fleet.state import CoordinatorState
-from dcr_ray.errors import RefitError
+from dcr_ray.errors import OwnerLostError
 
 log = logging.getLogger("dcr_ray")
 
@@ -92,7 +92,7 @@ class Outages:
         return True
 
     def sweep(self) -> Sweep:
-        """One pass over the live nodes (see the module doc); raises ``RefitError`` if an owner's node is
+        """One pass over the live nodes (see the module doc); raises ``OwnerLostError`` if an owner's node is
         gone. The caller schedules the heals of ``lost_engines`` and ``out_engines``."""
         s = self._shared
         topo = s.topology
@@ -102,7 +102,7 @@ class Outages:
         owners = topo.nodes.lost(f"owner:{o}" for o in s.owners)
         if owners:
             ids = sorted(k.split(":", 1)[1] for k in owners)
-            raise RefitError(f"the node of owner(s) {ids} is gone, and their committed bits with it: replace each "
+            raise OwnerLostError(f"the node of owner(s) {ids} is gone, and their committed bits with it: replace each "
                              f"with Refit.replace_owner(owner_id, handle), an actor that holds the committed "
                              f"version's bits (e.g. restored from the committed checkpoint)")
         for c in sorted(topo.clusters):
