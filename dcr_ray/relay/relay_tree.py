@@ -13,7 +13,6 @@ from typing import Any, Callable, Iterable, Mapping
 import ray
 
 from dcr_ray.codec import PayloadKey
-from dcr_ray.errors import RefitTimeoutError
 from dcr_ray.options import actor_options, create_named
 from dcr_ray.relay.backpressure import wait_bounded
 from dcr_ray.relay.relay import RelayActor
@@ -76,19 +75,57 @@ class RelayTransport:
         self._engine_cluster: dict[str, str] = {}
         self._near: Callable[[str], dict] | None = None
         self.suspended: set[str] = set()  # clusters out for lack of capacity (no relay of theirs runs)
+        #: cluster -> (its relays by id, their routing calls, the head's id, the ids created anew): trees
+        #: routed but not yet taken by :meth:`install`
+        self._wiring: dict[str, tuple[dict, list, str, set]] = {}
 
     def reader(self, cluster: str) -> BytesReader:
         return BytesReader()
 
     def build(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
-        """Create every cluster's relay tree (detached relays, named ``dcr_relay:<relay id>``)."""
+        """Create every cluster's relay tree (detached relays, named ``dcr_relay:<relay id>``); they serve
+        once :meth:`install` took them."""
         self._wire(clusters, engines, engine_cluster, find=False)
 
     def reconnect(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
-        """Find the relays of every cluster by name, create the ones that are gone, and route every relay
-        to the current engine handles (a resumed coordinator, a re-created engine or relay). Clusters that
-        are suspended stay out."""
+        """Find the relays of ``clusters`` (the handles held, else by name), create the ones that are gone,
+        and route every relay to the current engine handles (a resumed coordinator, a re-created engine
+        or relay); :meth:`install` takes them. Clusters that are suspended stay out."""
         self._wire([c for c in clusters if c.name not in self.suspended], engines, engine_cluster, find=True)
+
+    def settle(self, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s``, until every relay created or routed since the last :meth:`install`
+        answered its routing. Changes nothing: call it without the coordinator's lock."""
+        refs = [r for w in self._wiring.values() for r in w[1]]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+    def install(self) -> list[str]:
+        """Take the relay trees whose every relay answered its routing (never waits); a tree that did not
+        (a relay not placed, or dead) is dropped and the relays created for it killed, so their names are
+        free for a later try. Returns the clusters dropped."""
+        failed = []
+        for cluster, (made, refs, head, created) in list(self._wiring.items()):
+            del self._wiring[cluster]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            ok = len(ready) == len(refs)
+            if ok:
+                try:
+                    ray.get(refs, timeout=0)
+                except Exception:  # a relay died while it was routed
+                    ok = False
+            if ok:
+                self.relays.update(made)
+                self.heads[cluster] = made[head]
+                self.suspended.discard(cluster)
+                continue
+            failed.append(cluster)
+            for rid in created:
+                try:
+                    ray.kill(made[rid], no_restart=True)
+                except Exception:
+                    pass
+        return sorted(failed)
 
     def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
                timeout_s: float = 10.0, lost: Iterable[str] = (), later: Iterable[str] = ()) -> list[str]:
@@ -146,26 +183,30 @@ class RelayTransport:
 
     def resume(self, cluster, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
         """``cluster`` (a :class:`~dcr_ray.config.ClusterSpec`) can be hosted again: its relay tree is
-        created anew, routed to ``engines``."""
-        self.suspended.discard(cluster.name)
+        created anew, routed to ``engines``; it stays suspended until :meth:`install` takes it."""
         self._wire([cluster], engines, engine_cluster, find=False, placed=True)
 
     def _wire(self, clusters, engines, engine_cluster, *, find: bool, replace: set[str] = frozenset(),
               placed: bool | None = None) -> None:
-        """Plan and create (or, with ``find``, find by name) each cluster's relays and route them. A relay
-        created in place of one that is gone (``placed``: by default whenever it finds relays) takes the
-        placement :meth:`place_with` gives; the first build leaves placement to Ray."""
+        """Plan and create (or, with ``find``, find) each cluster's relays and route them, without waiting:
+        the routing calls are kept for :meth:`settle` and :meth:`install` (a payload pushed to a relay that
+        does not know its children yet would be forwarded to no one, so a tree serves only once every
+        relay answered). A relay created in place of one that is gone (``placed``: by default whenever it
+        finds relays) takes the placement :meth:`place_with` gives; the first build leaves placement to Ray."""
         placed = find if placed is None else placed
         Relay = ray.remote(RelayActor)
         self._engine_cluster = dict(engine_cluster)
         for c in clusters:
             ids = [e for e in engines if engine_cluster[e] == c.name]
             tree = plan_tree(c.name, ids, c.fanout)
-            made = {}
+            made, created = {}, set()
             for node in tree.walk():
                 head = node is tree
                 name = f"dcr_relay:{node.relay_id}"
                 if find and node.relay_id not in replace:
+                    if node.relay_id in self.relays:
+                        made[node.relay_id] = self.relays[node.relay_id]
+                        continue
                     try:
                         made[node.relay_id] = ray.get_actor(name, namespace=self.config.namespace)
                         continue
@@ -180,21 +221,15 @@ class RelayTransport:
                                                          window_bytes=self.config.transport.catchup_window_bytes,
                                                          pull_timeout_s=self.config.commit.timeout_s),
                     name, wait_s=RELAY_NAME_RELEASE_S, namespace=self.config.namespace)
+                created.add(node.relay_id)
             wired = []
             for node in tree.walk():
                 kids = [("engine", engines[e], [e]) for e in node.engines]
                 kids += [("relay", made[s.relay_id], s.all_engines()) for s in node.subrelays]
                 wired.append(made[node.relay_id].set_children.remote(kids))
-            # Waited for: a payload pushed to a relay that does not know its children yet would be
-            # forwarded to no one, and calls from the owners are not ordered after this one's.
-            timeout_s = self.config.commit.start_timeout_s
-            try:
-                ray.get(wired, timeout=timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise RefitTimeoutError(f"the relays of cluster {c.name} did not start within {timeout_s:.0f} s "
-                                        "(CommitConfig.start_timeout_s)") from None
-            self.relays.update(made)
-            self.heads[c.name] = made[tree.relay_id]
+            if c.name in self._wiring:  # a tree routed again before it was taken: its new relays stay
+                created |= {r for r in self._wiring[c.name][3] if made.get(r) is self._wiring[c.name][0].get(r)}
+            self._wiring[c.name] = (made, wired, tree.relay_id, created)
 
     def sink(self, targets: list[str] | None, required: list[str], *, every_cluster: bool = False) -> RelaySink:
         every = targets is None or every_cluster

@@ -58,6 +58,7 @@ from dcr_ray.actors.coordinator.startup import Startup
 from dcr_ray.actors.fleet.calls import ActorsDied, NoAnswerError, gather, get_all
 from dcr_ray.actors.fleet.commit import CommitLog, CommitRecord
 from dcr_ray.actors.fleet.inputs import is_restart, read_inputs
+from dcr_ray.actors.fleet.standings import Standing
 from dcr_ray.actors.fleet.state import CoordinatorState
 from dcr_ray.actors.fleet.topology import Topology
 from dcr_ray.actors.owner.coding import choose_coding
@@ -100,7 +101,7 @@ class CoordinatorActor:
         # engines outside the required set, healed in the background
         self._healer = Healing(s, self._boot, self._outages)
         self._members = Membership(s, self._boot, self._healer)
-        self._recovery = Recovery(s, self._healer)
+        self._recovery = Recovery(s, self._healer, self._outages)
         self._inspection = Inspection(s, self._healer, self._outages)
         self._startup = Startup(s, self._boot, self._recovery)
         if is_restart(commit_dir, inputs.launch_id):
@@ -146,9 +147,18 @@ class CoordinatorActor:
         refits, through the path a joining engine takes: the owners send every element (the dense
         reference ``dcr-ray bench refit`` measures, or an operator's repair of engines whose bits are in
         doubt); returns the frames sent. See :meth:`~dcr_ray.actors.recovery.bootstrap.Bootstrap.dense`."""
-        with self._shared.lock:
+        s = self._shared
+        with s.lock:
             self._startup.require_started()
-            return self._boot.dense(sorted(engine_ids if engine_ids is not None else self._shared.engines))
+            ids = sorted(engine_ids if engine_ids is not None else s.engines)
+            for e in ids:  # checked before anything is written
+                self._members.known(e)
+                standing = s.standings.of(e)
+                if standing not in (None, Standing.REQUIRED):  # healing, waiting, failed, out, evicted, joining
+                    raise ConfigError(f"engine {e!r} is {standing.value!r}, not required: a dense bootstrap repairs "
+                                      f"required engines only; Refit.rejoin({e!r}) brings it back (re-created if "
+                                      f"its actor died)")
+            return self._boot.dense(ids)
 
     # -- one refit ----------------------------------------------------------------------------------
     def refit(self, request: str | None = None) -> RefitReport:
@@ -285,8 +295,8 @@ class CoordinatorActor:
         choice = choose_coding(s.config.codec, s.history, {s.topology.engine_cluster[e] for e in req})
         t0, clock = time.perf_counter(), CpuClock.start(s.topology, req)
         s.set_phase("prepare", transfer, attempt, target)
-        self._members.answers({e: s.engines[e].prepare.remote(transfer, attempt, base, target, base_id)
-                               for e in req}, "prepare")
+        self._members.answers({e: s.engines[e].prepare.remote(transfer, attempt, base, target, base_id,
+                                                              epoch=s.incarnation(e)) for e in req}, "prepare")
         t1 = time.perf_counter()
         # engines outside the required set (healing, evicted) get nothing; their clusters' windows keep it
         sink = s.transport.sink(req, req, every_cluster=True)
@@ -298,8 +308,8 @@ class CoordinatorActor:
         t_released = t1 + max((x.get("released_s", 0.0) for x in sums.values()), default=0.0)
         keys = [k for x in sums.values() for k in x["payloads"]]
         s.set_phase("flush", transfer, attempt, target)
-        acks = self._members.answers({e: s.engines[e].flush.remote(transfer, attempt, keys, t) for e in req},
-                                     "flush", s.relays_lost)
+        acks = self._members.answers({e: s.engines[e].flush.remote(transfer, attempt, keys, t, epoch=s.incarnation(e))
+                                      for e in req}, "flush", s.relays_lost)
         req = sorted(acks)  # without engines evicted as hung
         t2 = time.perf_counter()
         s.set_phase("commit", transfer, attempt, target)
@@ -313,7 +323,7 @@ class CoordinatorActor:
         s.set_phase("promote", transfer, attempt, target)
         promoting = {o: h.promote(target) for o, h in s.owners.items()}
         # the engines serve v+1 from now, beside the owners' promote: their pause ends at the record
-        activating = {e: s.engines[e].activate.remote(target, transfer) for e in req}
+        activating = {e: s.engines[e].activate.remote(target, transfer, epoch=s.incarnation(e)) for e in req}
         _, dead, errors = gather(promoting, t, "promote", s.lost("owner"))
         if dead or errors:
             bad = sorted({*dead, *errors})

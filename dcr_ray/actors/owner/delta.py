@@ -92,6 +92,8 @@ class DeltaOwner:
         #: whether the pending set holds the pending transfer's whole changed set (its diff ran to the end)
         self._pending_complete = False
         self._last_summary: dict | None = None
+        #: whether it ever streamed (a coordinator used it under ``owner_id``: its id is fixed from then on)
+        self.used = False
         self._promoting: threading.Thread | None = None
         self._promoting_version: int | None = None
         self._promote_error: BaseException | None = None
@@ -155,6 +157,7 @@ class DeltaOwner:
         ``coding``: ``"plain"`` or ``"context"`` for a first attempt; None takes ``CodecConfig.coding``
         (``"auto"``, which a coordinator decides per refit, is plain for an owner streaming on its own)."""
         coding = stream_coding(self.config.codec.coding, coding, self.owner_id)
+        self.used = True
         self.settle()
         if base != self.store.version:
             raise BaselineError(
@@ -266,6 +269,7 @@ class DeltaOwner:
 
     def bootstrap(self, *, transfer: str, sink) -> dict:
         """Send the committed baseline densely (frames with base :data:`BOOTSTRAP_BASE`)."""
+        self.used = True
         self.settle()
         t0 = time.perf_counter()
         deltas = (full_delta(n, self.store.tensor(n), chunk_elems=self.config.codec.chunk_elems)
