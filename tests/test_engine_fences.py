@@ -91,3 +91,28 @@ def test_an_engine_activates_only_the_attempt_it_flushed():
     assert engine.get_version() == 0 and engine.state()["transfer"] == "T"
     engine.abort("T", final=True)  # rolled back in place: it serves v0 exactly
     _serves_the_trainers_bits_or_nothing(engine, trainer)
+
+
+def test_a_call_addressed_to_another_incarnation_is_refused_and_changes_nothing():
+    # the coordinator re-created this engine elsewhere (its node was unreachable, not gone): the old actor
+    # still runs, and every call that opens, flushes, activates or hands bits over names the new epoch
+    config = dcr_ray.RefitConfig()
+    old = EngineActor("a/e0", "a", dcr_ray.HFEngine(SPEC), config, _Direct(), epoch=1)
+    old.activate(0, version_id="attach", epoch=1)
+    v0 = {n: t.clone() for n, t in old.tensors().items()}
+    trainer = {0: v0, 1: _trainer_step(v0)}
+    frames = _frames(v0, trainer[1])
+    with pytest.raises(EngineStateError, match="incarnation 2 refused by incarnation 1"):
+        old.prepare("T", 0, 0, 1, "attach", epoch=2)
+    assert old.deliver(frames[0]) == "rejected"  # no attempt of its own: a frame has nothing to land in
+    for call in (lambda: old.flush("T", 0, [], 1.0, epoch=2), lambda: old.activate(1, "T", epoch=2),
+                 lambda: old.snapshot(0, "attach", epoch=2), lambda: old.catch_up([], 1.0, epoch=2)):
+        with pytest.raises(EngineStateError, match="refused by incarnation 1"):
+            call()
+    assert old.state()["epoch"] == 1 and old.get_version() == 0
+    _serves_the_trainers_bits_or_nothing(old, trainer)
+    old.prepare("T", 0, 0, 1, "attach", epoch=1)  # the incarnation the coordinator holds is served
+    assert all(old.deliver(f) == "applied" for f in frames)
+    old.flush("T", 0, [("T", 0, "owner0", i) for i in range(len(frames))], 5.0, epoch=1)
+    assert old.activate(1, "T", epoch=1) == 1
+    _serves_the_trainers_bits_or_nothing(old, trainer)
