@@ -1,4 +1,5 @@
-"""``dcr-ray chaos [--refits N] [--seed S] [--json PATH]``: seeded faults against a running topology.
+"""``dcr-ray chaos [--refits N] [--seed S] [--model stream|tiny] [--json PATH]``: seeded faults against a
+running topology.
 
 A multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: a training node and two rollout
 "clusters" of nodes marked by custom resources), two data-parallel :class:`~dcr_ray.testing.trainer.
@@ -26,6 +27,13 @@ during the refit:
 
 The last refit of a run longer than one pass over the kinds is quiet, so the fleet shows whether it
 healed. Cluster ``a`` starts on two nodes and ``b`` on one.
+
+Models (``--model``): ``stream`` (the default) codes the ``mini`` model's changes (its MLP tensors are
+split into chunks) into 32 KiB buckets, so that each owner streams at least :data:`MIN_FRAMES_PER_OWNER`
+frames a refit (``frames_per_owner`` in the JSON
+is measured with the owners' own code on the run's first step), and actor and node kills are drawn
+across the last committed refit's duration: they land mid-stream. ``tiny`` is the earlier set-up (a few
+frames per owner, kills in the first 0.2 s), where a kill rarely lands mid-stream.
 
 After every committed version every required engine is compared bit for bit (integer views) with the
 owners. The JSON has the fields of the issue's chaos suite: refits, committed, faults_injected,
@@ -66,6 +74,10 @@ KEY = b"dcr-chaos-key"
 #: How long the end of a run waits for engines still healing in the background.
 HEAL_WAIT_S = 300.0
 TARGETS = {"committed_min_fraction": 28 / 30, "mismatched_engines": 0, "bad_frames_applied": 0, "hung_waits": 0}
+#: What each model codes its frames with; ``stream`` makes every owner send at least MIN_FRAMES_PER_OWNER.
+MODELS = {"stream": {"size": "mini", "bucket_bytes": 1 << 15, "chunk_elems": 1 << 12},
+          "tiny": {"size": "tiny", "bucket_bytes": 1 << 17, "chunk_elems": 1 << 13}}
+MIN_FRAMES_PER_OWNER = 16
 
 
 def add_parser(groups) -> None:
@@ -75,6 +87,9 @@ def add_parser(groups) -> None:
     p.add_argument("--refits", type=int, default=30,
                    help=f"refits to run (default 30; CI runs {len(FAULT_KINDS) + 1}: every kind once, then a quiet one)")
     p.add_argument("--seed", type=int, default=20137, help="fault schedule seed")
+    p.add_argument("--model", choices=sorted(MODELS), default="stream",
+                   help=f"stream (default): every owner streams >= {MIN_FRAMES_PER_OWNER} frames a refit, kills "
+                        f"land mid-stream; tiny: a few frames per owner")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=run)
 
@@ -83,7 +98,7 @@ def run(args) -> int:
     if args.refits < 1:
         print("dcr-ray chaos: --refits must be >= 1", file=sys.stderr)
         return 2
-    out = run_chaos(args.refits, args.seed, progress=sys.stderr)
+    out = run_chaos(args.refits, args.seed, progress=sys.stderr, model=args.model)
     print(json.dumps(out, indent=2))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -122,9 +137,43 @@ def _hostile_frame(kind: str, name: str, shape: tuple, base: int) -> bytes:
     return frame  # wrong_key, stale_replay (a validly signed frame of another transfer)
 
 
-def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float = STAGE_TIMEOUT_S) -> dict:
+def frames_per_owner(spec, lr: float, model: str, world: int = 2) -> int:
+    """The fewest frames one of ``world`` owners streams for one real optimizer step of ``spec`` (the owners'
+    own code: attach, one AdamW step, one stream into a list), with ``model``'s coding."""
+    import dcr_ray
+    from dcr_ray.actors.owner.delta import DeltaOwner
+    from dcr_ray.testing.trainer import TinyTrainer
+
+    coding = {k: v for k, v in MODELS[model].items() if k != "size"}
+    config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(key=KEY, **coding))
+
+    class Frames:
+        def __init__(self):
+            self.n = 0
+
+        def send(self, frame, key):
+            self.n += 1
+
+        def drain(self):
+            pass
+
+    counts = []
+    for rank in range(world):
+        trainer = TinyTrainer(spec, lr=lr, rank=rank, world=world)
+        owner = DeltaOwner(f"owner{rank}", config, in_memory=True)
+        owner.attach(trainer.dcr_tensors())
+        trainer.step(seed=0)
+        sink = Frames()
+        owner.stream(trainer.dcr_tensors(), transfer="count", attempt=0, base=0, target=1, sink=sink)
+        counts.append(sink.n)
+    return min(counts)
+
+
+def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float = STAGE_TIMEOUT_S,
+              model: str = "stream") -> dict:
     """Run the chaos suite (see the module docstring); returns the results dict. ``stage_timeout_s`` is
-    what a stalled engine or a dropped payload costs a refit (a short run may take less than the soak's)."""
+    what a stalled engine or a dropped payload costs a refit (a short run may take less than the soak's);
+    ``model``: a key of :data:`MODELS`."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -144,7 +193,8 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
     say = (lambda m: tqdm.write(f"[chaos] {m}", file=progress)) if progress else (lambda m: None)
     nodes = LocalClusters(("a", "b"))
     nodes.add("a")  # a on two nodes: a node fault there leaves the cluster capacity; b on one
-    spec = ModelSpec(size="tiny")
+    spec = ModelSpec(size=MODELS[model]["size"])
+    frames = frames_per_owner(spec, 1e-3, model)
     Trainer = ray.remote(num_cpus=0, resources={"train": 0.01})(TinyTrainer)
     steps: list[int] = []
     committed_steps = 0  # steps reflected in the committed version
@@ -159,7 +209,8 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
     clusters = [dcr_ray.ClusterSpec(name="a", engines=2, resources={"cluster-a": 0.01}),
                 dcr_ray.ClusterSpec(name="b", engines=2, fanout=2, resources={"cluster-b": 0.01})]
     work = tempfile.mkdtemp(prefix="dcr_chaos_")
-    config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(key=KEY, bucket_bytes=1 << 17, chunk_elems=1 << 13),
+    config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(key=KEY, **{k: v for k, v in MODELS[model].items()
+                                                                        if k != "size"}),
                                  commit=dcr_ray.CommitConfig(dir=os.path.join(work, "commit"),
                                                              timeout_s=stage_timeout_s),
                                  actor_options={"coordinator": {"resources": LocalClusters.HEAD}})
@@ -177,6 +228,7 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
     node_faults = Counter()
     healed: dict[tuple, list] = {}  # (engine, when) -> where its bits came from, round by round
     failures: list[str] = []  # messages of refits that failed (they name engines restored densely)
+    span = 0.2  # kills are drawn in [0, span] s after the refit starts: the last committed refit's duration
     try:
         plan = schedule(refits, seed)
         for i, kind in enumerate(tqdm(plan, desc="chaos", unit="refit", disable=not (progress and bars.enabled()),
@@ -201,12 +253,12 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
                 with open(stall_signal, "w") as f:
                     f.write(rng.choice(sorted(handles["engines"])))
             elif kind in NODE_KINDS:
-                lost = _node_fault(kind, nodes, rng, threads)
+                lost = _node_fault(kind, nodes, rng, threads, span)
                 node_faults[kind] += 1
             elif kind in ("kill_engine", "kill_relay"):
                 pool = handles["engines"] if kind == "kill_engine" else handles["relays"]
                 victim = pool[rng.choice(sorted(pool))]
-                threads.append(threading.Timer(rng.uniform(0.0, 0.2), lambda v=victim: ray.kill(v)))
+                threads.append(threading.Timer(rng.uniform(0.0, span), lambda v=victim: ray.kill(v)))
             elif kind is not None:
                 target = _live_engine(rng, sorted(handles["engines"]))
                 if target is not None:  # else every engine is down: nothing to aim a frame at this refit
@@ -239,6 +291,8 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
             if ok:
                 stats["committed"] += 1
                 committed_steps = len(steps)
+                if model == "stream" and kind is None:  # a quiet refit: how long the next kills may land in
+                    span = max(0.2, ok.seconds.get("total", 0.2))
                 recreated += sum("died; it is re-created" in w or "node is gone" in w for w in ok.warnings)
                 bad_engines = _check(refit, owners[0])
                 refused += _refusing(refit, ok.version)
@@ -256,7 +310,8 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
         rollbacks = sum(ray.get(h.info.remote()).get("rollbacks", 0) for h in refit.engines().values())
     finally:
         nodes.shutdown(refit)
-    return {"refits": refits, "seed": seed, "committed": stats["committed"],
+    return {"refits": refits, "seed": seed, "model": model, "model_size": spec.size, "frames_per_owner": frames,
+            "kill_span_s": round(span, 3), "committed": stats["committed"],
             "faults_injected": stats["faults_injected"], "faults_by_kind": dict(by_kind),
             "faults_survived": sum(survived.values()), "mismatched_engines": mismatched,
             "bad_frames_rejected": stats["bad_frames_rejected"], "bad_frames_applied": stats["bad_frames_applied"],
@@ -268,7 +323,7 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
             "seconds": round(time.monotonic() - t0, 1)}
 
 
-def _node_fault(kind: str, nodes, rng, threads: list) -> str:
+def _node_fault(kind: str, nodes, rng, threads: list, span: float = 0.2) -> str:
     """Kill a random rollout node (during the refit: a timer in ``threads``; or now), or every node of a
     random cluster; returns the cluster that lost capacity (a node is added to it after the refit)."""
     if kind == "lose_cluster":
@@ -278,7 +333,7 @@ def _node_fault(kind: str, nodes, rng, threads: list) -> str:
     cluster, node = rng.choice(sorted(((c, n) for c, ns in nodes.nodes.items() for n in ns),
                                       key=lambda cn: (cn[0], cn[1].node_id)))
     if kind == "kill_node_mid_refit":
-        threads.append(threading.Timer(rng.uniform(0.0, 0.2), lambda: nodes.kill(node)))
+        threads.append(threading.Timer(rng.uniform(0.0, span), lambda: nodes.kill(node)))
     else:
         nodes.kill(node)
     return cluster
@@ -385,4 +440,5 @@ def _wait(cond, timeout: float = 120.0) -> None:
     raise TimeoutError("the condition did not hold in time")
 
 
-__all__ = ["FAULT_KINDS", "NODE_KINDS", "add_parser", "run", "run_chaos", "schedule"]
+__all__ = ["FAULT_KINDS", "MIN_FRAMES_PER_OWNER", "MODELS", "NODE_KINDS", "add_parser", "frames_per_owner",
+           "run", "run_chaos", "schedule"]
