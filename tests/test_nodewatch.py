@@ -51,9 +51,9 @@ def _watch(n: int, down: set[int] = frozenset()):
 
 def _stage(watch, clock, keys, seconds: float, poll: float = 0.25) -> None:
     """A stage waiting on ``keys`` for ``seconds``, asking lost() every poll as gather does."""
-    end = clock.t + seconds
+    end, since = clock.t + seconds, clock.t
     while clock.t < end:
-        watch.lost(keys)
+        watch.lost(keys, since=since)
         time.sleep(0.001)  # the probe pool's threads answer
         clock.t += poll
 

@@ -61,7 +61,7 @@ TABLE_POLL_S = 1.0
 #: A node whose raylet did not answer is probed again this often (a node wrongly suspected comes back).
 RECHECK_S = 10.0
 #: A question about an actor this long after the last one starts its wait afresh (a new call).
-_ASKED_GAP_S = 2.0
+_ASKED_GAP_S = 0.6
 
 
 def _node_id(_actor) -> str:
@@ -251,20 +251,30 @@ class NodeWatch:
                 self.probes += 1
                 self._probes[n] = (now, self._pool.submit(self._probe_fn, self._address[n]))
 
-    def lost(self, keys: Iterable[str]) -> list[str]:
+    def now(self) -> float:
+        """This watch's clock (a wait passes its start to :meth:`lost` as ``since``)."""
+        return self._clock()
+
+    def lost(self, keys: Iterable[str], since: float | None = None) -> list[str]:
         """Those of ``keys`` whose actor runs on a node that is not alive (known nodes only). Asked again and
-        again while calls to them are outstanding (:func:`~dcr_ray.actors.fleet.calls.gather`): the nodes of
-        those waited on past :data:`SUSPECT_AFTER_S` are probed."""
+        again while calls to them are outstanding (:func:`~dcr_ray.actors.fleet.calls.gather`): once the wait
+        began (``since``, on :meth:`now`'s clock) :data:`SUSPECT_AFTER_S` ago, their nodes are probed. Without
+        ``since``, a key asked about again and again without a pause of :data:`_ASKED_GAP_S` counts as one
+        wait."""
         keys = list(keys)
         nodes = {k: self.node_of(k) for k in keys}
         if not any(nodes.values()):
             return []
         now = self._clock()
         with self._lock:
-            for k in keys:
-                first, last = self._asked.get(k, (now, now))
-                self._asked[k] = (first if now - last < _ASKED_GAP_S else now, now)
-            suspects = {nodes[k] for k in keys if nodes[k] and now - self._asked[k][0] >= SUSPECT_AFTER_S}
+            if since is None:
+                for k in keys:
+                    first, last = self._asked.get(k, (now, now))
+                    self._asked[k] = (first if now - last < _ASKED_GAP_S else now, now)
+                began = {k: self._asked[k][0] for k in keys}
+            else:
+                began = dict.fromkeys(keys, since)
+            suspects = {nodes[k] for k in keys if nodes[k] and now - began[k] >= SUSPECT_AFTER_S}
         if suspects:
             self._suspect(suspects)
         live = self.live()

@@ -33,9 +33,9 @@ def started(state: CoordinatorState, e: str, cluster: str) -> None:
     s = state
     ref = s.engines[e].get_version.remote()
     limit = s.config.commit.start_timeout_s
-    deadline = time.monotonic() + limit
+    deadline, since = time.monotonic() + limit, s.topology.nodes.now()
     while not ray.wait([ref], timeout=POLL_S)[0]:
-        if not s.topology.can_host(cluster) or s.topology.nodes.lost([f"engine:{e}"]):
+        if not s.topology.can_host(cluster) or s.topology.nodes.lost([f"engine:{e}"], since=since):
             s.topology.retire(e, s.config)
             raise Unplaceable(cluster)
         if time.monotonic() > deadline:
@@ -49,9 +49,9 @@ def landed(state: CoordinatorState, e: str, peer: str | None, ref) -> dict:
     s = state
     keys = [f"engine:{e}"] + ([f"engine:{peer}"] if peer else [])
     limit = s.config.commit.start_timeout_s
-    deadline = time.monotonic() + limit
+    deadline, since = time.monotonic() + limit, s.topology.nodes.now()
     while not ray.wait([ref], timeout=POLL_S)[0]:
-        gone = s.topology.nodes.lost(keys)
+        gone = s.topology.nodes.lost(keys, since=since)
         if gone:
             _cancel(ref)
             raise RefitError(f"healing {e}: the node of {gone} is gone")
