@@ -2,6 +2,9 @@
 activate, and what a retry must carry. Each test ends with the trainer as the oracle: every engine that
 says it holds a version holds the trainer's tensors of that version, bit for bit (integer views).
 
+* A head relay killed mid-stream (its owners' sends fail while their lazy diff has read part of the
+  tensors): the retry carries the whole changed set, and every engine of both clusters holds the
+  trainer's bits.
 * A coordinator that restarts after a refit committed without an engine evicted mid-stream activates
   only the record's members that flushed its transfer; the evicted one, which holds part of it, rolls
   back and heals.
@@ -28,6 +31,7 @@ import torch
 import dcr_ray
 from dcr_ray.errors import ConfigError, RefitTimeoutError
 from dcr_ray.testing.faults import FlakyEngine
+from dcr_ray.testing.links import EmulatedLinks
 from dcr_ray.testing.models import ModelSpec
 from dcr_ray.testing.trainer import TinyTrainer
 
@@ -58,6 +62,36 @@ def _serves_the_trainers_bits(engine, trainer_at: dict[int, dict]) -> None:
     got = ray.get(engine.tensors.remote(), timeout=60)
     for n, t in trainer_at[v].items():
         assert torch.equal(got[n].view(torch.int16), t.view(torch.int16)), (v, n)
+
+
+@pytest.mark.timeout(300)
+def test_a_head_relay_killed_mid_stream_costs_a_retry_that_carries_the_whole_changed_set(local_ray, tmp_path):
+    spec = ModelSpec(size="mini")  # chunked MLP tensors: each owner streams dozens of 32 KiB frames
+    Trainer = ray.remote(num_cpus=0)(TinyTrainer)
+    trainers = [Trainer.remote(spec, lr=1e-3, rank=r, world=2) for r in range(2)]
+    config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(bucket_bytes=1 << 15, chunk_elems=1 << 12),
+                                 commit=dcr_ray.CommitConfig(dir=str(tmp_path / "commit"), timeout_s=60.0))
+    transport = EmulatedLinks(config, {"a": (10.0, 0.0), "b": (10.0, 0.0)})  # a refit's stream takes seconds
+    refit = dcr_ray.launch(owners=trainers, engine=dcr_ray.HFEngine(spec), config=config, transport=transport,
+                           clusters=[dcr_ray.ClusterSpec(name=c, engines=2) for c in "ab"])
+    try:
+        ray.get([t.step.remote(seed=0) for t in trainers])
+        refit.run(timeout=180)
+        ray.get([t.step.remote(seed=1) for t in trainers])
+        head = ray.get(refit.actor.handles.remote())["relays"]["a/head"]
+        pending = refit.remote()
+        deadline = time.monotonic() + 60
+        while refit.status()["phase"]["phase"] != "stream":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.5)  # a few frames crossed, most of the diff still unread
+        ray.kill(head)
+        report = ray.get(pending, timeout=240)
+        assert report.version == 2 and report.attempts == 2 and report.mode == "overwrite", report
+        assert sorted(report.engine_versions) == ["a/e0", "a/e1", "b/e0", "b/e1"]
+        assert_no_wrong_bits(refit, ray.get(trainers[0].rollout_state.remote()), 2)
+    finally:
+        refit.shutdown()
 
 
 def _frames(committed: dict, new: dict, transfer: str) -> list[bytes]:

@@ -355,6 +355,8 @@ class Healing:
         last: Exception | None = None
         for r in range(MAX_ROUNDS):
             self._set(e, rounds=r + 1)
+            if self._table[e]["respawn"]:  # it died in an earlier round: a new incarnation first
+                self._start(e)
             out = self._round(e)
             if isinstance(out, dict):
                 return out
@@ -390,23 +392,29 @@ class Healing:
         steps = None if peer is not None else steps
         if not steps and (peer is None or s.topology.is_adopted(e)):  # no delta, no peer can hand it over
             return self._from_owners(e)  # (or it cannot take a copy: an adopted engine's bits are not addressable)
+        snap = None
+        if not steps:  # the peer hands over only the committed version read above, settled (else it refuses)
+            try:
+                snap = ray.get(s.engines[peer].snapshot.remote(version, version_id, epoch=s.incarnation(peer)),
+                               timeout=t)
+            except Exception as err:  # the peer died, is inside a refit, or moved on: another round
+                return err
         try:
             if steps:
                 self._set(e, Standing.CATCHING_UP, source="window")
                 got = waits.landed(s, e, None, s.engines[e].catch_up.remote(steps, t, epoch=s.incarnation(e)))
                 self._took(e, "window", delta_bytes=got["bytes"], steps=got["steps"])
-            else:  # the peer hands over only the committed version read above, settled (else it refuses)
-                snap = ray.get(s.engines[peer].snapshot.remote(version, version_id, epoch=s.incarnation(peer)),
-                               timeout=t)
+            else:
                 self._set(e, Standing.COPYING, source=peer)
                 waits.landed(s, e, peer, s.engines[e].heal_from.remote(snap, s.config.commit.start_timeout_s,
                                                                        epoch=s.incarnation(e)))
                 cross = 0 if sources.same_cluster(s, e, peer) else snap["bytes"]
                 self._took(e, peer, copy_bytes=snap["bytes"], cross_bytes=cross)
             took = ray.get(s.engines[e].state.remote(), timeout=t)
-        except RayActorError as err:  # the healing engine (or the peer) died: the next round sees which
+        except RayActorError as err:  # the healing engine died: re-created for the next round
+            self._set(e, respawn=True)
             return err
-        except Exception as err:  # e.g. a peer inside a refit, a step that did not fit, a lost node
+        except Exception as err:  # e.g. a step that did not fit, a lost node
             return err
         with self._holding([e], s.lock):
             if (s.version, s.last_transfer()) != (version, version_id) or took.get("version") != version:
