@@ -38,7 +38,8 @@ frames per owner, kills in the first 0.2 s), where a kill rarely lands mid-strea
 After every committed version every required engine is compared bit for bit (integer views) with the
 owners. The JSON has the fields of the issue's chaos suite: refits, committed, faults_injected,
 faults_by_kind, faults_survived, mismatched_engines, bad_frames_rejected, bad_frames_applied,
-hung_waits, engines_at_end, engines_configured (counted after the engines healing in the background
+hung_waits (refit calls that took longer than twice every attempt's stage timeouts; ``hung`` names them,
+``refit_seconds`` has each refit's longest call), engines_at_end, engines_configured (counted after the engines healing in the background
 are done), dense_rebootstraps (engines the owners sent the whole model to: heals with no peer left in
 the cluster, and restores after abandoned refits), recreated_engines (re-created after a death),
 healed_from_peer / healed_from_window / healed_from_owners (where healing engines got their bits first;
@@ -229,6 +230,8 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
     healed: dict[tuple, list] = {}  # (engine, when) -> where its bits came from, round by round
     failures: list[str] = []  # messages of refits that failed (they name engines restored densely)
     span = 0.2  # kills are drawn in [0, span] s after the refit starts: the last committed refit's duration
+    hung: list[dict] = []  # the refits counted in hung_waits
+    refit_seconds: list[float] = []  # each refit's longest call
     try:
         plan = schedule(refits, seed)
         for i, kind in enumerate(tqdm(plan, desc="chaos", unit="refit", disable=not (progress and bars.enabled()),
@@ -268,14 +271,14 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
                                                    bad.append(_deliver(e, f))))
             for th in threads:
                 th.start()
-            start = time.monotonic()
-            ok = _try_refit(refit, say, failures)
+            waits = []  # each refit call's seconds: none may outlast every attempt's stage timeouts twice
+            ok = _try_refit(refit, say, failures, waits)
             if not ok and kind == "kill_owner":
                 owners[1] = trainer(1, committed_steps)  # restored to the committed version...
                 refit.replace_owner("owner1", owners[1])
                 for s in steps[committed_steps:]:  # ...then it catches up with the other rank
                     ray.get(owners[1].step.remote(seed=s))
-                ok = _try_refit(refit, say, failures)
+                ok = _try_refit(refit, say, failures, waits)
             for th in threads:
                 th.join()
             if kind in NODE_KINDS:  # capacity returns: a node of the cluster that lost one joins again
@@ -284,8 +287,10 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
             payload_faults.disarm(payload_signal)
             if os.path.exists(stall_signal):
                 os.remove(stall_signal)
-            if time.monotonic() - start > 2 * config.commit.timeout_s * config.commit.max_attempts:
+            if max(waits) > 2 * config.commit.timeout_s * config.commit.max_attempts:
                 stats["hung_waits"] += 1
+                hung.append({"refit": i + 1, "fault": kind, "seconds": round(max(waits), 1)})
+            refit_seconds.append(round(max(waits), 2))
             stats["bad_frames_rejected"] += sum(b in ("rejected", "stale") for b in bad)
             stats["bad_frames_applied"] += sum(b == "applied" for b in bad)
             if ok:
@@ -315,7 +320,7 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
             "faults_injected": stats["faults_injected"], "faults_by_kind": dict(by_kind),
             "faults_survived": sum(survived.values()), "mismatched_engines": mismatched,
             "bad_frames_rejected": stats["bad_frames_rejected"], "bad_frames_applied": stats["bad_frames_applied"],
-            "hung_waits": stats["hung_waits"], "engines_at_end": at_end, "engines_configured": configured,
+            "hung_waits": stats["hung_waits"], "hung": hung, "refit_seconds": refit_seconds, "engines_at_end": at_end, "engines_configured": configured,
             "dense_rebootstraps": dense + sum(_restored(m) for m in failures),
             "recreated_engines": recreated, "healed_from_peer": len(healed) - dense - window,
             "healed_from_window": window, "healed_from_owners": dense,
@@ -354,15 +359,18 @@ def _refusing(refit, version: int) -> int:
     return bad
 
 
-def _try_refit(refit, say, failures: list[str]):
+def _try_refit(refit, say, failures: list[str], waits: list[float]):
     import dcr_ray
 
+    t0 = time.monotonic()
     try:
         return refit.run()
     except dcr_ray.DcrError as e:
         failures.append(str(e))
         say(f"  refit failed: {str(e)[-400:]}")
         return None
+    finally:
+        waits.append(time.monotonic() - t0)
 
 
 def _restored(message: str) -> int:

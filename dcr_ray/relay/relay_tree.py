@@ -96,36 +96,41 @@ class RelayTransport:
     def settle(self, timeout_s: float) -> None:
         """Wait, at most ``timeout_s``, until every relay created or routed since the last :meth:`install`
         answered its routing. Changes nothing: call it without the coordinator's lock."""
-        refs = [r for w in self._wiring.values() for r in w[1]]
+        refs = [r for w in list(self._wiring.values()) for r in w[1]]  # a copy: the lock's holder may route
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     def install(self) -> list[str]:
-        """Take the relay trees whose every relay answered its routing (never waits); a tree that did not
-        (a relay not placed, or dead) is dropped and the relays created for it killed, so their names are
-        free for a later try. Returns the clusters dropped."""
+        """Take the relay trees whose every relay answered its routing (never waits); returns the clusters
+        whose trees did not. A tree still starting stays pending (a later routing of its cluster reuses
+        its relays, and a later install takes it); one with a relay that died is dropped, and the relays
+        created for it killed."""
         failed = []
         for cluster, (made, refs, head, created) in list(self._wiring.items()):
-            del self._wiring[cluster]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            ok = len(ready) == len(refs)
-            if ok:
-                try:
-                    ray.get(refs, timeout=0)
-                except Exception:  # a relay died while it was routed
-                    ok = False
-            if ok:
-                self.relays.update(made)
-                self.heads[cluster] = made[head]
-                self.suspended.discard(cluster)
+            try:
+                ray.get(ready, timeout=0)
+            except Exception:  # a relay died while it was routed: the tree is dropped
+                self._drop_wiring(cluster)
+                failed.append(cluster)
                 continue
-            failed.append(cluster)
-            for rid in created:
-                try:
-                    ray.kill(made[rid], no_restart=True)
-                except Exception:
-                    pass
+            if len(ready) < len(refs):
+                failed.append(cluster)  # still starting (or not placed): it stays pending
+                continue
+            del self._wiring[cluster]
+            self.relays.update(made)
+            self.heads[cluster] = made[head]
+            self.suspended.discard(cluster)
         return sorted(failed)
+
+    def _drop_wiring(self, cluster: str) -> None:
+        """Forget ``cluster``'s pending tree, killing the relays created for it (their names are free again)."""
+        made, _refs, _head, created = self._wiring.pop(cluster, ({}, [], "", set()))
+        for rid in created:
+            try:
+                ray.kill(made[rid], no_restart=True)
+            except Exception:
+                pass
 
     def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
                timeout_s: float = 10.0, lost: Iterable[str] = (), later: Iterable[str] = ()) -> list[str]:
@@ -172,6 +177,7 @@ class RelayTransport:
         """Take ``cluster`` out (no live node can host it): its relays are killed, and no sink, window,
         count or release reaches it until :meth:`resume`. Returns the relay ids it had."""
         self.suspended.add(cluster)
+        self._drop_wiring(cluster)
         gone = sorted(rid for rid in self.relays if rid.split("/", 1)[0] == cluster)
         for rid in gone:
             try:
@@ -200,9 +206,14 @@ class RelayTransport:
             ids = [e for e in engines if engine_cluster[e] == c.name]
             tree = plan_tree(c.name, ids, c.fanout)
             made, created = {}, set()
+            pending = self._wiring.get(c.name, ({}, [], "", set()))
             for node in tree.walk():
                 head = node is tree
                 name = f"dcr_relay:{node.relay_id}"
+                if node.relay_id in pending[3]:  # created for this cluster before and still starting: reused
+                    made[node.relay_id] = pending[0][node.relay_id]
+                    created.add(node.relay_id)
+                    continue
                 if find and node.relay_id not in replace:
                     if node.relay_id in self.relays:
                         made[node.relay_id] = self.relays[node.relay_id]
@@ -227,8 +238,11 @@ class RelayTransport:
                 kids = [("engine", engines[e], [e]) for e in node.engines]
                 kids += [("relay", made[s.relay_id], s.all_engines()) for s in node.subrelays]
                 wired.append(made[node.relay_id].set_children.remote(kids))
-            if c.name in self._wiring:  # a tree routed again before it was taken: its new relays stay
-                created |= {r for r in self._wiring[c.name][3] if made.get(r) is self._wiring[c.name][0].get(r)}
+            for rid in pending[3] - set(made):  # created for a tree that is planned otherwise now
+                try:
+                    ray.kill(pending[0][rid], no_restart=True)
+                except Exception:
+                    pass
             self._wiring[c.name] = (made, wired, tree.relay_id, created)
 
     def sink(self, targets: list[str] | None, required: list[str], *, every_cluster: bool = False) -> RelaySink:
@@ -262,7 +276,10 @@ class RelayTransport:
         return {s["cluster"]: s["bytes_in"].get(transfer, 0) for s in stats}
 
     def actors(self) -> dict[str, Any]:
-        return dict(self.relays)
+        """The relays in service, and those still starting (a pending tree's)."""
+        out = {rid: h for made, _refs, _head, created in self._wiring.values() for rid, h in made.items()
+               if rid in created}
+        return {**out, **self.relays}
 
     def stats(self) -> list[dict]:
         return ray.get([r.stats.remote() for r in self.relays.values()], timeout=self.config.commit.timeout_s)

@@ -69,8 +69,9 @@ class Transport(Protocol):
         the coordinator's lock; those four never wait themselves."""
 
     def install(self) -> list[str]:
-        """Take what answered since those calls into service (never waits; under the coordinator's lock),
-        drop what did not (actors created for it are killed); returns the clusters dropped."""
+        """Take what answered since those calls into service (never waits; under the coordinator's lock);
+        returns the clusters that did not: what is still starting stays pending (a later call of those
+        four reuses it, a later install takes it), what died is dropped (actors created for it killed)."""
 
     def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
                timeout_s: float = 10.0, lost: Iterable[str] = (), later: Iterable[str] = ()) -> list[str]:

@@ -158,8 +158,7 @@ class Topology:
         self.locate()
         if failed:
             raise RefitTimeoutError(f"the relays of cluster(s) {failed} did not answer within {timeout_s:.0f} s "
-                                    f"(CommitConfig.timeout_s); they were dropped, and the next attempt or heal "
-                                    f"creates them again")
+                                    f"(CommitConfig.timeout_s); the next attempt or heal waits for them again")
 
     def start(self, backend_factory, config: RefitConfig) -> None:
         """Create every engine actor, then the transport's own actors."""
