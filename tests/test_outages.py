@@ -19,6 +19,7 @@ import pytest
 import ray
 
 import dcr_ray
+from dcr_ray.errors import ConfigError
 from dcr_ray.status import format_status
 from dcr_ray.testing.clusters import LocalClusters
 from dcr_ray.testing.models import ModelSpec
@@ -168,7 +169,7 @@ def test_relays_that_cannot_start_and_a_coordinator_restart_while_a_cluster_wait
         trainers = [Trainer.remote(SPEC, lr=1e-4, rank=r, world=2) for r in range(2)]
         clusters = [dcr_ray.ClusterSpec(name=c, engines=2, resources=nodes.resources(c)) for c in ("a", "b")]
         # a commit directory left to its default lives on this machine: refused unless the coordinator is pinned here
-        with pytest.raises(dcr_ray.ConfigError, match="CommitConfig.dir defaults to a temporary directory"):
+        with pytest.raises(ConfigError, match="CommitConfig.dir defaults to a temporary directory"):
             dcr_ray.launch(owners=trainers, clusters=clusters, engine=dcr_ray.HFEngine(SPEC.with_seed(9)))
         config = dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(timeout_s=10.0, start_timeout_s=120.0),
                                      actor_options={"coordinator": {"resources": LocalClusters.HEAD},

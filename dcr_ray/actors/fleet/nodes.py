@@ -18,9 +18,14 @@ facts, each paid for only when it can change something:
   whose probe failed is lost from the next question on. Each suspect is probed at most every
   :data:`PROBE_EVERY_S`.
 
-The cost per refit at 100 nodes is therefore the sweeps' table reads (one per attempt), the table reads
-Ray's changes cause (none in a quiet refit), and a probe per :data:`PROBE_EVERY_S` of each node whose
-actors a stage waits on longer than :data:`SUSPECT_AFTER_S` (``dcr-ray bench nodewatch`` simulates it).
+- **The owners' nodes are probed at each sweep**, and the sweep waits for those answers (at most
+  :data:`PROBE_TIMEOUT_S`, in parallel; :meth:`NodeWatch.confirm`): an owner's loss fails the refit at
+  once, before anyone is called.
+
+The cost per refit at 100 nodes is therefore the sweeps' table reads and owner-node probes (one read and
+one probe per owner node per attempt), the table reads Ray's changes cause (none in a quiet refit), and
+a probe per :data:`PROBE_EVERY_S` of each node whose actors a stage waits on longer than
+:data:`SUSPECT_AFTER_S` (``python -m benchmarks.tools.nodewatch_cost`` simulates it).
 Probing every raylet at every poll cost ~400 connections a second at 100 nodes, and each unreachable
 host up to a second of the poll.
 
@@ -88,6 +93,13 @@ def capacity(nodes: Iterable[Mapping[str, float]], needs: Mapping[str, float]) -
     if not asks:
         return math.inf
     return sum(min(int(have.get(r, 0.0) / a + 1e-9) for r, a in asks.items()) for have in nodes)
+
+
+def _done(value) -> Future:
+    """A finished future holding ``value`` (a probe answered in the caller's wait)."""
+    f: Future = Future()
+    f.set_result(value)
+    return f
 
 
 class TableChanges:
@@ -279,6 +291,23 @@ class NodeWatch:
             self._suspect(suspects)
         live = self.live()
         return [k for k in keys if nodes[k] is not None and nodes[k] not in live]
+
+    def confirm(self, keys: Iterable[str]) -> None:
+        """Probe the nodes of ``keys`` now and wait for the answers (at most :data:`PROBE_TIMEOUT_S`, in
+        parallel): the sweep asks it of the owners' few nodes, whose loss fails a refit at once."""
+        nodes = {self.node_of(k) for k in keys} - {None}
+        with self._lock:
+            todo = {n: self._address[n] for n in nodes if n in self._address and n not in self._failed}
+            self.probes += len(todo)
+        answers = dict(zip(todo, self._pool.map(self._probe_fn, todo.values()))) if todo else {}
+        newly = sorted(n for n, ok in answers.items() if not ok)
+        with self._lock:
+            now = self._clock()
+            for n in answers:
+                self._probes[n] = (now, _done(answers[n]))
+            self._failed |= set(newly)
+        for n in newly:
+            log.warning("dcr_ray: node %s is gone (its raylet does not answer)", n[:12])
 
     def can_host(self, resources: Mapping[str, float]) -> bool:
         """Whether a live node offers every one of ``resources`` (at least the amount asked): where none

@@ -122,6 +122,7 @@ class Outages:
         topo.locate()
         topo.nodes.live(fresh=True)
         found = Sweep()
+        topo.nodes.confirm(f"owner:{o}" for o in s.owners)  # their few nodes, asked now: an owner lost fails at once
         owners = topo.nodes.lost(f"owner:{o}" for o in s.owners)
         if owners:
             ids = sorted(k.split(":", 1)[1] for k in owners)
