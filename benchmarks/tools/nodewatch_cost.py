@@ -6,8 +6,8 @@ nodes (one engine each, the owners on ``--owners`` of them) and a simulated cloc
 refit waits as :func:`~dcr_ray.actors.fleet.calls.gather` does (it asks ``lost()`` of the outstanding
 calls every 0.25 s) for as long as its slowest actor takes: prepare, stream (the owners), flush, activate.
 Every engine answers a stage within ``--answer-s``; the owners stream for ``--stream-s``. The sweep before
-the attempt reads the table once and probes the owners' nodes; Ray publishes no node change during the
-refit (a quiet fleet).
+the attempt reads the table once and probes the nodes the attempt will call; Ray publishes no node change
+during the refit (a quiet fleet).
 
 Beside it, the cost of the earlier NodeWatch on the same timeline, counted from its rule (every ``lost()``
 more than 0.25 s after its last refresh read the whole table and probed every raylet, 1 s timeout, 8 at a
@@ -66,8 +66,8 @@ def simulate(nodes: int, owners: int, stream_s: float, answer_s: float) -> dict:
     stages = [("prepare", engines, answer_s), ("stream", [f"owner:{i}" for i in range(owners)], stream_s),
               ("flush", engines, answer_s), ("activate", engines, answer_s)]
     old_polls = 0
-    watch.live(fresh=True)  # the sweep before the attempt: the table, and the owners' nodes probed
-    watch.confirm(f"owner:{i}" for i in range(owners))
+    watch.live(fresh=True)  # the sweep before the attempt: the table, and the nodes it will call probed
+    watch.confirm([f"owner:{i}" for i in range(owners)] + engines)
     for _name, keys, seconds in stages:
         end, since = clock.t + seconds, clock.t  # gather's lost(): each stage's wait begins now
         while clock.t < end:

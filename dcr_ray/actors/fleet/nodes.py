@@ -18,14 +18,15 @@ facts, each paid for only when it can change something:
   whose probe failed is lost from the next question on. Each suspect is probed at most every
   :data:`PROBE_EVERY_S`.
 
-- **The owners' nodes are probed at each sweep**, and the sweep waits for those answers (at most
-  :data:`PROBE_TIMEOUT_S`, in parallel; :meth:`NodeWatch.confirm`): an owner's loss fails the refit at
-  once, before anyone is called.
+- **The nodes an attempt will call are probed once, at its sweep**, and the sweep waits for those
+  answers (:meth:`NodeWatch.confirm`: at most :data:`PROBE_TIMEOUT_S` for up to :data:`PROBE_THREADS`
+  nodes at once; a node already taken for lost is not asked again): what is gone leaves the refit before
+  anyone is called, and an owner's loss fails it at once.
 
-The cost per refit at 100 nodes is therefore the sweeps' table reads and owner-node probes (one read and
-one probe per owner node per attempt), the table reads Ray's changes cause (none in a quiet refit), and
-a probe per :data:`PROBE_EVERY_S` of each node whose actors a stage waits on longer than
-:data:`SUSPECT_AFTER_S` (``python -m benchmarks.tools.nodewatch_cost`` simulates it).
+The cost per refit at 100 nodes is therefore, per attempt, one table read and one probe per node it
+calls (its sweep), the table reads Ray's changes cause (none in a quiet refit), and a probe per
+:data:`PROBE_EVERY_S` of each node whose actors a stage waits on longer than :data:`SUSPECT_AFTER_S`
+(``python -m benchmarks.tools.nodewatch_cost`` simulates it).
 Probing every raylet at every poll cost ~400 connections a second at 100 nodes, and each unreachable
 host up to a second of the poll.
 
@@ -57,6 +58,8 @@ log = logging.getLogger("dcr_ray")
 
 #: How long a raylet probe waits for a TCP connection before the node counts as gone.
 PROBE_TIMEOUT_S = 1.0
+#: Probes in flight at once (a sweep's probes of k unreachable hosts take about k / this many seconds).
+PROBE_THREADS = 32
 #: A node becomes a suspect (its raylet is probed) once a call to one of its actors was waited on this long.
 SUSPECT_AFTER_S = 1.0
 #: A suspect node is probed at most this often.
@@ -161,7 +164,7 @@ class NodeWatch:
         self._asked: dict[str, tuple[float, float]] = {}  # actor key -> (first asked, last asked) of one wait
         self._probes: dict[str, tuple[float, Future]] = {}  # node id -> (when probed, the probe's answer)
         self._failed: set[str] = set()  # nodes whose raylet did not answer (lost until the table drops them)
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dcr-node-probe")
+        self._pool = ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="dcr-node-probe")
         self.reads = 0  #: node-table reads so far
         self.probes = 0  #: raylet probes so far
 
@@ -293,8 +296,8 @@ class NodeWatch:
         return [k for k in keys if nodes[k] is not None and nodes[k] not in live]
 
     def confirm(self, keys: Iterable[str]) -> None:
-        """Probe the nodes of ``keys`` now and wait for the answers (at most :data:`PROBE_TIMEOUT_S`, in
-        parallel): the sweep asks it of the owners' few nodes, whose loss fails a refit at once."""
+        """Probe the nodes of ``keys`` now and wait for the answers (in parallel, each at most
+        :data:`PROBE_TIMEOUT_S`): the sweep asks it of the nodes its attempt will call."""
         nodes = {self.node_of(k) for k in keys} - {None}
         with self._lock:
             todo = {n: self._address[n] for n in nodes if n in self._address and n not in self._failed}

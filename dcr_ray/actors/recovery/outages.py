@@ -122,7 +122,10 @@ class Outages:
         topo.locate()
         topo.nodes.live(fresh=True)
         found = Sweep()
-        topo.nodes.confirm(f"owner:{o}" for o in s.owners)  # their few nodes, asked now: an owner lost fails at once
+        # the nodes this attempt would call, asked once now (not at every poll): what is gone leaves before anyone
+        # is called, and an owner lost fails the refit at once
+        topo.nodes.confirm([*(f"owner:{o}" for o in s.owners), *(f"engine:{e}" for e in s.required),
+                            *(f"relay:{r}" for r in topo.transport.actors())])
         owners = topo.nodes.lost(f"owner:{o}" for o in s.owners)
         if owners:
             ids = sorted(k.split(":", 1)[1] for k in owners)
