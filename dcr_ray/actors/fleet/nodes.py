@@ -128,7 +128,7 @@ class TableChanges:
             sub = subscriber_cls(address=address)
             await sub.subscribe()
             while not self._closed.is_set():
-                if await sub.poll(batch_size=1024, timeout=5):
+                if await sub.poll(batch_size=1024):  # a long poll: answered when Ray publishes a change
                     self.seq += 1
 
         try:
