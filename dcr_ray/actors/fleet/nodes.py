@@ -295,10 +295,16 @@ class NodeWatch:
         live = self.live()
         return [k for k in keys if nodes[k] is not None and nodes[k] not in live]
 
-    def confirm(self, keys: Iterable[str]) -> None:
-        """Probe the nodes of ``keys`` now and wait for the answers (in parallel, each at most
-        :data:`PROBE_TIMEOUT_S`): the sweep asks it of the nodes its attempt will call."""
-        nodes = {self.node_of(k) for k in keys} - {None}
+    def confirm(self, keys: Iterable[str] | None = None) -> None:
+        """Probe the nodes of ``keys`` (None: every node of the table) now and wait for the answers (in
+        parallel, each at most :data:`PROBE_TIMEOUT_S`): the sweep asks it of the nodes its attempt will call,
+        a resumed coordinator of every node before it decides which clusters can be hosted."""
+        if keys is None:
+            self.live(fresh=True)
+            with self._lock:
+                nodes = set(self._live)
+        else:
+            nodes = {self.node_of(k) for k in keys} - {None}
         with self._lock:
             todo = {n: self._address[n] for n in nodes if n in self._address and n not in self._failed}
             self.probes += len(todo)

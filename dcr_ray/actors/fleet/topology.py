@@ -178,6 +178,7 @@ class Topology:
         self._plan_engines(backend_factory, config)
         for c in self.clusters.values():
             self.pgs[c.name] = placement.find(c, config.namespace)
+        self.nodes.confirm()  # every node asked now: Ray's table may not show a node lost a moment ago
         out = sorted(c for c in self.clusters if not self.can_host(c))
         for c in out:
             self.transport.suspend(c)
