@@ -63,9 +63,10 @@ from dcr_ray.errors import RefitError
 
 log = logging.getLogger("dcr_ray")
 
-#: Copies one healing engine may take in a row before it gives up (refits kept committing meanwhile,
-#: or its peers kept failing).
+#: Failed rounds (its peers kept failing, it kept dying) after which a heal gives up, until the next commit.
 MAX_ROUNDS = 5
+#: Rounds refits overtook a heal may take (each replays the steps committed meanwhile: usually it lands).
+STALE_ROUNDS = 20
 #: Completed heals ``status()`` lists.
 HEALED_KEPT = 20
 #: What a heal's record adds up over its rounds (bytes each source moved; ``steps``: versions replayed).
@@ -353,18 +354,22 @@ class Healing:
         beside the refits, never under the coordinator's lock; a round that lands on a version a refit
         replaced meanwhile is followed by one from there."""
         last: Exception | None = None
-        for r in range(MAX_ROUNDS):
-            self._set(e, rounds=r + 1)
+        failed = stale = 0
+        while failed < MAX_ROUNDS and stale < STALE_ROUNDS:
+            self._set(e, rounds=failed + stale + 1)
             if self._table[e]["respawn"]:  # it died in an earlier round: a new incarnation first
                 self._start(e)
             out = self._round(e)
             if isinstance(out, dict):
                 return out
-            last = out
-            if out is not None:  # a failure, not a stale copy: let the cluster settle first
-                time.sleep(RETRY_PAUSE_S)
-        raise RuntimeError(f"engine {e} did not catch up with the committed version in {MAX_ROUNDS} rounds "
-                           f"(last error: {last!r}); it heals again after the next commit, or Refit.rejoin({e!r})")
+            if out is None:  # a refit committed meanwhile: the next round replays the steps since
+                stale += 1
+                continue
+            last, failed = out, failed + 1
+            time.sleep(RETRY_PAUSE_S)  # a failure, not a stale copy: let the cluster settle first
+        raise RuntimeError(f"engine {e} did not catch up with the committed version in {failed + stale} rounds "
+                           f"({stale} overtaken by refits; last error: {last!r}); it heals again after the next "
+                           f"commit, or Refit.rejoin({e!r})")
 
     def _round(self, e: str):
         """One round: the result dict once ``e`` joined, None when what it took is no longer the committed

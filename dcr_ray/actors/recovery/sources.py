@@ -52,11 +52,18 @@ def same_cluster(state: CoordinatorState, e: str, peer: str) -> bool:
     return cluster[e] == cluster[peer]
 
 
+#: Missed steps that are always replayed, however large: replaying them costs what the refits that made
+#: them cost the engines, so it keeps pace with refits where a dense copy may not (a heal then lands).
+ALWAYS_REPLAY_STEPS = 2
+
+
 def dense_is_smaller(state: CoordinatorState, e: str, steps: list) -> bool:
     """Whether a peer's dense copy moves fewer bytes than replaying ``steps`` (large learning rates: a few
-    versions of deltas outweigh the model); an adopted engine cannot take a copy."""
+    versions of deltas outweigh the model), counted beyond the last :data:`ALWAYS_REPLAY_STEPS`; an
+    adopted engine cannot take a copy."""
     model = state.model_bytes  # 0 when unknown (a resumed coordinator): replay
-    return bool(model) and not state.topology.is_adopted(e) and sum(st.nbytes for st in steps) >= model
+    return (bool(model) and not state.topology.is_adopted(e) and len(steps) > ALWAYS_REPLAY_STEPS
+            and sum(st.nbytes for st in steps) >= model)
 
 
 def peer_for(state: CoordinatorState, e: str) -> str | None:
