@@ -67,8 +67,7 @@ log = logging.getLogger("dcr_ray")
 MAX_ROUNDS = 5
 #: Rounds refits overtook a heal may take (each replays the steps committed meanwhile: usually it lands).
 STALE_ROUNDS = 20
-#: Completed heals ``status()`` lists.
-HEALED_KEPT = 20
+HEALED_KEPT = 20  #: completed heals ``status()`` lists
 #: What a heal's record adds up over its rounds (bytes each source moved; ``steps``: versions replayed).
 TOOK = ("owner_bytes", "copy_bytes", "cross_bytes", "delta_bytes", "steps", "lock_seconds")
 #: Pause before another round when a peer was busy (inside a transfer) or a copy went stale.
@@ -285,18 +284,19 @@ class Healing:
         s = self._shared
         topo = s.topology
         ready = self._placeable(engine_ids)
-        if not ready:
-            return
         for e in ready:
             self._set(e, Standing.RECREATING)
             topo.retire(e, s.config)  # its name is released before the lock is taken
         clusters = sorted({topo.engine_cluster[e] for e in ready})
         with self._holding(ready, s.lock):
-            regaining = [c for c in clusters if c in self._outages.waiting and self._outages.begin_regain(c)]
-            hosted = [c for c in clusters if c not in self._outages.waiting or c in regaining]
+            waiting = self._outages.waiting
+            hosted = [c for c in clusters if c not in waiting or self._outages.can_host(c)]
             made = [e for e in ready if topo.engine_cluster[e] in hosted]
-            for e in made:
+            for e in made:  # first: a regained cluster's new relays are routed to the new engines
                 topo.respawn(e, s.config)
+            regaining = [c for c in hosted if c in waiting and self._outages.begin_regain(c)]
+        if not made:
+            return
         topo.transport.settle(s.config.commit.timeout_s)  # the new relays start: no lock held
         with self._holding(made, s.lock):
             failed = topo.transport.install()
