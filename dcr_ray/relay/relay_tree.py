@@ -51,6 +51,17 @@ class RelaySink:
 RELAY_NAME_RELEASE_S = 30.0
 
 
+_REMOTE_RELAY = None
+
+
+def _remote_relay():
+    """The relay actor class as Ray's, made once per process (made again, it is exported to Ray again)."""
+    global _REMOTE_RELAY
+    if _REMOTE_RELAY is None:
+        _REMOTE_RELAY = ray.remote(RelayActor)
+    return _REMOTE_RELAY
+
+
 class BytesReader:
     """Engine side: Ray already resolved the ref, so what arrives is the frame."""
 
@@ -200,7 +211,7 @@ class RelayTransport:
         relay answered). A relay created in place of one that is gone (``placed``: by default whenever it
         finds relays) takes the placement :meth:`place_with` gives; the first build leaves placement to Ray."""
         placed = find if placed is None else placed
-        Relay = ray.remote(RelayActor)
+        Relay = _remote_relay()
         self._engine_cluster = dict(engine_cluster)
         for c in clusters:
             ids = [e for e in engines if engine_cluster[e] == c.name]

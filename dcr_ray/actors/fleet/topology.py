@@ -54,6 +54,18 @@ def engine_name(engine_id: str) -> str:
     return f"dcr_engine:{engine_id}"
 
 
+_REMOTE_ENGINE = None
+
+
+def _remote_engine():
+    """The engine actor class as Ray's, made once per process: a class made again at every creation is
+    exported to Ray again, which under the coordinator's lock a re-creation cannot afford."""
+    global _REMOTE_ENGINE
+    if _REMOTE_ENGINE is None:
+        _REMOTE_ENGINE = ray.remote(EngineActor)
+    return _REMOTE_ENGINE
+
+
 def _keyed(factory, key: bytes | None):
     """An adopted engine's factory with the refit's frame key (its workers check frames with it)."""
     if hasattr(factory, "key"):
@@ -144,7 +156,7 @@ class Topology:
         opts = actor_options("engine", engine_name(eid), detached=True, namespace=config.namespace,
                              user=config.actor_options, **where)
         epoch = max(time.time_ns(), self.epochs.get(eid, 0) + 1)  # later than every earlier incarnation's
-        handle = create_named(lambda: ray.remote(EngineActor).options(**opts).remote(
+        handle = create_named(lambda: _remote_engine().options(**opts).remote(
             eid, cname, factory, config, self.transport.reader(cname), epoch=epoch), engine_name(eid),
             namespace=config.namespace)
         self.epochs[eid] = epoch

@@ -288,13 +288,13 @@ class Healing:
             self._set(e, Standing.RECREATING)
             topo.retire(e, s.config)  # its name is released before the lock is taken
         clusters = sorted({topo.engine_cluster[e] for e in ready})
+        waiting = self._outages.waiting  # capacity is asked before the lock (Ray's node table may be read)
+        hosted = [c for c in clusters if c not in waiting or self._outages.can_host(c)]
+        made = [e for e in ready if topo.engine_cluster[e] in hosted]
         with self._holding(ready, s.lock):
-            waiting = self._outages.waiting
-            hosted = [c for c in clusters if c not in waiting or self._outages.can_host(c)]
-            made = [e for e in ready if topo.engine_cluster[e] in hosted]
             for e in made:  # first: a regained cluster's new relays are routed to the new engines
                 topo.respawn(e, s.config)
-            regaining = [c for c in hosted if c in waiting and self._outages.begin_regain(c)]
+            regaining = [c for c in hosted if c in waiting and self._outages.begin_regain(c, hostable=True)]
         if not made:
             return
         topo.transport.settle(s.config.commit.timeout_s)  # the new relays start: no lock held
@@ -379,7 +379,7 @@ class Healing:
         s = self._shared
         t = s.config.commit.timeout_s
         try:
-            held = sources.held(s, e, t)
+            held, now = sources.held(s, e, t)
         except RayActorError as err:  # the healing engine died: re-created in the next round
             self._set(e, respawn=True)
             return err
@@ -388,7 +388,7 @@ class Healing:
         with self._holding([e], s.lock):
             version, version_id = s.version, s.last_transfer()
             if held == (version, version_id):  # it missed nothing (or took it in an earlier round)
-                return self._join(e, version, t)
+                return self._join(e, version, now)
             peer = sources.peer_for(s, e)
         steps = sources.window_steps(s, e, held, (version, version_id))  # asks the head relay: no lock
         peer = peer if not steps or sources.dense_is_smaller(s, e, steps) else None
@@ -424,7 +424,7 @@ class Healing:
         with self._holding([e], s.lock):
             if (s.version, s.last_transfer()) != (version, version_id) or took.get("version") != version:
                 return None  # a refit committed while it copied: the next round starts from there
-            return self._join(e, version, t, took)
+            return self._join(e, version, took)
 
     def _from_owners(self, e: str):
         """The last resort: the owners send the committed version densely (under the coordinator's lock)."""
@@ -436,13 +436,11 @@ class Healing:
         self._took(e, "owners" if sent else "digest", owner_bytes=sent)
         return {"engine": e, "version": version}
 
-    def _join(self, e: str, version: int, timeout_s: float, state: dict | None = None):
+    def _join(self, e: str, version: int, state: dict):
         """``e`` holds the committed ``version``: it joins the required set (under the coordinator's lock),
-        if the incarnation that answered (``state``, asked now when not given) is the one the coordinator
-        holds: an older one, replaced meanwhile, is fenced off (None: another round)."""
+        if the incarnation that answered (``state``, asked before the lock was taken) is the one the
+        coordinator holds: an older one, replaced meanwhile, is fenced off (None: another round)."""
         s = self._shared
-        if state is None:
-            state = ray.get(s.engines[e].state.remote(), timeout=timeout_s)
         if state.get("epoch") != s.incarnation(e):
             return None
         s.standings.require([e])

@@ -90,13 +90,13 @@ class Outages:
         """Whether ``cluster``'s actors can be placed now (a live node offers what they ask)."""
         return self._shared.topology.can_host(cluster)
 
-    def begin_regain(self, cluster: str) -> bool:
-        """If ``cluster`` waits for capacity and a live node can host it now: its relays are created on a
-        live node (not waited for: :meth:`end_regain` decides once they answered). Returns whether it can
-        be hosted. Call with the coordinator's lock held."""
+    def begin_regain(self, cluster: str, hostable: bool | None = None) -> bool:
+        """If ``cluster`` waits for capacity and a live node can host it now (``hostable``: already asked,
+        before the lock was taken): its relays are created on a live node (not waited for: :meth:`end_regain`
+        decides once they answered). Returns whether it can be hosted. Call with the coordinator's lock held."""
         if cluster not in self.waiting:
             return True
-        if not self.can_host(cluster):
+        if not (self.can_host(cluster) if hostable is None else hostable):
             return False
         topo = self._shared.topology
         topo.transport.resume(topo.clusters[cluster], topo.engines, topo.engine_cluster)

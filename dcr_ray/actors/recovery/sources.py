@@ -19,17 +19,17 @@ from dcr_ray.actors.fleet.state import CoordinatorState
 log = logging.getLogger("dcr_ray")
 
 
-def held(state: CoordinatorState, e: str, timeout_s: float) -> tuple | None:
-    """``(version, content id)`` engine ``e`` holds settled, or None (no version, or dirty). Writes of an
-    abandoned transfer it still holds (evicted inside a refit) are rolled back in place first."""
+def held(state: CoordinatorState, e: str, timeout_s: float) -> tuple[tuple | None, dict]:
+    """``((version, content id) engine ``e`` holds settled, or None (no version, or dirty), its state)``.
+    Writes of an abandoned transfer it still holds (evicted inside a refit) are rolled back in place first."""
     handle = state.engines[e]
     st = ray.get(handle.state.remote(), timeout=timeout_s)
     if st["transfer"] is not None and not st["dirty"]:
         ray.get(handle.abort.remote(st["transfer"], True), timeout=timeout_s)
         st = ray.get(handle.state.remote(), timeout=timeout_s)
     if st["dirty"] or st["version"] is None or st["transfer"] is not None:
-        return None
-    return st["version"], st.get("version_id")
+        return None, st
+    return (st["version"], st.get("version_id")), st
 
 
 def window_steps(state: CoordinatorState, e: str, held: tuple | None, committed: tuple) -> list | None:
