@@ -288,9 +288,9 @@ class RelayTransport:
 
     def actors(self) -> dict[str, Any]:
         """The relays in service, and those still starting (a pending tree's)."""
-        out = {rid: h for made, _refs, _head, created in self._wiring.values() for rid, h in made.items()
+        out = {rid: h for made, _refs, _head, created in list(self._wiring.values()) for rid, h in made.items()
                if rid in created}
-        return {**out, **self.relays}
+        return {**out, **dict(self.relays)}
 
     def stats(self) -> list[dict]:
         return ray.get([r.stats.remote() for r in self.relays.values()], timeout=self.config.commit.timeout_s)

@@ -31,15 +31,14 @@ engine heals as above, from a peer of another cluster first.
 
 **The coordinator's lock guards decisions, not transfers.** A heal takes it only to read the committed
 version and the peers, to take what the transport created into service, and to join: never across a
-copy, a snapshot, a catch-up or a wait for an actor to start (those run without it, each bounded and
+copy, a snapshot, a catch-up, an actor's creation or start (those run without it, each bounded and
 watching for a lost node). A healing engine joins the required set under the lock, and only if the
 version it took is still the committed one; if a refit committed meanwhile, its next round starts from
 what it took (the deltas since, from its cluster's window): a bounded number of rounds, then it stays
 out, says why, and is queued again after the next commit. The owners' dense send, the last resort when
 no engine anywhere holds the version, still runs under the lock (the owners must not promote while they
-send). A part of
-:class:`~dcr_ray.actors.coordinator.actor.CoordinatorActor` with its own state (the healing table and one
-worker thread); it is handed the coordinator's shared state
+send). A part of :class:`~dcr_ray.actors.coordinator.actor.CoordinatorActor` with its own state (the
+healing table and one worker thread); it is handed the coordinator's shared state
 (:class:`~dcr_ray.actors.fleet.state.CoordinatorState`: lock, topology, record, required set) and
 the dense bootstrap (:class:`~dcr_ray.actors.recovery.bootstrap.Bootstrap`), its last resort.
 """
@@ -118,6 +117,7 @@ class Healing:
         self._outages = outages
         self._table: dict[str, dict] = {}  # engine id -> its healing record (what status() shows)
         self._guard = threading.Lock()  # guards the table and the worker's start
+        self._creating = threading.Lock()  # one re-creation at a time (the worker, Refit.rejoin)
         self._worker: threading.Thread | None = None
         self.healed: list[dict] = []  # the last HEALED_KEPT completed heals, oldest first
         metrics.record("healing_engines", 0)
@@ -288,16 +288,18 @@ class Healing:
             self._set(e, Standing.RECREATING)
             topo.retire(e, s.config)  # its name is released before the lock is taken
         clusters = sorted({topo.engine_cluster[e] for e in ready})
-        waiting = self._outages.waiting  # capacity is asked before the lock (Ray's node table may be read)
+        waiting = self._outages.waiting
         hosted = [c for c in clusters if c not in waiting or self._outages.can_host(c)]
         made = [e for e in ready if topo.engine_cluster[e] in hosted]
-        with self._holding(ready, s.lock):
+        # created and routed without the coordinator's lock (each creation is a round trip to Ray's GCS): no
+        # refit calls these engines, nor a waiting cluster; relays serve once install() took them, under it
+        with self._creating:
             for e in made:  # first: a regained cluster's new relays are routed to the new engines
                 topo.respawn(e, s.config)
             regaining = [c for c in hosted if c in waiting and self._outages.begin_regain(c, hostable=True)]
         if not made:
             return
-        topo.transport.settle(s.config.commit.timeout_s)  # the new relays start: no lock held
+        topo.transport.settle(s.config.commit.timeout_s)  # the new relays start
         with self._holding(made, s.lock):
             failed = topo.transport.install()
             for c in regaining:

@@ -92,8 +92,9 @@ class Outages:
 
     def begin_regain(self, cluster: str, hostable: bool | None = None) -> bool:
         """If ``cluster`` waits for capacity and a live node can host it now (``hostable``: already asked,
-        before the lock was taken): its relays are created on a live node (not waited for: :meth:`end_regain`
-        decides once they answered). Returns whether it can be hosted. Call with the coordinator's lock held."""
+        before): its relays are created on a live node (not waited for: :meth:`end_regain` decides, under the
+        coordinator's lock, once they answered). Returns whether it can be hosted. Needs no lock: no refit
+        reaches a cluster that waits for capacity, and its relays serve only once installed."""
         if cluster not in self.waiting:
             return True
         if not (self.can_host(cluster) if hostable is None else hostable):
