@@ -1,4 +1,5 @@
-"""``dcr-ray chaos [--refits N] [--seed S] [--json PATH]``: seeded faults against a running topology.
+"""``dcr-ray chaos [--refits N] [--seed S] [--model stream|tiny] [--json PATH]``: seeded faults against a
+running topology.
 
 A multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: a training node and two rollout
 "clusters" of nodes marked by custom resources), two data-parallel :class:`~dcr_ray.testing.trainer.
@@ -27,10 +28,18 @@ during the refit:
 The last refit of a run longer than one pass over the kinds is quiet, so the fleet shows whether it
 healed. Cluster ``a`` starts on two nodes and ``b`` on one.
 
+Models (``--model``): ``stream`` (the default) codes the ``mini`` model's changes (its MLP tensors are
+split into chunks) into 32 KiB buckets, so that each owner streams at least :data:`MIN_FRAMES_PER_OWNER`
+frames a refit (``frames_per_owner`` in the JSON
+is measured with the owners' own code on the run's first step), and actor and node kills are drawn
+across the last committed refit's duration: they land mid-stream. ``tiny`` is the earlier set-up (a few
+frames per owner, kills in the first 0.2 s), where a kill rarely lands mid-stream.
+
 After every committed version every required engine is compared bit for bit (integer views) with the
 owners. The JSON has the fields of the issue's chaos suite: refits, committed, faults_injected,
 faults_by_kind, faults_survived, mismatched_engines, bad_frames_rejected, bad_frames_applied,
-hung_waits, engines_at_end, engines_configured (counted after the engines healing in the background
+hung_waits (refit calls that took longer than twice every attempt's stage timeouts; ``hung`` names them,
+``refit_seconds`` has each refit's longest call), engines_at_end, engines_configured (counted after the engines healing in the background
 are done), dense_rebootstraps (engines the owners sent the whole model to: heals with no peer left in
 the cluster, and restores after abandoned refits), recreated_engines (re-created after a death),
 healed_from_peer / healed_from_window / healed_from_owners (where healing engines got their bits first;
@@ -66,6 +75,10 @@ KEY = b"dcr-chaos-key"
 #: How long the end of a run waits for engines still healing in the background.
 HEAL_WAIT_S = 300.0
 TARGETS = {"committed_min_fraction": 28 / 30, "mismatched_engines": 0, "bad_frames_applied": 0, "hung_waits": 0}
+#: What each model codes its frames with; ``stream`` makes every owner send at least MIN_FRAMES_PER_OWNER.
+MODELS = {"stream": {"size": "mini", "bucket_bytes": 1 << 15, "chunk_elems": 1 << 12},
+          "tiny": {"size": "tiny", "bucket_bytes": 1 << 17, "chunk_elems": 1 << 13}}
+MIN_FRAMES_PER_OWNER = 16
 
 
 def add_parser(groups) -> None:
@@ -75,6 +88,9 @@ def add_parser(groups) -> None:
     p.add_argument("--refits", type=int, default=30,
                    help=f"refits to run (default 30; CI runs {len(FAULT_KINDS) + 1}: every kind once, then a quiet one)")
     p.add_argument("--seed", type=int, default=20137, help="fault schedule seed")
+    p.add_argument("--model", choices=sorted(MODELS), default="stream",
+                   help=f"stream (default): every owner streams >= {MIN_FRAMES_PER_OWNER} frames a refit, kills "
+                        f"land mid-stream; tiny: a few frames per owner")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=run)
 
@@ -83,7 +99,7 @@ def run(args) -> int:
     if args.refits < 1:
         print("dcr-ray chaos: --refits must be >= 1", file=sys.stderr)
         return 2
-    out = run_chaos(args.refits, args.seed, progress=sys.stderr)
+    out = run_chaos(args.refits, args.seed, progress=sys.stderr, model=args.model)
     print(json.dumps(out, indent=2))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -122,9 +138,43 @@ def _hostile_frame(kind: str, name: str, shape: tuple, base: int) -> bytes:
     return frame  # wrong_key, stale_replay (a validly signed frame of another transfer)
 
 
-def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float = STAGE_TIMEOUT_S) -> dict:
+def frames_per_owner(spec, lr: float, model: str, world: int = 2) -> int:
+    """The fewest frames one of ``world`` owners streams for one real optimizer step of ``spec`` (the owners'
+    own code: attach, one AdamW step, one stream into a list), with ``model``'s coding."""
+    import dcr_ray
+    from dcr_ray.actors.owner.delta import DeltaOwner
+    from dcr_ray.testing.trainer import TinyTrainer
+
+    coding = {k: v for k, v in MODELS[model].items() if k != "size"}
+    config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(key=KEY, **coding))
+
+    class Frames:
+        def __init__(self):
+            self.n = 0
+
+        def send(self, frame, key):
+            self.n += 1
+
+        def drain(self):
+            pass
+
+    counts = []
+    for rank in range(world):
+        trainer = TinyTrainer(spec, lr=lr, rank=rank, world=world)
+        owner = DeltaOwner(f"owner{rank}", config, in_memory=True)
+        owner.attach(trainer.dcr_tensors())
+        trainer.step(seed=0)
+        sink = Frames()
+        owner.stream(trainer.dcr_tensors(), transfer="count", attempt=0, base=0, target=1, sink=sink)
+        counts.append(sink.n)
+    return min(counts)
+
+
+def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float = STAGE_TIMEOUT_S,
+              model: str = "stream") -> dict:
     """Run the chaos suite (see the module docstring); returns the results dict. ``stage_timeout_s`` is
-    what a stalled engine or a dropped payload costs a refit (a short run may take less than the soak's)."""
+    what a stalled engine or a dropped payload costs a refit (a short run may take less than the soak's);
+    ``model``: a key of :data:`MODELS`."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -144,7 +194,8 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
     say = (lambda m: tqdm.write(f"[chaos] {m}", file=progress)) if progress else (lambda m: None)
     nodes = LocalClusters(("a", "b"))
     nodes.add("a")  # a on two nodes: a node fault there leaves the cluster capacity; b on one
-    spec = ModelSpec(size="tiny")
+    spec = ModelSpec(size=MODELS[model]["size"])
+    frames = frames_per_owner(spec, 1e-3, model)
     Trainer = ray.remote(num_cpus=0, resources={"train": 0.01})(TinyTrainer)
     steps: list[int] = []
     committed_steps = 0  # steps reflected in the committed version
@@ -159,7 +210,8 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
     clusters = [dcr_ray.ClusterSpec(name="a", engines=2, resources={"cluster-a": 0.01}),
                 dcr_ray.ClusterSpec(name="b", engines=2, fanout=2, resources={"cluster-b": 0.01})]
     work = tempfile.mkdtemp(prefix="dcr_chaos_")
-    config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(key=KEY, bucket_bytes=1 << 17, chunk_elems=1 << 13),
+    config = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(key=KEY, **{k: v for k, v in MODELS[model].items()
+                                                                        if k != "size"}),
                                  commit=dcr_ray.CommitConfig(dir=os.path.join(work, "commit"),
                                                              timeout_s=stage_timeout_s),
                                  actor_options={"coordinator": {"resources": LocalClusters.HEAD}})
@@ -177,6 +229,9 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
     node_faults = Counter()
     healed: dict[tuple, list] = {}  # (engine, when) -> where its bits came from, round by round
     failures: list[str] = []  # messages of refits that failed (they name engines restored densely)
+    span = 0.2  # kills are drawn in [0, span] s after the refit starts: the last committed refit's duration
+    hung: list[dict] = []  # the refits counted in hung_waits
+    refit_seconds: list[float] = []  # each refit's longest call
     try:
         plan = schedule(refits, seed)
         for i, kind in enumerate(tqdm(plan, desc="chaos", unit="refit", disable=not (progress and bars.enabled()),
@@ -201,12 +256,12 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
                 with open(stall_signal, "w") as f:
                     f.write(rng.choice(sorted(handles["engines"])))
             elif kind in NODE_KINDS:
-                lost = _node_fault(kind, nodes, rng, threads)
+                lost = _node_fault(kind, nodes, rng, threads, span)
                 node_faults[kind] += 1
             elif kind in ("kill_engine", "kill_relay"):
                 pool = handles["engines"] if kind == "kill_engine" else handles["relays"]
                 victim = pool[rng.choice(sorted(pool))]
-                threads.append(threading.Timer(rng.uniform(0.0, 0.2), lambda v=victim: ray.kill(v)))
+                threads.append(threading.Timer(rng.uniform(0.0, span), lambda v=victim: ray.kill(v)))
             elif kind is not None:
                 target = _live_engine(rng, sorted(handles["engines"]))
                 if target is not None:  # else every engine is down: nothing to aim a frame at this refit
@@ -216,14 +271,14 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
                                                    bad.append(_deliver(e, f))))
             for th in threads:
                 th.start()
-            start = time.monotonic()
-            ok = _try_refit(refit, say, failures)
+            waits = []  # each refit call's seconds: none may outlast every attempt's stage timeouts twice
+            ok = _try_refit(refit, say, failures, waits)
             if not ok and kind == "kill_owner":
                 owners[1] = trainer(1, committed_steps)  # restored to the committed version...
                 refit.replace_owner("owner1", owners[1])
                 for s in steps[committed_steps:]:  # ...then it catches up with the other rank
                     ray.get(owners[1].step.remote(seed=s))
-                ok = _try_refit(refit, say, failures)
+                ok = _try_refit(refit, say, failures, waits)
             for th in threads:
                 th.join()
             if kind in NODE_KINDS:  # capacity returns: a node of the cluster that lost one joins again
@@ -232,13 +287,17 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
             payload_faults.disarm(payload_signal)
             if os.path.exists(stall_signal):
                 os.remove(stall_signal)
-            if time.monotonic() - start > 2 * config.commit.timeout_s * config.commit.max_attempts:
+            if max(waits) > 2 * config.commit.timeout_s * config.commit.max_attempts:
                 stats["hung_waits"] += 1
+                hung.append({"refit": i + 1, "fault": kind, "seconds": round(max(waits), 1)})
+            refit_seconds.append(round(max(waits), 2))
             stats["bad_frames_rejected"] += sum(b in ("rejected", "stale") for b in bad)
             stats["bad_frames_applied"] += sum(b == "applied" for b in bad)
             if ok:
                 stats["committed"] += 1
                 committed_steps = len(steps)
+                if model == "stream" and kind is None:  # a quiet refit: how long the next kills may land in
+                    span = max(0.2, ok.seconds.get("total", 0.2))
                 recreated += sum("died; it is re-created" in w or "node is gone" in w for w in ok.warnings)
                 bad_engines = _check(refit, owners[0])
                 refused += _refusing(refit, ok.version)
@@ -256,11 +315,12 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
         rollbacks = sum(ray.get(h.info.remote()).get("rollbacks", 0) for h in refit.engines().values())
     finally:
         nodes.shutdown(refit)
-    return {"refits": refits, "seed": seed, "committed": stats["committed"],
+    return {"refits": refits, "seed": seed, "model": model, "model_size": spec.size, "frames_per_owner": frames,
+            "kill_span_s": round(span, 3), "committed": stats["committed"],
             "faults_injected": stats["faults_injected"], "faults_by_kind": dict(by_kind),
             "faults_survived": sum(survived.values()), "mismatched_engines": mismatched,
             "bad_frames_rejected": stats["bad_frames_rejected"], "bad_frames_applied": stats["bad_frames_applied"],
-            "hung_waits": stats["hung_waits"], "engines_at_end": at_end, "engines_configured": configured,
+            "hung_waits": stats["hung_waits"], "hung": hung, "refit_seconds": refit_seconds, "engines_at_end": at_end, "engines_configured": configured,
             "dense_rebootstraps": dense + sum(_restored(m) for m in failures),
             "recreated_engines": recreated, "healed_from_peer": len(healed) - dense - window,
             "healed_from_window": window, "healed_from_owners": dense,
@@ -268,7 +328,7 @@ def run_chaos(refits: int, seed: int, *, progress=None, stage_timeout_s: float =
             "seconds": round(time.monotonic() - t0, 1)}
 
 
-def _node_fault(kind: str, nodes, rng, threads: list) -> str:
+def _node_fault(kind: str, nodes, rng, threads: list, span: float = 0.2) -> str:
     """Kill a random rollout node (during the refit: a timer in ``threads``; or now), or every node of a
     random cluster; returns the cluster that lost capacity (a node is added to it after the refit)."""
     if kind == "lose_cluster":
@@ -278,7 +338,7 @@ def _node_fault(kind: str, nodes, rng, threads: list) -> str:
     cluster, node = rng.choice(sorted(((c, n) for c, ns in nodes.nodes.items() for n in ns),
                                       key=lambda cn: (cn[0], cn[1].node_id)))
     if kind == "kill_node_mid_refit":
-        threads.append(threading.Timer(rng.uniform(0.0, 0.2), lambda: nodes.kill(node)))
+        threads.append(threading.Timer(rng.uniform(0.0, span), lambda: nodes.kill(node)))
     else:
         nodes.kill(node)
     return cluster
@@ -299,15 +359,18 @@ def _refusing(refit, version: int) -> int:
     return bad
 
 
-def _try_refit(refit, say, failures: list[str]):
+def _try_refit(refit, say, failures: list[str], waits: list[float]):
     import dcr_ray
 
+    t0 = time.monotonic()
     try:
         return refit.run()
     except dcr_ray.DcrError as e:
         failures.append(str(e))
         say(f"  refit failed: {str(e)[-400:]}")
         return None
+    finally:
+        waits.append(time.monotonic() - t0)
 
 
 def _restored(message: str) -> int:
@@ -385,4 +448,5 @@ def _wait(cond, timeout: float = 120.0) -> None:
     raise TimeoutError("the condition did not hold in time")
 
 
-__all__ = ["FAULT_KINDS", "NODE_KINDS", "add_parser", "run", "run_chaos", "schedule"]
+__all__ = ["FAULT_KINDS", "MIN_FRAMES_PER_OWNER", "MODELS", "NODE_KINDS", "add_parser", "frames_per_owner",
+           "run", "run_chaos", "schedule"]

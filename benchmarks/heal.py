@@ -57,7 +57,7 @@ WARM_UP_REFITS = 2
 QUIET_REFITS = 5
 #: Targets from the healing issue.
 TARGETS = {"recreated_with_peer": {"cross_cluster_bytes": 0, "owner_bytes": 0},
-           "lagging_cross_over_union_max": 1.05, "refit_blocked_ratio_max": 1.5}
+           "lagging_cross_over_union_max": 1.05, "refit_blocked_ratio_max": 1.5, "heal_lock_s_max": 0.25}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -210,6 +210,7 @@ def _case(refit, one, base: float, cluster: str, fault, expect: int = 1, release
             "copy_bytes": int(sum(h.get("copy_bytes") or 0 for h in heals)),
             "window_bytes": int(sum(h.get("delta_bytes") or 0 for h in heals)),
             "coordinator_lock_seconds": sum(h.get("lock_seconds") or 0.0 for h in heals),
+            "heal_lock_seconds_max": max((h.get("lock_seconds") or 0.0 for h in heals), default=0.0),
             "union_delta_bytes": int(union) if missed_from is not None else None,
             "missed_versions": len(reports) if missed_from is not None else None,
             "heal_seconds": max((h["seconds"] for h in heals), default=None),
@@ -228,6 +229,7 @@ def _targets_met(cases: dict) -> dict:
            "lagging_cross_le_1.05x_union": lag["cross_cluster_bytes"] <= 1.05 * (lag["union_delta_bytes"] or 0)}
     for name, c in cases.items():
         out[f"{name}_refit_blocked_ratio_le_1.5"] = c["refit_blocked_ratio"] <= TARGETS["refit_blocked_ratio_max"]
+        out[f"{name}_heal_lock_le_0.25s"] = c["heal_lock_seconds_max"] <= TARGETS["heal_lock_s_max"]
         out[f"{name}_bit_exact"] = c["bit_exact"]
     return out
 

@@ -19,6 +19,9 @@ and quiet refits (their median is the reference), two cases run on the same topo
   Then a node of ``b`` joins: ``capacity_back_seconds`` (from the join until both of ``b``'s engines hold
   the committed version, required again), ``cross_copies`` (heals that crossed ``b``'s link: copies from
   a peer of another cluster), and the bit-exact check of every engine.
+
+In both, ``heal_lock_seconds``: the longest a heal held the coordinator's lock (its record's
+``lock_seconds``: the lock guards decisions, never a copy or a wait for a relay or engine to start).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ LR = 1e-6
 #: Targets from the outage issue.
 TARGETS = {"node_death_attempts_max": 2, "node_death_ratio_max": 3.0, "fleet_back_s_max": 30.0,
            "lost_next_refit_s_floor": 10.0, "lost_next_refit_ratio_max": 3.0, "lost_later_ratio_max": 1.5,
-           "paused_after_apply_s_max": 1.0, "capacity_back_s_max": 60.0, "cross_copies_max": 1}
+           "paused_after_apply_s_max": 1.0, "capacity_back_s_max": 60.0, "cross_copies_max": 1,
+           "heal_lock_s_max": 0.25}
 QUIET_REFITS = 5
 WARM_UP_REFITS = 2
 
@@ -117,6 +121,7 @@ def _node_death(refit, nodes, trainer, step, base: float, limit_s: float) -> dic
     import ray
 
     step()
+    healed_before = {(h["engine"], h["at"]) for h in refit.status()["healed"]}
     t0 = time.perf_counter()
     pending = refit.remote()
     _wait_phase(refit, ("stream", "flush"), limit_s)
@@ -126,8 +131,10 @@ def _node_death(refit, nodes, trainer, step, base: float, limit_s: float) -> dic
     seconds = time.perf_counter() - t0
     refit.wait_healed(timeout=limit_s)
     back = time.perf_counter() - t_kill
+    heals = [h for h in refit.status()["healed"] if (h["engine"], h["at"]) not in healed_before]
     return {"attempts": report.attempts, "seconds": seconds, "ratio": seconds / base,
             "fleet_back_seconds": back, "required": len(refit.status()["required"]),
+            "heal_lock_seconds": max((h.get("lock_seconds") or 0.0 for h in heals), default=0.0),
             "bit_exact": _exact(refit, trainer)}
 
 
@@ -163,8 +170,9 @@ def _cluster_lost(refit, nodes, trainer, one, base: float, limit_s: float) -> di
             "paused_after_apply_s": max((p["after_apply_s"] or 0.0 for p in paused), default=0.0),
             "survivors_served": bool(served), "waiting_for_capacity": sorted(waiting),
             "capacity_back_seconds": back,
-            "heals": [{k: h.get(k) for k in ("engine", "sources", "seconds", "cross_bytes", "copy_bytes")}
-                      for h in heals],
+            "heals": [{k: h.get(k) for k in ("engine", "sources", "seconds", "cross_bytes", "copy_bytes",
+                                             "lock_seconds")} for h in heals],
+            "heal_lock_seconds": max((h.get("lock_seconds") or 0.0 for h in heals), default=0.0),
             "cross_copies": sum(1 for h in heals if h.get("cross_bytes")), "bit_exact": _exact(refit, trainer)}
 
 
@@ -181,7 +189,9 @@ def targets_met(out: dict) -> dict:
             "survivors_paused_after_apply_le_1s": cl["paused_after_apply_s"] <= t["paused_after_apply_s_max"]
                                                   and cl["survivors_served"],
             "capacity_back_le_60s": cl["capacity_back_seconds"] <= t["capacity_back_s_max"] and cl["bit_exact"],
-            "capacity_back_le_1_cross_copy": cl["cross_copies"] <= t["cross_copies_max"]}
+            "capacity_back_le_1_cross_copy": cl["cross_copies"] <= t["cross_copies_max"],
+            "heal_lock_le_0.25s": max(nd.get("heal_lock_seconds", 0.0), cl.get("heal_lock_seconds", 0.0))
+                                  <= t["heal_lock_s_max"]}
 
 
 def format_lines(out: dict) -> list[str]:
@@ -196,6 +206,8 @@ def format_lines(out: dict) -> list[str]:
             f"after their apply, served={cl['survivors_served']}; capacity back -> b serving in "
             f"{cl['capacity_back_seconds']:.1f} s with {cl['cross_copies']} copy across its link, "
             f"exact={cl['bit_exact']}",
+            f"  coordinator lock held by a heal: <= {nd.get('heal_lock_seconds', 0.0):.3f} s (node death), "
+            f"<= {cl.get('heal_lock_seconds', 0.0):.3f} s (cluster back, across its link)",
             "  targets: " + ", ".join(f"{k}={'met' if v else 'UNMET'}" for k, v in out["targets_met"].items())]
 
 
@@ -219,6 +231,9 @@ def markdown(out: dict) -> str:
              f"| capacity back: lost cluster serving, bit-exact | {cl['capacity_back_seconds']:.1f} s, "
              f"{cl['cross_copies']} copy across its link | <= 60 s, <= 1 copy | "
              f"{_yes(met['capacity_back_le_60s'] and met['capacity_back_le_1_cross_copy'])} |"]
+    if "heal_lock_le_0.25s" in met:
+        rows.append(f"| coordinator lock held by one heal | {nd['heal_lock_seconds']:.3f} s (node death), "
+                    f"{cl['heal_lock_seconds']:.3f} s (across the link) | <= 0.25 s | {_yes(met['heal_lock_le_0.25s'])} |")
     return "\n".join(rows)
 
 

@@ -34,6 +34,8 @@ import torch
 from dcr_ray import progress
 from dcr_ray.actors.coordinator.actor import CoordinatorActor
 from dcr_ray.actors.fleet.inputs import write_inputs
+from dcr_ray.actors.fleet.nodes import capacity
+from dcr_ray.actors.fleet.placement import bundle
 from dcr_ray.actors.owner.held import StandaloneOwner, check_owner
 from dcr_ray.config import ClusterSpec, RefitConfig, validate
 from dcr_ray.engines.base import EngineBackend
@@ -274,11 +276,16 @@ def _checked(clusters, engine, owners, owner_tensors, config, resume) -> tuple[R
         raise ConfigError("resume=True needs the running owners (owners=...) and the commit directory of the "
                           "topology to resume: RefitConfig(commit=CommitConfig(dir=...))")
     planned = owners if owners is not None else {f"owner{i}": StandaloneOwner for i in range(len(owner_tensors))}
+    default_dir = config is None or config.commit.dir is None
     config = validate(config or RefitConfig(), clusters, planned, engine)
     for oid, h in (owners or {}).items():
         check_owner(oid, h, config.commit.timeout_s)
     ns = config.namespace
-    _check_placeable(config.actor_options.get("coordinator", {}).get("resources", {}))
+    coordinator = config.actor_options.get("coordinator", {}).get("resources", {})
+    _check_placeable(coordinator)
+    _check_clusters(clusters)
+    if default_dir:
+        _check_commit_dir(config, coordinator)
     if coordinator_exists(ns):
         raise ConfigError(f"a dcr_ray coordinator ({COORDINATOR_NAME!r}) already runs in namespace {ns!r} of this "
                           f"Ray cluster; use dcr_ray.Refit.get(namespace={ns!r}) to reach it, or its shutdown() "
@@ -373,6 +380,42 @@ _RESTART_POLL_S = 1.0
 _SHUTDOWN_TIMEOUT_S = 120
 #: How long a failed launch waits for its coordinator to be gone before the last sweep by name.
 _SWEEP_WAIT_S = 10.0
+
+
+def _check_clusters(clusters: list[ClusterSpec]) -> None:
+    """Refuse, before anything is spawned, a cluster whose engines (or relays) no alive node can hold all of
+    (Ray would hold the rest pending, and the launch would wait its whole bound)."""
+    nodes = [n.get("Resources") or {} for n in ray.nodes() if n.get("Alive")]
+    for c in clusters:
+        asks = [(bundle(c), c.started, "engines")] if c.started else []
+        asks.append((dict(c.resources), 1, "relays"))
+        for needs, count, what in asks:
+            room = capacity(nodes, needs)
+            if room < count:
+                have = sorted({k for r in nodes for k in r if not k.startswith("node:")})
+                raise ConfigError(f"cluster {c.name!r}: the alive nodes hold {room} of its {count} {what} (each asks "
+                                  f"{needs}; resources in this Ray cluster: {have}): start nodes with "
+                                  f"ClusterSpec({c.name}).resources (e.g. `ray start --resources=...`), or lower "
+                                  f"engines, gpus_per_engine or cpus_per_engine")
+
+
+def _check_commit_dir(config: RefitConfig, coordinator: dict) -> None:
+    """A commit directory left to its default lives on this machine's disk: refused on a multi-node Ray cluster
+    unless the coordinator is pinned to this node (a coordinator placed or restarted elsewhere could not
+    read its record)."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) <= 1:
+        return
+    here = ray.get_runtime_context().get_node_id()
+    able = [n["NodeID"] for n in nodes
+            if coordinator and all((n.get("Resources") or {}).get(k, 0) >= v for k, v in coordinator.items())]
+    if able == [here]:
+        return
+    raise ConfigError(f"CommitConfig.dir defaults to a temporary directory on this machine ({config.commit.dir}), "
+                      f"but this Ray cluster has {len(nodes)} nodes: a coordinator placed or restarted on another "
+                      f"node could not read its commit record. Give CommitConfig(dir=...) a directory every node "
+                      f"mounts, or pin the coordinator to this node with a resource only it offers "
+                      f"(RefitConfig(actor_options={{'coordinator': {{'resources': {{...}}}}}}))")
 
 
 def _check_placeable(resources: dict | None) -> None:

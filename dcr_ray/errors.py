@@ -89,6 +89,11 @@ class CoordinatorGoneError(RefitError, ValueError):
     as ``Refit.get`` raised when no coordinator answered."""
 
 
+class OwnerLostError(RefitError):
+    """An owner's actor or its node is gone, and its committed bits with it: the refit cannot continue
+    until ``Refit.replace_owner(owner_id, handle)`` puts an actor that holds the committed bits in its place."""
+
+
 class RefitTimeoutError(RefitError, TimeoutError):
     """A stage of a refit did not finish within its configured timeout."""
 

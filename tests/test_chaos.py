@@ -10,7 +10,7 @@ import raytools  # noqa: F401
 
 import pytest
 
-from benchmarks.chaos import FAULT_KINDS, NODE_KINDS, run_chaos, schedule
+from benchmarks.chaos import FAULT_KINDS, MIN_FRAMES_PER_OWNER, NODE_KINDS, run_chaos, schedule
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +25,7 @@ def test_a_short_chaos_run_survives_every_fault_kind_bit_exactly():
     # and a dropped payload each cost this run, far above a healthy stage of this tiny model
     out = run_chaos(len(FAULT_KINDS) + 1, seed=1, stage_timeout_s=5.0)
     assert out["faults_by_kind"] == {k: 1 for k in FAULT_KINDS}
+    assert out["model"] == "stream" and out["frames_per_owner"] >= MIN_FRAMES_PER_OWNER  # kills land mid-stream
     assert out["mismatched_engines"] == 0 and out["bad_frames_applied"] == 0 and out["hung_waits"] == 0
     assert out["committed"] == len(FAULT_KINDS) + 1  # a dead owner's refit commits after replace_owner
     assert out["bad_frames_rejected"] >= 3  # flipped, wrong-key and truncated frames (stale ones are ignored)

@@ -137,3 +137,27 @@ def test_a_delta_does_not_open_over_another_transfers_writes_or_a_dirty_engine_b
         st.open(Attempt("v4-b", 0, 3, 4, "v3-x"))
     st.open(Attempt("boot3", 0, BOOTSTRAP_BASE, 3))
     assert st.phase is Phase.OPEN
+
+
+def test_bits_in_doubt_read_dirty_and_only_a_dense_bootstrap_or_a_verified_copy_leaves_dirty():
+    from dcr_ray.codec.format import BOOTSTRAP_BASE
+
+    st = _ready()
+    st.open(Attempt("v4-a", 0, 3, 4, "v3-x"))
+    st.wrote()
+    st.flushed_now()
+    st.dirty("a failed write-back")  # e.g. a failed park, a failed staged write
+    assert (st.phase, st.attempt, st.flushed, st.transfer, st.is_in("v4-a")) == (Phase.DIRTY, None, None, None, False)
+    with pytest.raises(EngineStateError, match="not allowed over dirty bits"):
+        st.activate(4, "v4-a")  # a commit, a resume or a readmission of the transfer it was in
+    assert (st.phase, st.version) == (Phase.DIRTY, None)
+    st.open(Attempt("boot3", 0, BOOTSTRAP_BASE, 3))
+    st.dirty("the bootstrap's write failed")
+    with pytest.raises(EngineStateError, match="not allowed over dirty bits"):
+        st.activate(3, "v3-x")  # a bootstrap that did not finish restores nothing
+    st.open(Attempt("boot3", 1, BOOTSTRAP_BASE, 3))
+    st.activate(3, "v3-x")  # a dense bootstrap replaced every bit
+    assert (st.phase, st.version, st.why) == (Phase.READY, 3, None)
+    st.dirty("healing from a peer")
+    st.restore(4, "v4-a")  # a copy verified against the version's digests
+    assert (st.phase, st.version, st.version_id) == (Phase.READY, 4, "v4-a")

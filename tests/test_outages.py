@@ -19,6 +19,7 @@ import pytest
 import ray
 
 import dcr_ray
+from dcr_ray.errors import ConfigError
 from dcr_ray.status import format_status
 from dcr_ray.testing.clusters import LocalClusters
 from dcr_ray.testing.models import ModelSpec
@@ -145,5 +146,81 @@ def test_a_refit_whose_owners_node_is_lost_fails_at_once_naming_replace_owner_an
         for eid, eng in refit.engines().items():  # still serving the committed version
             assert ray.get(eng.generate.remote([[1, 2, 3]], 2), timeout=30)["version"] == 1, eid
         assert_no_wrong_bits(refit, committed, 1)
+    finally:
+        nodes.shutdown(refit)
+
+
+def _node(nodes: LocalClusters, cluster: str, relays: bool = True):
+    """A node of ``cluster``; with ``relays``, it also offers the resource the relays ask (``relay-slot``)."""
+    node = nodes.cluster.add_node(num_cpus=1, resources={f"cluster-{cluster}": 10, **({"relay-slot": 10} if relays else {})})
+    nodes.nodes.setdefault(cluster, []).append(node)
+    nodes.cluster.wait_for_nodes()
+    return node
+
+
+@pytest.mark.timeout(600)
+def test_relays_that_cannot_start_and_a_coordinator_restart_while_a_cluster_waits_hold_no_refit_up():
+    nodes = LocalClusters(())
+    refit = None
+    try:
+        _node(nodes, "a")
+        _node(nodes, "b")
+        Trainer = ray.remote(num_cpus=0, resources={"train": 0.01})(TinyTrainer)
+        trainers = [Trainer.remote(SPEC, lr=1e-4, rank=r, world=2) for r in range(2)]
+        clusters = [dcr_ray.ClusterSpec(name=c, engines=2, resources=nodes.resources(c)) for c in ("a", "b")]
+        # a commit directory left to its default lives on this machine: refused unless the coordinator is pinned here
+        with pytest.raises(ConfigError, match="CommitConfig.dir defaults to a temporary directory"):
+            dcr_ray.launch(owners=trainers, clusters=clusters, engine=dcr_ray.HFEngine(SPEC.with_seed(9)))
+        config = dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(timeout_s=20.0, start_timeout_s=120.0),
+                                     actor_options={"coordinator": {"resources": LocalClusters.HEAD},
+                                                    "relay": {"resources": {"relay-slot": 0.01}}})
+        refit = dcr_ray.launch(owners=trainers, clusters=clusters, engine=dcr_ray.HFEngine(SPEC.with_seed(9)),
+                               config=config)
+        _step(trainers, 0)
+        refit.run(timeout=120)
+        nodes.lose("b")
+        _step(trainers, 1)
+        assert refit.run(timeout=120).version == 2
+        assert list(refit.status()["capacity"]) == ["b"]
+
+        # the coordinator restarts while b waits for capacity: it resumes at once, nothing waits for b
+        epoch = refit.status()["epoch"]
+        ray.kill(refit.actor, no_restart=False)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if refit.status()["commit_record"]["epoch"] > epoch:
+                    break
+            except ray.exceptions.RayActorError:
+                pass
+            time.sleep(0.2)
+        _step(trainers, 2)
+        report = refit.run(timeout=60)
+        assert report.version == 3 and sorted(report.engine_versions) == ["a/e0", "a/e1"], report
+        assert list(refit.status()["capacity"]) == ["b"]
+
+        # a node of b joins whose relays cannot start there (it lacks relay-slot): b's engines could be
+        # placed, its relays never answer; the heal waits for them without the coordinator's lock
+        bad = _node(nodes, "b", relays=False)
+        time.sleep(3.0)  # the healing worker looks every second
+        _step(trainers, 3)
+        t0 = time.monotonic()
+        assert refit.run(timeout=60).version == 4
+        assert time.monotonic() - t0 < 30.0  # no wait for b's relays (20 s, the stage timeout) on the refit's path
+        assert list(refit.status()["capacity"]) == ["b"]
+
+        # a node that can host b's relays: b heals, and takes part again
+        nodes.kill(bad)
+        _node(nodes, "b")
+        deadline = time.monotonic() + 240
+        while sorted(refit.status()["required"]) != ["a/e0", "a/e1", "b/e0", "b/e1"]:
+            assert time.monotonic() < deadline, refit.status()
+            time.sleep(0.5)
+        refit.wait_healed(timeout=240)
+        _step(trainers, 4)
+        report = refit.run(timeout=120)
+        assert report.version == 5 and sorted(report.engine_versions) == ["a/e0", "a/e1", "b/e0", "b/e1"], (
+            report.warnings)
+        assert_no_wrong_bits(refit, _committed(trainers), 5)
     finally:
         nodes.shutdown(refit)

@@ -175,3 +175,42 @@ def test_a_baseline_dir_the_owner_cannot_write_fails_its_attach_with_the_fix(tmp
     cfg = dcr_ray.RefitConfig(owners=dcr_ray.OwnerConfig(baseline_dir=str(tmp_path / "file" / "sub")))
     with pytest.raises(BaselineError, match="give OwnerConfig.baseline_dir a writable directory"):
         DeltaOwner("o", cfg)
+
+
+class FailingSink(ListSink):
+    """A sink whose ``at``-th send raises, as a relay that died mid-stream makes the owner's send raise."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at = at
+
+    def send(self, frame, key):
+        if len(self.frames) + 1 == self.at:
+            raise RuntimeError("the head relay died mid-stream")
+        super().send(frame, key)
+
+
+def test_a_retry_after_a_stream_that_failed_mid_diff_carries_the_whole_changed_set():
+    # 8 tensors of 64 Ki BF16 elements, every element changed, small buckets: the first attempt's sink
+    # raises at its third frame, while the lazy diff has read only part of the tensors
+    cfg = dcr_ray.RefitConfig(codec=dcr_ray.CodecConfig(chunk_elems=1 << 12, bucket_bytes=1 << 15))
+    owner = DeltaOwner("o", cfg, in_memory=True)
+    g = torch.Generator().manual_seed(3)
+    committed = {f"t{i}": torch.randn(1 << 16, generator=g).to(torch.bfloat16) for i in range(8)}
+    owner.attach(committed)
+    trainer = {n: (t.float() + 1.0).to(torch.bfloat16) for n, t in committed.items()}
+    assert all(bool((trainer[n].view(torch.int16) != committed[n].view(torch.int16)).all()) for n in committed)
+    with pytest.raises(RuntimeError, match="mid-stream"):
+        owner.stream(trainer, transfer="T", attempt=0, base=0, target=1, sink=FailingSink(at=3))
+    sink = ListSink()
+    summary = owner.stream(trainer, transfer="T", attempt=1, base=0, target=1, sink=sink)
+    assert summary["changed"] == 8 << 16
+    engine = {n: t.clone() for n, t in committed.items()}
+    for f in sink.frames:
+        apply_frame(f, engine, expect_base=0)
+    for n in trainer:  # the oracle is the trainer's tensors, not the owner's pending set
+        assert torch.equal(engine[n].view(torch.int16), trainer[n].view(torch.int16)), n
+    owner.promote(1)
+    assert owner.version == 1  # waits for a background promote
+    for n in trainer:
+        assert torch.equal(owner.store.tensor(n).view(torch.int16), trainer[n].view(torch.int16)), n

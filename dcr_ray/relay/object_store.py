@@ -107,6 +107,12 @@ class ObjectStoreTransport:
                timeout_s: float = 10.0, lost: Iterable[str] = (), later: Iterable[str] = ()) -> list[str]:
         return []  # no actors of its own
 
+    def settle(self, timeout_s: float) -> None:
+        pass  # no actors to wait for
+
+    def install(self) -> list[str]:
+        return []  # nothing routed: every change took effect at once
+
     def place_with(self, near) -> None:
         pass  # no actors to place
 

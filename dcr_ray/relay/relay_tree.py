@@ -13,7 +13,6 @@ from typing import Any, Callable, Iterable, Mapping
 import ray
 
 from dcr_ray.codec import PayloadKey
-from dcr_ray.errors import RefitTimeoutError
 from dcr_ray.options import actor_options, create_named
 from dcr_ray.relay.backpressure import wait_bounded
 from dcr_ray.relay.relay import RelayActor
@@ -52,6 +51,17 @@ class RelaySink:
 RELAY_NAME_RELEASE_S = 30.0
 
 
+_REMOTE_RELAY = None
+
+
+def _remote_relay():
+    """The relay actor class as Ray's, made once per process (made again, it is exported to Ray again)."""
+    global _REMOTE_RELAY
+    if _REMOTE_RELAY is None:
+        _REMOTE_RELAY = ray.remote(RelayActor)
+    return _REMOTE_RELAY
+
+
 class BytesReader:
     """Engine side: Ray already resolved the ref, so what arrives is the frame."""
 
@@ -76,19 +86,62 @@ class RelayTransport:
         self._engine_cluster: dict[str, str] = {}
         self._near: Callable[[str], dict] | None = None
         self.suspended: set[str] = set()  # clusters out for lack of capacity (no relay of theirs runs)
+        #: cluster -> (its relays by id, their routing calls, the head's id, the ids created anew): trees
+        #: routed but not yet taken by :meth:`install`
+        self._wiring: dict[str, tuple[dict, list, str, set]] = {}
 
     def reader(self, cluster: str) -> BytesReader:
         return BytesReader()
 
     def build(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
-        """Create every cluster's relay tree (detached relays, named ``dcr_relay:<relay id>``)."""
+        """Create every cluster's relay tree (detached relays, named ``dcr_relay:<relay id>``); they serve
+        once :meth:`install` took them."""
         self._wire(clusters, engines, engine_cluster, find=False)
 
     def reconnect(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
-        """Find the relays of every cluster by name, create the ones that are gone, and route every relay
-        to the current engine handles (a resumed coordinator, a re-created engine or relay). Clusters that
-        are suspended stay out."""
+        """Find the relays of ``clusters`` (the handles held, else by name), create the ones that are gone,
+        and route every relay to the current engine handles (a resumed coordinator, a re-created engine
+        or relay); :meth:`install` takes them. Clusters that are suspended stay out."""
         self._wire([c for c in clusters if c.name not in self.suspended], engines, engine_cluster, find=True)
+
+    def settle(self, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s``, until every relay created or routed since the last :meth:`install`
+        answered its routing. Changes nothing: call it without the coordinator's lock."""
+        refs = [r for w in list(self._wiring.values()) for r in w[1]]  # a copy: the lock's holder may route
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+    def install(self) -> list[str]:
+        """Take the relay trees whose every relay answered its routing (never waits); returns the clusters
+        whose trees did not. A tree still starting stays pending (a later routing of its cluster reuses
+        its relays, and a later install takes it); one with a relay that died is dropped, and the relays
+        created for it killed."""
+        failed = []
+        for cluster, (made, refs, head, created) in list(self._wiring.items()):
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            try:
+                ray.get(ready, timeout=0)
+            except Exception:  # a relay died while it was routed: the tree is dropped
+                self._drop_wiring(cluster)
+                failed.append(cluster)
+                continue
+            if len(ready) < len(refs):
+                failed.append(cluster)  # still starting (or not placed): it stays pending
+                continue
+            del self._wiring[cluster]
+            self.relays.update(made)
+            self.heads[cluster] = made[head]
+            self.suspended.discard(cluster)
+        return sorted(failed)
+
+    def _drop_wiring(self, cluster: str) -> None:
+        """Forget ``cluster``'s pending tree, killing the relays created for it (their names are free again)."""
+        made, _refs, _head, created = self._wiring.pop(cluster, ({}, [], "", set()))
+        for rid in created:
+            try:
+                ray.kill(made[rid], no_restart=True)
+            except Exception:
+                pass
 
     def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
                timeout_s: float = 10.0, lost: Iterable[str] = (), later: Iterable[str] = ()) -> list[str]:
@@ -135,6 +188,7 @@ class RelayTransport:
         """Take ``cluster`` out (no live node can host it): its relays are killed, and no sink, window,
         count or release reaches it until :meth:`resume`. Returns the relay ids it had."""
         self.suspended.add(cluster)
+        self._drop_wiring(cluster)
         gone = sorted(rid for rid in self.relays if rid.split("/", 1)[0] == cluster)
         for rid in gone:
             try:
@@ -146,26 +200,35 @@ class RelayTransport:
 
     def resume(self, cluster, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
         """``cluster`` (a :class:`~dcr_ray.config.ClusterSpec`) can be hosted again: its relay tree is
-        created anew, routed to ``engines``."""
-        self.suspended.discard(cluster.name)
+        created anew, routed to ``engines``; it stays suspended until :meth:`install` takes it."""
         self._wire([cluster], engines, engine_cluster, find=False, placed=True)
 
     def _wire(self, clusters, engines, engine_cluster, *, find: bool, replace: set[str] = frozenset(),
               placed: bool | None = None) -> None:
-        """Plan and create (or, with ``find``, find by name) each cluster's relays and route them. A relay
-        created in place of one that is gone (``placed``: by default whenever it finds relays) takes the
-        placement :meth:`place_with` gives; the first build leaves placement to Ray."""
+        """Plan and create (or, with ``find``, find) each cluster's relays and route them, without waiting:
+        the routing calls are kept for :meth:`settle` and :meth:`install` (a payload pushed to a relay that
+        does not know its children yet would be forwarded to no one, so a tree serves only once every
+        relay answered). A relay created in place of one that is gone (``placed``: by default whenever it
+        finds relays) takes the placement :meth:`place_with` gives; the first build leaves placement to Ray."""
         placed = find if placed is None else placed
-        Relay = ray.remote(RelayActor)
+        Relay = _remote_relay()
         self._engine_cluster = dict(engine_cluster)
         for c in clusters:
             ids = [e for e in engines if engine_cluster[e] == c.name]
             tree = plan_tree(c.name, ids, c.fanout)
-            made = {}
+            made, created = {}, set()
+            pending = self._wiring.get(c.name, ({}, [], "", set()))
             for node in tree.walk():
                 head = node is tree
                 name = f"dcr_relay:{node.relay_id}"
+                if node.relay_id in pending[3]:  # created for this cluster before and still starting: reused
+                    made[node.relay_id] = pending[0][node.relay_id]
+                    created.add(node.relay_id)
+                    continue
                 if find and node.relay_id not in replace:
+                    if node.relay_id in self.relays:
+                        made[node.relay_id] = self.relays[node.relay_id]
+                        continue
                     try:
                         made[node.relay_id] = ray.get_actor(name, namespace=self.config.namespace)
                         continue
@@ -180,21 +243,18 @@ class RelayTransport:
                                                          window_bytes=self.config.transport.catchup_window_bytes,
                                                          pull_timeout_s=self.config.commit.timeout_s),
                     name, wait_s=RELAY_NAME_RELEASE_S, namespace=self.config.namespace)
+                created.add(node.relay_id)
             wired = []
             for node in tree.walk():
                 kids = [("engine", engines[e], [e]) for e in node.engines]
                 kids += [("relay", made[s.relay_id], s.all_engines()) for s in node.subrelays]
                 wired.append(made[node.relay_id].set_children.remote(kids))
-            # Waited for: a payload pushed to a relay that does not know its children yet would be
-            # forwarded to no one, and calls from the owners are not ordered after this one's.
-            timeout_s = self.config.commit.start_timeout_s
-            try:
-                ray.get(wired, timeout=timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise RefitTimeoutError(f"the relays of cluster {c.name} did not start within {timeout_s:.0f} s "
-                                        "(CommitConfig.start_timeout_s)") from None
-            self.relays.update(made)
-            self.heads[c.name] = made[tree.relay_id]
+            for rid in pending[3] - set(made):  # created for a tree that is planned otherwise now
+                try:
+                    ray.kill(pending[0][rid], no_restart=True)
+                except Exception:
+                    pass
+            self._wiring[c.name] = (made, wired, tree.relay_id, created)
 
     def sink(self, targets: list[str] | None, required: list[str], *, every_cluster: bool = False) -> RelaySink:
         every = targets is None or every_cluster
@@ -227,7 +287,10 @@ class RelayTransport:
         return {s["cluster"]: s["bytes_in"].get(transfer, 0) for s in stats}
 
     def actors(self) -> dict[str, Any]:
-        return dict(self.relays)
+        """The relays in service, and those still starting (a pending tree's)."""
+        out = {rid: h for made, _refs, _head, created in list(self._wiring.values()) for rid, h in made.items()
+               if rid in created}
+        return {**out, **dict(self.relays)}
 
     def stats(self) -> list[dict]:
         return ray.get([r.stats.remote() for r in self.relays.values()], timeout=self.config.commit.timeout_s)

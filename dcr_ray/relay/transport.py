@@ -60,8 +60,18 @@ class Transport(Protocol):
         """Create what the transport needs once engines exist (e.g. relay actors per cluster)."""
 
     def reconnect(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str]) -> None:
-        """Find the transport's existing actors by name and route them to ``engines`` (a resumed
+        """Find the transport's existing actors of ``clusters`` and route them to ``engines`` (a resumed
         coordinator, a re-created engine); create any that are gone."""
+
+    def settle(self, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s``, until the actors that :meth:`build`, :meth:`reconnect`,
+        :meth:`repair` or :meth:`resume` created or routed answered. Changes nothing, so it runs without
+        the coordinator's lock; those four never wait themselves."""
+
+    def install(self) -> list[str]:
+        """Take what answered since those calls into service (never waits; under the coordinator's lock);
+        returns the clusters that did not: what is still starting stays pending (a later call of those
+        four reuses it, a later install takes it), what died is dropped (actors created for it killed)."""
 
     def repair(self, clusters: list, engines: Mapping[str, Any], engine_cluster: Mapping[str, str],
                timeout_s: float = 10.0, lost: Iterable[str] = (), later: Iterable[str] = ()) -> list[str]:

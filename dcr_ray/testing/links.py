@@ -127,6 +127,12 @@ class EmulatedLinks:
     def repair(self, clusters, engines, engine_cluster, timeout_s: float = 10.0, lost=(), later=()) -> list[str]:
         return self.inner.repair(clusters, engines, engine_cluster, timeout_s, lost, later)
 
+    def settle(self, timeout_s: float) -> None:
+        self.inner.settle(timeout_s)
+
+    def install(self) -> list[str]:
+        return self.inner.install()
+
     def place_with(self, near) -> None:
         self.inner.place_with(near)
 

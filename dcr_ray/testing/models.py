@@ -10,10 +10,14 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-#: Named sizes. ``tiny`` starts in well under a second; ``small`` has tens of millions of parameters;
+#: Named sizes. ``tiny`` starts in well under a second; ``mini`` (1.7 M parameters) has MLP tensors large
+#: enough to be split into chunks, so an owner's changes fill many small frames; ``small`` has tens of
+#: millions of parameters;
 #: ``large`` is ~0.6 B parameters (~1.2 GB of BF16), the largest comfortable on a 24 GiB 2-core box.
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024),
+    "mini": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024),
     "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=16384),

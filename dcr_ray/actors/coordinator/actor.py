@@ -45,7 +45,6 @@ Ray-facing calls, which delegate.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 
@@ -55,25 +54,34 @@ from dcr_ray import metrics
 from dcr_ray.actors.coordinator.cpu_clock import CpuClock
 from dcr_ray.actors.coordinator.inspection import Inspection
 from dcr_ray.actors.coordinator.membership import Membership
+from dcr_ray.actors.coordinator.startup import Startup
 from dcr_ray.actors.fleet.calls import ActorsDied, NoAnswerError, gather, get_all
 from dcr_ray.actors.fleet.commit import CommitLog, CommitRecord
 from dcr_ray.actors.fleet.inputs import is_restart, read_inputs
+from dcr_ray.actors.fleet.standings import Standing
 from dcr_ray.actors.fleet.state import CoordinatorState
 from dcr_ray.actors.fleet.topology import Topology
 from dcr_ray.actors.owner.coding import choose_coding
-from dcr_ray.actors.owner.coverage import check_coverage
 from dcr_ray.actors.recovery.bootstrap import Bootstrap
 from dcr_ray.actors.recovery.healing import Healing
 from dcr_ray.actors.recovery.outages import Outages
 from dcr_ray.actors.recovery.restarts import Recovery
-from dcr_ray.codec.bits import dtype_of, itemsize
 from dcr_ray.config import RefitConfig
-from dcr_ray.errors import BaselineError, CommitConflictError, ConfigError, DcrError, RefitError
+from dcr_ray.errors import BaselineError, CommitConflictError, ConfigError, DcrError, OwnerLostError, RefitError
 from dcr_ray.relay.transport import make_transport
 from dcr_ray.relay.window import CommittedStep
 from dcr_ray.report import RefitReport
 
 log = logging.getLogger("dcr_ray")
+
+
+class _Abandoned(Exception):
+    """No attempt of a refit committed: ``last`` is why, after ``attempts`` attempts; ``owners_lost``: an
+    owner (and its committed bits) is gone, so no engine can be restored from the owners."""
+
+    def __init__(self, last: Exception | None, attempts: int, owners_lost: bool):
+        super().__init__(repr(last))
+        self.last, self.attempts, self.owners_lost = last, attempts, owners_lost
 
 
 class CoordinatorActor:
@@ -88,21 +96,16 @@ class CoordinatorActor:
                                        topology=Topology(inputs.clusters, inputs.owners,
                                                          inputs.transport or make_transport(config)),
                                        backend_factory=inputs.backend_factory)
-        self._started = False
-        self._resume_error: Exception | None = None
         self._boot = Bootstrap(s)
         self._outages = Outages(s)  # lost nodes and lost capacity, swept before each attempt
         # engines outside the required set, healed in the background
         self._healer = Healing(s, self._boot, self._outages)
         self._members = Membership(s, self._boot, self._healer)
-        self._recovery = Recovery(s, self._healer)
+        self._recovery = Recovery(s, self._healer, self._outages)
         self._inspection = Inspection(s, self._healer, self._outages)
+        self._startup = Startup(s, self._boot, self._recovery)
         if is_restart(commit_dir, inputs.launch_id):
-            try:
-                self.start(resume=True)  # Ray restarted this actor: carry on from the record
-            except Exception as e:  # kept for refit() to report; raising here would restart us in a loop
-                self._resume_error = e
-                log.error("dcr_ray: the restarted coordinator could not resume: %r", e)
+            self._startup.restarted()  # Ray restarted this actor: carry on from the record
 
     def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
         try:
@@ -134,59 +137,28 @@ class CoordinatorActor:
         """Create engines and the transport, attach owners, write record v0, bootstrap every engine; with
         ``resume``, carry on from the commit record of an earlier coordinator instead."""
         try:
-            return self._start(resume)
+            self._startup.start(resume)
+            return self.status()
         finally:
             self._shared.set_phase("idle")
-
-    def _start(self, resume: bool) -> dict:
-        s = self._shared
-        with s.lock:
-            if self._started:
-                return self.status()
-            if resume:
-                self._recovery.resume()
-                self._started = True
-                return self.status()
-            cfg = s.config
-            rec = s.commits.read()
-            if rec is not None and rec.version != 0:  # checked before anything is spawned
-                raise ConfigError(
-                    f"the commit record in {cfg.commit.dir} already holds version {rec.version}; owners start "
-                    f"at version 0: use a fresh CommitConfig.dir, or launch(..., resume=True) to carry on "
-                    f"with the running topology"
-                )
-            s.start.mark("construct")
-            s.set_phase("start engines")
-            s.topology.start(s.backend_factory, cfg)
-            s.start.mark("spawn")
-            t = cfg.commit.start_timeout_s
-            s.set_phase("attach")
-            specs = get_all({o: h.attach(o, cfg) for o, h in s.owners.items()}, t, "attach")
-            s.start.mark("attach owners")
-            s.set_phase("engines up")  # the engines' actors start and load the model
-            engine_specs = s.topology.engine_specs(t)
-            s.start.mark("engines up")
-            check_coverage(specs, engine_specs)
-            s.model_bytes = sum(math.prod(shape) * itemsize(dtype_of(dt)) for dt, shape in engine_specs.values())
-            self._recovery.attached(specs)  # a restarted coordinator checks replacements against these specs
-            if rec is None:
-                s.commits.compare_and_set(None, CommitRecord(version=0, transfer="attach", baseline="",
-                                                             members=sorted(s.engines)))
-            s.version = 0
-            self._boot.dense(list(s.engines))
-            s.start.mark("bootstrap")
-            self._started = True
-            return self.status()
 
     def bootstrap_dense(self, engine_ids: list[str] | None = None) -> int:
         """A dense bootstrap of ``engine_ids`` (default: every engine) to the committed version, between
         refits, through the path a joining engine takes: the owners send every element (the dense
         reference ``dcr-ray bench refit`` measures, or an operator's repair of engines whose bits are in
         doubt); returns the frames sent. See :meth:`~dcr_ray.actors.recovery.bootstrap.Bootstrap.dense`."""
-        with self._shared.lock:
-            if not self._started:
-                raise RefitError("the coordinator was not started; use dcr_ray.launch(...)")
-            return self._boot.dense(sorted(engine_ids if engine_ids is not None else self._shared.engines))
+        s = self._shared
+        with s.lock:
+            self._startup.require_started()
+            ids = sorted(engine_ids if engine_ids is not None else s.engines)
+            for e in ids:  # checked before anything is written
+                self._members.known(e)
+                standing = s.standings.of(e)
+                if standing not in (None, Standing.REQUIRED):  # healing, waiting, failed, out, evicted, joining
+                    raise ConfigError(f"engine {e!r} is {standing.value!r}, not required: a dense bootstrap repairs "
+                                      f"required engines only; Refit.rejoin({e!r}) brings it back (re-created if "
+                                      f"its actor died)")
+            return self._boot.dense(ids)
 
     # -- one refit ----------------------------------------------------------------------------------
     def refit(self, request: str | None = None) -> RefitReport:
@@ -205,68 +177,82 @@ class CoordinatorActor:
     def _refit(self, request: str, t_call: float) -> RefitReport:
         s = self._shared
         with s.lock:
-            if not self._started:
-                if self._resume_error is not None:
-                    raise RefitError(f"the restarted coordinator could not resume from the commit record: "
-                                     f"{self._resume_error!r}; relaunch with launch(..., resume=True)")
-                raise RefitError("the coordinator was not started; use dcr_ray.launch(...)")
-            t_start = t_call
+            self._startup.require_started()
             base, target = s.version, s.version + 1
             transfer = f"v{target}-{uuid.uuid4().hex[:8]}"
-            last: Exception | None = None
-            dropped: list[str] = []
             notes: list[str] = []  # the report's warnings about who joined or left before the commit
-            self._sweep(notes)  # lost nodes and lost capacity leave before anyone is called
+            self._sweep(notes)  # lost nodes and lost capacity leave before anyone is called (nothing written yet)
             self._members.readmit(notes)  # hung engines that answer again take part in this refit
-            owners_lost = False
-            for attempt in range(s.config.commit.max_attempts):
-                if not s.required:
-                    last = RefitError("no required engine is alive")
-                    break
-                try:
-                    report = self._attempt(transfer, attempt, base, target, t_start, request)
-                    return self._members.after_commit(report, dropped, notes)
-                except ActorsDied as d:
-                    if s.version == target:
-                        return self._recovery.committed_anyway(transfer, attempt, d)
-                    gone = [x for x in d.ids if x in s.engines]
-                    if len(gone) < len(d.ids):  # an owner died: its data is gone, cannot continue
-                        owners_lost = True
-                        last = RefitError(f"owner actor(s) {sorted(x for x in d.ids if x not in gone)} died, and "
-                                          f"their committed bits with them: replace each with Refit.replace_owner"
-                                          f"(owner_id, handle), an actor that holds the committed version's bits")
-                        break
-                    s.standings.heal(gone)  # re-created and healed after the commit (after_commit)
-                    dropped += gone
-                    last = RefitError(f"engines died: {gone}")
-                    log.warning("dcr_ray: %s died; retrying without them", gone)
-                except Exception as e:  # every exception is a failed attempt until the record is durable
-                    if s.version == target:
-                        return self._recovery.committed_anyway(transfer, attempt, e)
-                    last = e if isinstance(e, DcrError) else RefitError(f"{type(e).__name__}: {e}")
-                    log.warning("dcr_ray: attempt %d of %s failed: %r", attempt, transfer, e)
-                    if isinstance(e, (BaselineError, ConfigError, CommitConflictError)):
-                        break  # an owner's committed state, the setup or the record's owner: retrying cannot help
-                metrics.record("refit_retries")
-                try:  # whatever a lost node took goes in one pass, before anyone is called again
-                    self._sweep(notes)
-                except RefitError as e:  # an owner's node is gone: nothing to retry with
-                    owners_lost, last = True, e
-                    break
-                self._abort(transfer)
-                self._recovery.repair()
-            dirty = self._abort(transfer, final=True)
+            left = set(s.engines) - set(s.required)  # not in this refit from the start
+            try:
+                return self._attempts(transfer, base, target, t_call, request, notes)
+            except _Abandoned as a:
+                last, attempts, owners_lost = a.last, a.attempts, a.owners_lost
+            except Exception as e:  # anything that escaped the attempts (a dead actor, a setting): the same end
+                if s.version == target:
+                    return self._recovery.committed_anyway(transfer, 0, e)
+                last, attempts, owners_lost = (e if isinstance(e, DcrError) else RefitError(f"{type(e).__name__}: {e}"),
+                                               None, False)
+                log.warning("dcr_ray: refit to version %d failed outside its attempts: %r", target, e)
+            # every engine this refit may have written into is closed: the required ones, and those that left
+            # it on the way (lost, waiting for capacity, evicted) where they still answer
+            dirty = self._abort(transfer, final=True, also=sorted(set(s.engines) - set(s.required) - left))
             self._discard_pending()
             restored = self._members.restore(dirty, owners=not owners_lost)
+            tries = f" after {attempts} attempt(s)" if attempts else ""
             raise RefitError(
-                f"refit to version {target} failed after {attempt + 1} attempt(s); the "
-                f"committed version stays {base}{restored}. Last error: {type(last).__name__}: {last}"
+                f"refit to version {target} failed{tries}; the committed version stays {base}{restored}. "
+                f"Last error: {type(last).__name__}: {last}"
             ) from last
+
+    def _attempts(self, transfer: str, base: int, target: int, t_start: float, request: str,
+                  notes: list[str]) -> RefitReport:
+        """The attempts of one refit; the committed report, or :class:`_Abandoned` when none commits."""
+        s = self._shared
+        last: Exception | None = None
+        dropped: list[str] = []
+        for attempt in range(s.config.commit.max_attempts):
+            if not s.required:
+                raise _Abandoned(RefitError("no required engine is alive"), attempt, False)
+            try:
+                report = self._attempt(transfer, attempt, base, target, t_start, request)
+                return self._members.after_commit(report, dropped, notes)
+            except ActorsDied as d:
+                if s.version == target:
+                    return self._recovery.committed_anyway(transfer, attempt, d)
+                gone = [x for x in d.ids if x in s.engines]
+                if len(gone) < len(d.ids):  # an owner died: its data is gone, cannot continue
+                    raise _Abandoned(OwnerLostError(
+                        f"owner actor(s) {sorted(x for x in d.ids if x not in gone)} died, and their committed bits "
+                        f"with them: replace each with Refit.replace_owner(owner_id, handle), an actor that holds "
+                        f"the committed version's bits"), attempt + 1, True) from None
+                s.standings.heal(gone)  # re-created and healed after the commit (after_commit)
+                dropped += gone
+                last = RefitError(f"engines died: {gone}")
+                log.warning("dcr_ray: %s died; retrying without them", gone)
+            except Exception as e:  # every exception is a failed attempt until the record is durable
+                if s.version == target:
+                    return self._recovery.committed_anyway(transfer, attempt, e)
+                last = e if isinstance(e, DcrError) else RefitError(f"{type(e).__name__}: {e}")
+                log.warning("dcr_ray: attempt %d of %s failed: %r", attempt, transfer, e)
+                if isinstance(e, (BaselineError, ConfigError, CommitConflictError)):
+                    # an owner's committed state, the setup or the record's owner: retrying cannot help
+                    raise _Abandoned(last, attempt + 1, False) from None
+            metrics.record("refit_retries")
+            try:  # whatever a lost node took goes in one pass, before anyone is called again
+                self._sweep(notes)
+            except OwnerLostError as e:  # an owner's node is gone: nothing to retry with
+                raise _Abandoned(e, attempt + 1, True) from None
+            except Exception as e:  # the sweep is repair, not a verdict: the next attempt finds what is still wrong
+                log.warning("dcr_ray: the sweep after attempt %d of %s failed: %r", attempt, transfer, e)
+            self._abort(transfer)
+            self._recovery.repair()
+        raise _Abandoned(last, s.config.commit.max_attempts, False)
 
     def _sweep(self, notes: list[str]) -> None:
         """Lost nodes and lost capacity, in one pass (:meth:`~dcr_ray.actors.recovery.outages.Outages.sweep`): the
         engines that left heal in the background (re-created on a live node, or once their cluster can be
-        hosted again); ``notes`` gets the report's warnings. Raises ``RefitError`` if an owner's node is gone."""
+        hosted again); ``notes`` gets the report's warnings. Raises ``OwnerLostError`` if an owner's node is gone."""
         found = self._outages.sweep()
         if found.out_engines:
             self._healer.schedule(found.out_engines, "its cluster is waiting for capacity", respawn=True)
@@ -274,22 +260,25 @@ class CoordinatorActor:
             self._healer.schedule(found.lost_engines, "its node is gone", respawn=True)
         notes += [w for w in found.warnings(self._outages.waiting) if w not in notes]
 
-    def _abort(self, transfer: str, final: bool = False) -> list[str]:
-        """Close ``transfer`` on the required engines; with ``final``, the engines left dirty.
+    def _abort(self, transfer: str, final: bool = False, also: list[str] = ()) -> list[str]:
+        """Close ``transfer`` on the required engines (and on ``also``: engines that left the refit on the
+        way, which may hold its writes); with ``final``, the required engines left dirty.
 
-        Waits for every engine (but not for one whose node is gone): engines serve calls concurrently,
-        so an abort still in flight could otherwise close the next attempt that a later ``prepare`` just
-        opened.
+        Waits for every engine (but not for one whose node is gone), at most the stage timeout: engines
+        serve calls concurrently, so an abort still in flight could otherwise close the next attempt that
+        a later ``prepare`` just opened.
         """
         s = self._shared
-        calls = {e: s.engines[e].abort.remote(transfer, final) for e in s.required}
+        calls = {e: s.engines[e].abort.remote(transfer, final) for e in {*s.required, *also}}
         try:
             s.transport.release(transfer)
         except Exception as e:  # payload copies outlive the attempt; the engines must still be closed
             log.warning("dcr_ray: releasing the payloads of %s failed: %r", transfer, e)
         out, _dead, errors = gather(calls, s.config.commit.timeout_s, "abort", s.lost("engine"))
-        dirty = [e for e, r in out.items() if r["dirty"]]
+        dirty = [e for e, r in out.items() if r["dirty"] and e in s.required]
         for e, err in errors.items():
+            if e not in s.required:
+                continue  # it heals: its heal finds what it holds
             if isinstance(err, NoAnswerError):
                 continue  # a hung engine is dropped by the next refit's prepare
             log.warning("dcr_ray: engine %s could not abort %s: %r", e, transfer, err)
@@ -306,8 +295,8 @@ class CoordinatorActor:
         choice = choose_coding(s.config.codec, s.history, {s.topology.engine_cluster[e] for e in req})
         t0, clock = time.perf_counter(), CpuClock.start(s.topology, req)
         s.set_phase("prepare", transfer, attempt, target)
-        self._members.answers({e: s.engines[e].prepare.remote(transfer, attempt, base, target, base_id)
-                               for e in req}, "prepare")
+        self._members.answers({e: s.engines[e].prepare.remote(transfer, attempt, base, target, base_id,
+                                                              epoch=s.incarnation(e)) for e in req}, "prepare")
         t1 = time.perf_counter()
         # engines outside the required set (healing, evicted) get nothing; their clusters' windows keep it
         sink = s.transport.sink(req, req, every_cluster=True)
@@ -319,8 +308,8 @@ class CoordinatorActor:
         t_released = t1 + max((x.get("released_s", 0.0) for x in sums.values()), default=0.0)
         keys = [k for x in sums.values() for k in x["payloads"]]
         s.set_phase("flush", transfer, attempt, target)
-        acks = self._members.answers({e: s.engines[e].flush.remote(transfer, attempt, keys, t) for e in req},
-                                     "flush", s.relays_lost)
+        acks = self._members.answers({e: s.engines[e].flush.remote(transfer, attempt, keys, t, epoch=s.incarnation(e))
+                                      for e in req}, "flush", s.relays_lost)
         req = sorted(acks)  # without engines evicted as hung
         t2 = time.perf_counter()
         s.set_phase("commit", transfer, attempt, target)
@@ -334,7 +323,7 @@ class CoordinatorActor:
         s.set_phase("promote", transfer, attempt, target)
         promoting = {o: h.promote(target) for o, h in s.owners.items()}
         # the engines serve v+1 from now, beside the owners' promote: their pause ends at the record
-        activating = {e: s.engines[e].activate.remote(target, transfer) for e in req}
+        activating = {e: s.engines[e].activate.remote(target, transfer, epoch=s.incarnation(e)) for e in req}
         _, dead, errors = gather(promoting, t, "promote", s.lost("owner"))
         if dead or errors:
             bad = sorted({*dead, *errors})

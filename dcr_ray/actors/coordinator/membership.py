@@ -138,7 +138,7 @@ class Membership:
                 t = s.config.commit.timeout_s
                 if (rec is not None and st.get("flushed") and st["transfer"] == rec.transfer
                         and st["target"] == rec.version == s.version):
-                    ray.get(s.engines[e].activate.remote(rec.version, rec.transfer), timeout=t)
+                    ray.get(s.engines[e].activate.remote(rec.version, rec.transfer, epoch=s.incarnation(e)), timeout=t)
                     s.standings.require([e])
                     how = ("rejoined at version {v} (it had applied the committed transfer: activated, no dense "
                            "bootstrap)")
@@ -157,7 +157,7 @@ class Membership:
         """``Refit.rejoin``: bring an engine (new, dead, or fallen out of the required set) back at the
         committed version, now: by the deltas it missed, from a peer, else densely from the owners."""
         s = self._shared
-        self._known(engine_id)
+        self.known(engine_id)
         t = s.config.commit.timeout_s
         with s.lock:
             s.standings.heal([engine_id])
@@ -175,7 +175,7 @@ class Membership:
         set, holds no version, and heals now (by digest when its bits are still the committed ones, else
         from a peer, else densely from the owners: :mod:`~dcr_ray.actors.recovery.healing`)."""
         s = self._shared
-        self._known(engine_id)
+        self.known(engine_id)
         with s.lock:  # between refits
             s.standings.heal([engine_id])
             ray.get(s.engines[engine_id].invalidate.remote(str(why)), timeout=s.config.commit.timeout_s)
@@ -186,7 +186,7 @@ class Membership:
         the version it holds, serves it, and misses every refit until ``Refit.rejoin`` brings it back (by
         the deltas it missed where the window still holds them)."""
         s = self._shared
-        self._known(engine_id)
+        self.known(engine_id)
         with s.lock:  # between refits
             if engine_id not in s.required:
                 standing = getattr(s.standings.of(engine_id), "value", "no standing")
@@ -211,6 +211,7 @@ class Membership:
             return (f"; {dirty} hold partially written weights and could not be re-bootstrapped ({e}), so "
                     f"they left the required set: Refit.rejoin(engine_id) restores each")
 
-    def _known(self, engine_id: str) -> None:
+    def known(self, engine_id: str) -> None:
+        """``ConfigError`` unless ``engine_id`` is an engine of this topology."""
         if engine_id not in self._shared.engines:
             raise ConfigError(f"unknown engine {engine_id!r}; known: {sorted(self._shared.engines)}")

@@ -52,9 +52,16 @@ class EngineActor:
 
     ``reader`` is the transport's engine side (:class:`~dcr_ray.relay.transport.PayloadReader`): it
     turns what :meth:`deliver` is given (frame bytes, or a reference such as an object path) into bytes.
+
+    ``epoch`` names this incarnation of the engine (the coordinator gives each actor it creates a new,
+    later one). The calls that open, flush or activate a transfer, or hand bits over, may name the
+    epoch they mean: one addressed to another incarnation is refused (:class:`EngineStateError`),
+    so an actor the coordinator replaced (its node was unreachable, not gone) takes no part in a
+    refit again, and a transfer it cannot open brings it no frames.
     """
 
-    def __init__(self, engine_id: str, cluster: str, backend_factory, config: RefitConfig, reader):
+    def __init__(self, engine_id: str, cluster: str, backend_factory, config: RefitConfig, reader,
+                 epoch: int | None = None):
         self._clock = StartClock()  # worker start and imports until now; then the backend, the kernels
         backend = backend_factory()
         self._clock.mark("backend")
@@ -63,7 +70,7 @@ class EngineActor:
                               f"must return a dcr_ray.engines.base.TensorBackend or WireBackend (subclass one and "
                               f"implement its abstract methods)")
         self._engine = EngineContext(engine_id=engine_id, cluster=cluster, config=config, backend=backend,
-                                reader=reader, specs=backend.tensor_specs())
+                                reader=reader, specs=backend.tensor_specs(), epoch=epoch)
         self._receiver = Receiver(self._engine)
         self._serving = Serving(self._engine)
         self._digests = Digests(self._engine, self._receiver)
@@ -93,16 +100,22 @@ class EngineActor:
         return self._engine.state.version
 
     # -- the refit protocol (engine_receive) ----------------------------------------------------------
-    def prepare(self, transfer: str, attempt: int, base: int, target: int, base_id: str | None = None) -> dict:
+    def prepare(self, transfer: str, attempt: int, base: int, target: int, base_id: str | None = None,
+                epoch: int | None = None) -> dict:
+        self._engine.fence(epoch, "prepare")
         return self._receiver.prepare(transfer, attempt, base, target, base_id)
 
     def deliver(self, payload, targets: list[str] | None = None) -> str:
         return self._receiver.deliver(payload, targets)
 
-    def flush(self, transfer: str, attempt: int, expected: list[tuple], timeout_s: float) -> dict:
+    def flush(self, transfer: str, attempt: int, expected: list[tuple], timeout_s: float,
+              epoch: int | None = None) -> dict:
+        self._engine.fence(epoch, "flush")
         return self._receiver.flush(transfer, attempt, expected, timeout_s)
 
-    def activate(self, version: int, transfer: str | None = None, version_id: str | None = None) -> int:
+    def activate(self, version: int, transfer: str | None = None, version_id: str | None = None,
+                 epoch: int | None = None) -> int:
+        self._engine.fence(epoch, "activate")
         return self._receiver.activate(version, transfer, version_id)
 
     def abort(self, transfer: str, final: bool = False) -> dict:
@@ -145,21 +158,24 @@ class EngineActor:
     def join_by_digest(self, version: int, digests: dict, version_id: str | None = None) -> bool:
         return self._digests.join_by_digest(version, digests, version_id)
 
-    def snapshot(self, version: int, version_id: str | None) -> dict:
+    def snapshot(self, version: int, version_id: str | None, epoch: int | None = None) -> dict:
+        self._engine.fence(epoch, "snapshot")
         return self._peer.snapshot(version, version_id)
 
-    def heal_from(self, snap: dict, timeout_s: float) -> dict:
+    def heal_from(self, snap: dict, timeout_s: float, epoch: int | None = None) -> dict:
+        self._engine.fence(epoch, "heal_from")
         return self._peer.heal_from(snap, timeout_s)
 
-    def catch_up(self, steps: list, timeout_s: float) -> dict:
+    def catch_up(self, steps: list, timeout_s: float, epoch: int | None = None) -> dict:
+        self._engine.fence(epoch, "catch_up")
         return self._catchup.catch_up(steps, timeout_s)
 
     # -- inspection -----------------------------------------------------------------------------------
     def state(self) -> dict:
         """Where this engine stands: its ``phase`` (:class:`~dcr_ray.actors.engine.state.Phase`: empty,
         ready, staging, open, written, dirty), its version and content id, the transfer it is in or wrote
-        into, ``dirty`` (its bits match no version) and ``flushed`` (every payload of the open attempt
-        applied). A resumed coordinator settles an open transfer from this (activate it if the record
+        into, ``dirty`` (its bits match no version), ``flushed`` (every payload of the open attempt
+        applied) and ``epoch`` (this incarnation's). A resumed coordinator settles an open transfer from this (activate it if the record
         committed it, else roll it back); an engine evicted as hung that flushed the transfer the record
         committed is activated instead of bootstrapped."""
         c = self._engine
@@ -169,7 +185,7 @@ class EngineActor:
             return {"engine": c.engine_id, "cluster": c.cluster, "version": st.version,
                     "version_id": st.version_id, "phase": st.phase.value, "transfer": st.transfer,
                     "target": cur.target if cur else None, "dirty": st.why is not None,
-                    "flushed": cur is not None and st.flushed == (cur.transfer, cur.attempt)}
+                    "flushed": cur is not None and st.flushed == (cur.transfer, cur.attempt), "epoch": c.epoch}
 
     def info(self) -> dict:
         """Identity, placement, start-up seconds and counters (payloads applied, duplicate, stale,

@@ -38,6 +38,7 @@ from dcr_ray.codec.decoding.undo import UndoLog
 from dcr_ray.codec.format import BOOTSTRAP_BASE
 from dcr_ray.config import RefitConfig
 from dcr_ray.engines.base import EngineBackend, TensorBackend, WireBackend
+from dcr_ray.errors import EngineStateError
 
 log = logging.getLogger("dcr_ray.actors.engine.actor")
 
@@ -82,6 +83,7 @@ class EngineContext:
     serving: int = 0  #: generate calls reading the weights now (no write starts while > 0)
     held: str | None = None  #: generation held for an operation outside the refit protocol (its label)
     cpu: CpuParts = field(default_factory=CpuParts)  #: thread CPU seconds of the payload path
+    epoch: int | None = None  #: this incarnation's epoch (None: calls are not fenced)
 
     @property
     def tags(self) -> dict[str, str]:
@@ -96,12 +98,25 @@ class EngineContext:
     def count(self, name: str, n: int = 1) -> None:
         self.stats[name] = self.stats.get(name, 0) + n
 
+    def fence(self, epoch: int | None, call: str) -> None:
+        """Refuse ``call`` addressed to another incarnation of this engine (``epoch``: the one the caller
+        means; None: any). Nothing changes."""
+        if epoch is not None and epoch != self.epoch:
+            raise EngineStateError(f"engine {self.engine_id}: {call} for incarnation {epoch} refused by incarnation "
+                                   f"{self.epoch}: this actor was replaced, it takes no part in refits or heals")
+
     # -- steps several parts take ---------------------------------------------------------------------
-    def become_ready(self, version: int, version_id: str | None, *, counter: str | None = None) -> None:
+    def become_ready(self, version: int, version_id: str | None, *, counter: str | None = None,
+                     verified: bool = False) -> None:
         """Hold committed ``version`` of content ``version_id``, settled: the journal and undo record of
         the transfer that got it there are dropped, the backend tags its outputs with it, the version
-        metric moves and every waiter (generation, flush) wakes. Call with ``lock`` held."""
-        self.state.activate(version, version_id)
+        metric moves and every waiter (generation, flush) wakes. ``verified``: the bits were checked
+        against the version's digests (the only way besides a dense bootstrap out of dirty bits). Call
+        with ``lock`` held."""
+        if verified:
+            self.state.restore(version, version_id)
+        else:
+            self.state.activate(version, version_id)
         self.applied.clear()
         self.undo.clear()
         self.backend.activate(version)

@@ -56,5 +56,5 @@ class Digests:
                 return False
             if c.backend.matches_digests(version, digests) is not True:  # None: this backend cannot tell
                 return False
-            c.become_ready(version, version_id, counter="joined_by_digest")
+            c.become_ready(version, version_id, counter="joined_by_digest", verified=True)
             return True

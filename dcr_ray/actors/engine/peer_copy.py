@@ -120,6 +120,6 @@ class PeerCopy:
                 c.mark_dirty(f"a copy from a peer did not land exactly ({len(differ)} tensors differ from the "
                              f"peer's digests, e.g. {differ[:3]}; {len(set(specs) - seen)} never arrived)")
                 raise EngineStateError(f"engine {c.engine_id}: {st.why}")
-            c.become_ready(version, version_id, counter="healed_from_peer")
+            c.become_ready(version, version_id, counter="healed_from_peer", verified=True)
         return {"engine": c.engine_id, "version": version, "bytes": snap["bytes"],
                 "seconds": time.perf_counter() - t0}

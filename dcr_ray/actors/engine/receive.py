@@ -289,11 +289,27 @@ class Receiver:
         """Make ``version`` current (after the commit record is written). Idempotent.
 
         ``version_id`` names its content (the commit record's ``transfer``); it defaults to ``transfer``,
-        which is right for a delta transfer (a dense bootstrap passes the record's id)."""
+        which is right for a delta transfer (a dense bootstrap passes the record's id). Refused
+        (:class:`~dcr_ray.errors.EngineStateError`, nothing changes) unless this engine flushed
+        ``transfer``'s open attempt, or already holds ``version`` of that content: an engine whose bits
+        match no version (dirty), or that left the transfer before its flush, is never activated; it
+        heals."""
         c = self._engine
         renew = []
+        want_id = version_id if version_id is not None else transfer
         with c.lock:
-            if transfer is None or c.state.is_in(transfer):
+            st = c.state
+            if transfer is not None and not st.is_in(transfer):
+                if st.settled and (st.version, st.version_id) == (version, want_id):
+                    return version  # a repeated call
+                raise EngineStateError(
+                    f"engine {c.engine_id}: activate(v{version}, {transfer}) refused: it is not in that transfer "
+                    f"({st!r}{', its bits match no version' if st.why else ''}); it heals instead")
+            if transfer is not None and st.flushed != (transfer, st.attempt.attempt):
+                raise EngineStateError(
+                    f"engine {c.engine_id}: activate(v{version}, {transfer}) refused: attempt {st.attempt.attempt} "
+                    f"of it was never flushed here ({st!r}); it heals instead")
+            if transfer is None or st.is_in(transfer):
                 if transfer is not None and c.state.phase is Phase.PARKED:
                     self._parking.write_back(transfer)
                 if transfer is not None and (self._staged or self._forwarded == transfer):

@@ -16,9 +16,16 @@ naming the phase::
     PARKED  --unpark()-----------------------------------> OPEN      (activate writes them back)
     PARKED  --close(transfer)----------------------------> READY     (abandoned: nothing of it is in the weights)
     OPEN / WRITTEN --rolled_back()-----------------------> READY     (the undo record restored the bits)
-    any     --activate(v, id)----------------------------> READY(v, id)  (a commit, a digest match, a verified
-                                                                       copy, a replayed delta)
-    any     --dirty(why)---------------------------------> DIRTY(why) (its bits match no version)
+    any but DIRTY --activate(v, id)----------------------> READY(v, id)  (a commit, a replayed delta; over
+                                                                       dirty bits only a dense bootstrap's)
+    any     --restore(v, id)-----------------------------> READY(v, id)  (bits verified against digests: a
+                                                                       peer's copy, a digest match)
+    any     --dirty(why)---------------------------------> DIRTY(why) (its bits match no version; the attempt
+                                                                     it was in is left)
+
+DIRTY is left only by a dense bootstrap (``open`` of a dense attempt, then its ``activate``) or by
+``restore`` of verified bits: no commit, resume or readmission activates an engine whose bits match no
+version, and none activates a transfer it did not flush (the receiver checks ``flushed``).
 
 Generation serves in READY, STAGING and PARKED (the weights hold the committed version) and waits in OPEN
 and WRITTEN (:attr:`EngineState.paused`); EMPTY and DIRTY refuse it.
@@ -167,16 +174,29 @@ class EngineState:
         self._settle()
 
     def activate(self, version: int, version_id: str | None) -> None:
-        """Hold committed ``version`` of ``version_id`` settled (after the record, a dense bootstrap, a verified
-        copy or a replayed catch-up). Allowed in every phase: each of those paths checked its bits first."""
+        """Hold committed ``version`` of ``version_id`` settled (after the record, a dense bootstrap or a
+        replayed catch-up). Refused over dirty bits unless the open attempt is a dense bootstrap, which
+        replaced every bit: bits in doubt become a version only by :meth:`restore`, once verified."""
+        if self.why is not None and not (self.attempt is not None and self.attempt.dense):
+            raise EngineStateError(f"engine state: activate(v{version}) is not allowed over dirty bits ({self.why}); "
+                                   f"only a dense bootstrap or a verified copy restores them")
+        self._ready(version, version_id)
+
+    def restore(self, version: int, version_id: str | None) -> None:
+        """Hold committed ``version`` of ``version_id`` settled: its bits were verified against that
+        version's digests (a peer's copy, a digest match). Allowed in every phase."""
+        self._ready(version, version_id)
+
+    def _ready(self, version: int, version_id: str | None) -> None:
         self.version, self.version_id = version, version_id
         self.attempt = self.written = self.parked = self.why = None
         self.phase = Phase.READY
 
     def dirty(self, why: str) -> None:
         """Its bits match no version (``why``); nothing it wrote in place can be rolled back any more. Allowed
-        in every phase: any phase can learn that its bits are in doubt."""
-        self.written = self.parked = None
+        in every phase: any phase can learn that its bits are in doubt. The attempt it was in is left, and
+        its flush forgotten: the phase reads dirty, and no activation of that transfer finds it."""
+        self.attempt = self.written = self.parked = self.flushed = None
         self.why = why
         self.version = self.version_id = None
         self._settle()

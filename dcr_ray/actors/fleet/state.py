@@ -71,13 +71,19 @@ class CoordinatorState:
     def transport(self) -> Transport:
         return self.topology.transport
 
+    def incarnation(self, engine_id: str) -> int | None:
+        """The epoch of engine ``engine_id``'s incarnation the coordinator holds: every call that opens,
+        flushes or activates a transfer names it, and an older incarnation refuses."""
+        return self.topology.epochs.get(engine_id)
+
     def lost(self, kind: str):
         """``lost(ids)`` for :func:`~dcr_ray.actors.fleet.calls.gather`: those of ``ids`` (engines, relays or
         owners, by ``kind``) whose node is gone (:class:`~dcr_ray.actors.fleet.nodes.NodeWatch`)."""
         nodes = self.topology.nodes
+        since = nodes.now()  # the wait begins: past NodeWatch's suspicion delay its nodes are probed
 
         def lost(ids: list[str]) -> list[str]:
-            gone = set(nodes.lost(f"{kind}:{i}" for i in ids))
+            gone = set(nodes.lost((f"{kind}:{i}" for i in ids), since=since))
             return [i for i in ids if f"{kind}:{i}" in gone]
         return lost
 

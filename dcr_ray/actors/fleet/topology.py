@@ -13,6 +13,16 @@ coordinator that resumes finds them again by name (:meth:`Topology.reconnect`), 
 died is re-created in its place (:meth:`Topology.respawn`) and heals in the background (from a peer of its
 cluster where one holds the committed version: :mod:`~dcr_ray.actors.recovery.healing`).
 
+Every engine actor is one *incarnation* of its engine, with an epoch (:attr:`Topology.epochs`): a
+re-created engine gets a new one, and the coordinator names the epoch it means in every call that opens,
+flushes or activates a transfer or hands bits over. An older incarnation still running (its node was
+only unreachable, so ``ray.kill`` may not have reached it) refuses them all: a partition cannot bring it
+back into a refit.
+
+Creating, finding and routing never wait: what the transport created or routed serves once it answered
+(:meth:`Topology.wire`, or the transport's ``settle`` without the coordinator's lock and ``install``
+with it).
+
 The topology also knows where its actors run and which nodes are alive (:attr:`Topology.nodes`, a
 :class:`~dcr_ray.actors.fleet.nodes.NodeWatch`): an engine or relay re-created after a node was lost is placed
 on a node that is alive (:meth:`Topology.near`), never left to land on the lost one while Ray has not
@@ -34,6 +44,7 @@ from dcr_ray.actors.fleet import placement
 from dcr_ray.actors.fleet.nodes import NodeWatch
 from dcr_ray.actors.owner.endpoint import owner_endpoint
 from dcr_ray.config import ClusterSpec, RefitConfig
+from dcr_ray.errors import RefitTimeoutError
 from dcr_ray.options import NAME_RELEASE_S, actor_options, create_named
 from dcr_ray.relay.transport import Transport
 
@@ -41,6 +52,18 @@ from dcr_ray.relay.transport import Transport
 def engine_name(engine_id: str) -> str:
     """The Ray actor name of engine ``engine_id`` (``<cluster>/e<i>``)."""
     return f"dcr_engine:{engine_id}"
+
+
+_REMOTE_ENGINE = None
+
+
+def _remote_engine():
+    """The engine actor class as Ray's, made once per process: a class made again at every creation is
+    exported to Ray again, which under the coordinator's lock a re-creation cannot afford."""
+    global _REMOTE_ENGINE
+    if _REMOTE_ENGINE is None:
+        _REMOTE_ENGINE = ray.remote(EngineActor)
+    return _REMOTE_ENGINE
 
 
 def _keyed(factory, key: bytes | None):
@@ -64,6 +87,8 @@ class Topology:
         self._plan: dict[str, tuple[str, Any, int | None]] = {}  # engine id -> (cluster, factory, bundle)
         self.adopted: set[str] = set()  # ids of engines dcr_ray did not start (ClusterSpec.adopt)
         self.nodes = NodeWatch()  #: the live nodes, and where each engine, relay and owner runs
+        #: engine id -> the epoch of the incarnation the coordinator holds (a new one at each creation)
+        self.epochs: dict[str, int] = {}
         transport.place_with(lambda cluster: self.near(cluster, relay=True))
 
     # -- where actors run ---------------------------------------------------------------------------
@@ -76,6 +101,14 @@ class Topology:
     def can_host(self, cluster: str) -> bool:
         """Whether a live node offers what an actor of ``cluster`` asks (see :meth:`needs`)."""
         return self.nodes.can_host(self.needs(cluster))
+
+    def room(self, cluster: str, leaving=()) -> int | float:
+        """How many more engines of ``cluster`` the live nodes can hold beside those of its engines that run
+        on a live node now (``leaving``: engines about to be re-created, not counted as running)."""
+        live = self.nodes.live()
+        placed = sum(1 for e, c in self.engine_cluster.items()
+                     if c == cluster and e not in leaving and self.nodes.node_of(f"engine:{e}") in live)
+        return self.nodes.room(self.needs(cluster), placed)
 
     def near(self, cluster: str, relay: bool = False) -> dict:
         """Ray options that put an actor re-created now in ``cluster`` on a live node that can host it: a
@@ -122,8 +155,22 @@ class Topology:
             where.update(self.near(cname))
         opts = actor_options("engine", engine_name(eid), detached=True, namespace=config.namespace,
                              user=config.actor_options, **where)
-        return create_named(lambda: ray.remote(EngineActor).options(**opts).remote(
-            eid, cname, factory, config, self.transport.reader(cname)), engine_name(eid), namespace=config.namespace)
+        epoch = max(time.time_ns(), self.epochs.get(eid, 0) + 1)  # later than every earlier incarnation's
+        handle = create_named(lambda: _remote_engine().options(**opts).remote(
+            eid, cname, factory, config, self.transport.reader(cname), epoch=epoch), engine_name(eid),
+            namespace=config.namespace)
+        self.epochs[eid] = epoch
+        return handle
+
+    def wire(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until what the transport created or routed answered, and take it
+        into service; ``RefitTimeoutError`` names the clusters whose relays did not answer."""
+        self.transport.settle(timeout_s)
+        failed = self.transport.install()
+        self.locate()
+        if failed:
+            raise RefitTimeoutError(f"the relays of cluster(s) {failed} did not answer within {timeout_s:.0f} s "
+                                    f"(CommitConfig.timeout_s); the next attempt or heal waits for them again")
 
     def start(self, backend_factory, config: RefitConfig) -> None:
         """Create every engine actor, then the transport's own actors."""
@@ -133,22 +180,37 @@ class Topology:
         for eid in self._plan:
             self.engines[eid] = self._spawn(eid, config)
         self.transport.build(list(self.clusters.values()), self.engines, self.engine_cluster)
+        self.wire(config.commit.start_timeout_s)  # the launch's own bound: relays start beside the engines
 
-    def reconnect(self, backend_factory, config: RefitConfig) -> list[str]:
+    def reconnect(self, backend_factory, config: RefitConfig) -> tuple[list[str], list[str]]:
         """Find this topology's live actors by name (a resumed coordinator); engines that are gone are
-        re-created. Returns the ids of re-created engines (they need a dense bootstrap)."""
+        re-created. Clusters no live node can host are suspended at once (nothing waits for them: they
+        wait for capacity). Returns ``(ids of re-created engines, clusters that cannot be hosted)``; the
+        engines the caller found answer ``state()`` with their epoch (:meth:`adopt_epochs`)."""
         self._plan_engines(backend_factory, config)
         for c in self.clusters.values():
             self.pgs[c.name] = placement.find(c, config.namespace)
+        self.nodes.confirm()  # every node asked now: Ray's table may not show a node lost a moment ago
+        out = sorted(c for c in self.clusters if not self.can_host(c))
+        for c in out:
+            self.transport.suspend(c)
         fresh = []
         for eid in self._plan:
             try:
                 self.engines[eid] = ray.get_actor(engine_name(eid), namespace=config.namespace)
             except ValueError:
-                self.engines[eid] = self._spawn(eid, config)
+                self.engines[eid] = self._spawn(eid, config, placed=self.engine_cluster[eid] not in out)
                 fresh.append(eid)
-        self.transport.reconnect(list(self.clusters.values()), self.engines, self.engine_cluster)
-        return fresh
+        self.transport.reconnect([c for n, c in self.clusters.items() if n not in out], self.engines,
+                                 self.engine_cluster)
+        self.wire(config.commit.timeout_s)
+        return fresh, out
+
+    def adopt_epochs(self, states: dict[str, dict]) -> None:
+        """The epochs of the engines a resumed coordinator found (``states``: their ``state()``)."""
+        for e, st in states.items():
+            if st.get("epoch") is not None:
+                self.epochs[e] = st["epoch"]
 
     def retire(self, eid: str, config: RefitConfig, wait_s: float = NAME_RELEASE_S) -> None:
         """Kill engine ``eid``'s actor (it died, or is being replaced) and wait until its name is free, so
@@ -166,14 +228,17 @@ class Topology:
             time.sleep(0.1)
 
     def respawn(self, eid: str, config: RefitConfig):
-        """Re-create engine ``eid`` (its actor died) and route the transport to the new actor."""
+        """Re-create engine ``eid`` (its actor died, or is fenced off) as a new incarnation and route its
+        cluster's relays to it. Never waits: its relays serve the new actor once they answered
+        (:meth:`wire`, or the transport's ``settle`` and ``install``)."""
         try:
             ray.kill(self.engines[eid], no_restart=True)
         except Exception:
             pass  # already gone
         self.engines[eid] = self._spawn(eid, config, placed=True)
-        self.transport.reconnect(list(self.clusters.values()), self.engines, self.engine_cluster)
-        self.locate()
+        cluster = self.clusters[self.engine_cluster[eid]]
+        self.transport.reconnect([cluster], self.engines, self.engine_cluster)
+        self.nodes.locate(f"engine:{eid}", self.engines[eid])
         return self.engines[eid]
 
     def teardown(self) -> None:

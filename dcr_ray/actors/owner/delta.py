@@ -17,7 +17,10 @@ every call is idempotent for the same arguments)::
     dcr_stream(transfer, attempt, base, target, sink, base_id="", coding=None) -> summary
         attempt 0: diff every tensor, keep the changed set *pending*, send mixed (XOR/OVERWRITE) frames
                    coded as ``coding`` says (the coordinator's choice; see DeltaOwner.stream)
-        attempt>0: re-send the same pending changed set as OVERWRITE (repairs any partial XOR)
+        attempt>0: re-send the same pending changed set as OVERWRITE (repairs any partial XOR); when
+                   the failed attempt's diff stopped part way (its sink raised mid-stream), the
+                   pending set is incomplete, so the retry diffs again from the same committed
+                   baseline: a retry always carries the transfer's whole changed set
     dcr_promote(version)                         # after the commit record: pending -> baseline
                                                  # (in a background thread unless
                                                  # config.owners.promote is "inline")
@@ -86,7 +89,11 @@ class DeltaOwner:
                                 f"OwnerConfig.baseline_dir a writable directory on the owners' nodes, or None to "
                                 f"keep baselines in memory") from None
         self._pending_transfer: str | None = None
+        #: whether the pending set holds the pending transfer's whole changed set (its diff ran to the end)
+        self._pending_complete = False
         self._last_summary: dict | None = None
+        #: whether it ever streamed (a coordinator used it under ``owner_id``: its id is fixed from then on)
+        self.used = False
         self._promoting: threading.Thread | None = None
         self._promoting_version: int | None = None
         self._promote_error: BaseException | None = None
@@ -150,6 +157,7 @@ class DeltaOwner:
         ``coding``: ``"plain"`` or ``"context"`` for a first attempt; None takes ``CodecConfig.coding``
         (``"auto"``, which a coordinator decides per refit, is plain for an owner streaming on its own)."""
         coding = stream_coding(self.config.codec.coding, coding, self.owner_id)
+        self.used = True
         self.settle()
         if base != self.store.version:
             raise BaselineError(
@@ -160,13 +168,19 @@ class DeltaOwner:
         if self._last_summary is not None and self._last_summary["key"] == key:
             return self._last_summary  # a repeated call (Ray may deliver a call twice)
         t0 = time.perf_counter()
-        fresh = self._pending_transfer != transfer or self.store.pending_version != target
+        # A retry reuses the pending set only if the diff that built it ran to the end: the diff is lazy
+        # (frames leave while it still reads), so an attempt whose sink raised mid-stream kept only what
+        # it had reached, and the retry diffs again from the same committed baseline (the trainer's
+        # tensors are not released before the refit answers).
+        fresh = (self._pending_transfer != transfer or self.store.pending_version != target
+                 or not self._pending_complete)
         mode = "mixed" if (attempt == 0 and self.config.codec.encodings == "mixed") else "overwrite"
         read = {"at": t0}  # when the diff last read the trainer's tensors (a retry reads none of them)
         if fresh:
             self.store.begin(target)
-            self._pending_transfer = transfer
-            deltas = _noting_end(self._diff_all(tensors, coding), read)
+            self.device.discard()
+            self._pending_transfer, self._pending_complete = transfer, False
+            deltas = _noting_end(self._diff_all(tensors, coding), read, self._diff_done)
         else:
             deltas = iter(self.store.pending())
         summary = self._send(deltas, transfer=transfer, attempt=attempt, base=base, target=target,
@@ -178,6 +192,9 @@ class DeltaOwner:
         metrics.record("owner_wire", summary["wire_bytes"], tags={"owner": self.owner_id})
         metrics.record("owner_seconds", time.perf_counter() - t0, tags={"owner": self.owner_id})
         return summary
+
+    def _diff_done(self) -> None:
+        self._pending_complete = True
 
     def _numel(self, name: str) -> int:
         return len(self.store.bits(name))
@@ -252,6 +269,7 @@ class DeltaOwner:
 
     def bootstrap(self, *, transfer: str, sink) -> dict:
         """Send the committed baseline densely (frames with base :data:`BOOTSTRAP_BASE`)."""
+        self.used = True
         self.settle()
         t0 = time.perf_counter()
         deltas = (full_delta(n, self.store.tensor(n), chunk_elems=self.config.codec.chunk_elems)
@@ -288,7 +306,7 @@ class DeltaOwner:
     def _promote_now(self, version: int) -> int:
         n = self.store.promote(version)
         self.device.promote()
-        self._pending_transfer = None
+        self._pending_transfer, self._pending_complete = None, False
         self._last_summary = None
         return n
 
@@ -314,7 +332,7 @@ class DeltaOwner:
         self.settle()
         self.store.discard()
         self.device.discard()
-        self._pending_transfer = None
+        self._pending_transfer, self._pending_complete = None, False
         self._last_summary = None
 
     @property
@@ -323,9 +341,11 @@ class DeltaOwner:
         return self.store.version
 
 
-def _noting_end(deltas, read: dict):
-    """``deltas`` passed through; ``read["at"]`` becomes the time the last one was taken (the diff then has
-    read every tensor of the trainer's: the pending set holds the changes, the frames may still be
-    encoding and sending)."""
+def _noting_end(deltas, read: dict, done):
+    """``deltas`` passed through; once the last one was taken, ``read["at"]`` becomes that time (the diff
+    then has read every tensor of the trainer's: the pending set holds the changes, the frames may still
+    be encoding and sending) and ``done()`` is called. A stream that stops early (its sink raised) never
+    gets there: the pending set is partial, and a retry diffs again."""
     yield from deltas
     read["at"] = time.perf_counter()
+    done()

@@ -53,6 +53,15 @@ class Owner:
 
     def attach(self, owner_id: str, config: RefitConfig, baseline_dir: str | None = None,
                in_memory: bool = False, version: int = 0) -> dict[str, tuple]:
+        """Take the current tensors as the committed baseline of ``version``, as owner ``owner_id`` (a repeated
+        call checks the layout). An owner attached under another id that never streamed (a replacement
+        the coordinator refused, e.g. named with the wrong id) is attached afresh; one that streamed keeps
+        its id: ``ConfigError`` (its frames would collide with the other owner's)."""
+        if self._delta is not None and self._delta.owner_id != owner_id:
+            if self._delta.used:
+                raise ConfigError(f"this owner streams as {self._delta.owner_id!r}; it cannot become "
+                                  f"{owner_id!r} (give Refit.replace_owner a fresh actor for {owner_id!r})")
+            self._delta = None
         if self._delta is None:
             self._delta = DeltaOwner(owner_id, config, baseline_dir=baseline_dir, in_memory=in_memory)
         return self._delta.attach(self._tensors(), version)

@@ -48,15 +48,16 @@ class Bootstrap:
         s.set_phase("bootstrap", transfer, 0, s.version)
         s.progress_total = s.model_bytes * len(engine_ids) if s.model_bytes else None
         try:
-            get_all({e: engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, s.version)
+            get_all({e: engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, s.version, epoch=s.incarnation(e))
                      for e in engine_ids}, t, "bootstrap prepare")
             sink = transport.sink(engine_ids, sorted(s.required))
             sums = get_all({o: h.bootstrap(transfer, sink) for o, h in s.owners.items()}, t,
                            "bootstrap stream")
             keys = [k for x in sums.values() for k in x["payloads"]]
-            get_all({e: engines[e].flush.remote(transfer, 0, keys, t) for e in engine_ids}, t, "bootstrap flush")
-            get_all({e: engines[e].activate.remote(s.version, transfer, s.last_transfer()) for e in engine_ids}, t,
-                    "bootstrap activate")
+            get_all({e: engines[e].flush.remote(transfer, 0, keys, t, epoch=s.incarnation(e)) for e in engine_ids}, t,
+                    "bootstrap flush")
+            get_all({e: engines[e].activate.remote(s.version, transfer, s.last_transfer(), epoch=s.incarnation(e))
+                     for e in engine_ids}, t, "bootstrap activate")
         except BaseException:
             # engines a failed bootstrap wrote into hold no version until a later bootstrap succeeds
             for e in engine_ids:

@@ -22,25 +22,29 @@ while the refits go on without it. Where its bits come from, in order of prefere
    whole, or a healing adopted engine, whose bits are not addressable): a dense bootstrap through the
    transport, once per cluster.
 
-An engine whose cluster no live node can host (its region is gone) *waits for capacity*: it is not
-re-created (Ray would hold it pending, and a wait for it would sit on someone's path), its row says
-``waiting for capacity`` and since when, and the worker looks again every :data:`CAPACITY_POLL_S`; once
-a node with the cluster's resources joins, the cluster's relays are created anew
-(:meth:`~dcr_ray.actors.recovery.outages.Outages.regain`) and the engine heals as above, from a peer of another
-cluster first.
+An engine whose cluster has no room for it on a live node (its region is gone, or the nodes that
+joined hold fewer of its engines than it has) *waits for capacity*: it is not re-created (Ray would hold
+it pending, and a wait for it would sit on someone's path), its row says ``waiting for capacity`` and
+since when, and the worker looks again every :data:`CAPACITY_POLL_S`; once a node with room joins, the
+cluster's relays are created anew (:meth:`~dcr_ray.actors.recovery.outages.Outages.begin_regain`) and the
+engine heals as above, from a peer of another cluster first.
 
-A healing engine joins the required set under the coordinator's lock, and only if the version it
-took is still the committed one; if a refit committed meanwhile, it takes the newer version the
-same way (a bounded number of rounds, then it stays out and says why). A part of
-:class:`~dcr_ray.actors.coordinator.actor.CoordinatorActor` with its own state (the healing table and one
-worker thread); it is handed the coordinator's shared state
+**The coordinator's lock guards decisions, not transfers.** A heal takes it only to read the committed
+version and the peers, to take what the transport created into service, and to join: never across a
+copy, a snapshot, a catch-up, an actor's creation or start (those run without it, each bounded and
+watching for a lost node). A healing engine joins the required set under the lock, and only if the
+version it took is still the committed one; if a refit committed meanwhile, its next round starts from
+what it took (the deltas since, from its cluster's window): a bounded number of rounds, then it stays
+out, says why, and is queued again after the next commit. The owners' dense send, the last resort when
+no engine anywhere holds the version, still runs under the lock (the owners must not promote while they
+send). A part of :class:`~dcr_ray.actors.coordinator.actor.CoordinatorActor` with its own state (the
+healing table and one worker thread); it is handed the coordinator's shared state
 (:class:`~dcr_ray.actors.fleet.state.CoordinatorState`: lock, topology, record, required set) and
 the dense bootstrap (:class:`~dcr_ray.actors.recovery.bootstrap.Bootstrap`), its last resort.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -51,18 +55,18 @@ from ray.exceptions import RayActorError
 from dcr_ray import metrics
 from dcr_ray.actors.fleet.standings import Standing
 from dcr_ray.actors.fleet.state import CoordinatorState
-from dcr_ray.actors.recovery import sources
+from dcr_ray.actors.recovery import sources, waits
 from dcr_ray.actors.recovery.bootstrap import Bootstrap
 from dcr_ray.actors.recovery.outages import Outages
 from dcr_ray.errors import RefitError
 
 log = logging.getLogger("dcr_ray")
 
-#: Copies one healing engine may take in a row before it gives up (refits kept committing meanwhile,
-#: or its peers kept failing).
+#: Failed rounds (its peers kept failing, it kept dying) after which a heal gives up, until the next commit.
 MAX_ROUNDS = 5
-#: Completed heals ``status()`` lists.
-HEALED_KEPT = 20
+#: Rounds refits overtook a heal may take (each replays the steps committed meanwhile: usually it lands).
+STALE_ROUNDS = 20
+HEALED_KEPT = 20  #: completed heals ``status()`` lists
 #: What a heal's record adds up over its rounds (bytes each source moved; ``steps``: versions replayed).
 TOOK = ("owner_bytes", "copy_bytes", "cross_bytes", "delta_bytes", "steps", "lock_seconds")
 #: Pause before another round when a peer was busy (inside a transfer) or a copy went stale.
@@ -113,6 +117,7 @@ class Healing:
         self._outages = outages
         self._table: dict[str, dict] = {}  # engine id -> its healing record (what status() shows)
         self._guard = threading.Lock()  # guards the table and the worker's start
+        self._creating = threading.Lock()  # one re-creation at a time (the worker, Refit.rejoin)
         self._worker: threading.Thread | None = None
         self.healed: list[dict] = []  # the last HEALED_KEPT completed heals, oldest first
         metrics.record("healing_engines", 0)
@@ -189,11 +194,13 @@ class Healing:
                 if not todo and not waiting:
                     self._worker = None
                     return
-            for e in waiting:  # capacity came back: heal it now
-                if self._outages.can_host(self._shared.topology.engine_cluster[e]):
+            try:
+                for e in self._placeable(waiting):  # capacity came back: heal it now
                     self._set(e, Standing.QUEUED)
                     todo.append(e)
-            self._recreate([e for e in todo if self._table[e]["respawn"]])
+                self._recreate([e for e in todo if self._table[e]["respawn"]])
+            except Exception as err:  # the worker outlives any one failure: each engine's heal tries again
+                log.warning("dcr_ray: re-creating engines %s failed: %r", todo, err)
             for e in todo:
                 try:
                     self._heal(e)
@@ -238,12 +245,14 @@ class Healing:
                  " then ".join(out["sources"]) or "what it held", secs)
         return out
 
-    def _holding(self, e: str, lock) -> "_TimedLock":
-        """``lock`` (the coordinator's) for ``e``'s heal: each hold's seconds add to its ``lock_seconds``
-        (how long this heal kept refits waiting, whatever else loads the machine)."""
+    def _holding(self, engines: list[str], lock) -> "_TimedLock":
+        """``lock`` (the coordinator's) for the heal of ``engines``: each hold's seconds add to each one's
+        ``lock_seconds`` (how long its heal kept refits waiting, whatever else loads the machine)."""
         def add(seconds: float) -> None:
             with self._guard:
-                self._table[e]["lock_seconds"] += seconds
+                for e in engines:
+                    if e in self._table:
+                        self._table[e]["lock_seconds"] += seconds
         return _TimedLock(lock, add)
 
     def _took(self, e: str, source: str, **nbytes: int) -> None:
@@ -255,38 +264,73 @@ class Healing:
             for k, n in nbytes.items():
                 rec[k] += n
 
+    def _placeable(self, engine_ids: list[str]) -> list[str]:
+        """Those of ``engine_ids`` the live nodes have room for (per cluster, beside its engines that run)."""
+        topo = self._shared.topology
+        out: list[str] = []
+        for cluster in sorted({topo.engine_cluster[e] for e in engine_ids}):
+            mine = [e for e in engine_ids if topo.engine_cluster[e] == cluster]
+            if not topo.can_host(cluster):
+                continue
+            room = topo.room(cluster, leaving=mine)
+            out += mine[:max(0, int(min(room, len(mine))))]
+        return out
+
     def _recreate(self, engine_ids: list[str]) -> None:
-        """Re-create the engines in ``engine_ids`` whose cluster can be hosted, all at once (a lost node's
+        """Re-create the engines in ``engine_ids`` the live nodes have room for, all at once (a lost node's
         engines start side by side, not one heal after another); the others wait for capacity in their
-        heal. Each then heals in turn (:meth:`_start` waits for it to answer)."""
+        heal. Each then heals in turn (:meth:`_start` waits for it to answer). Under the coordinator's lock
+        only the creation calls and the decision; the new relays' start is waited for without it."""
         s = self._shared
-        ready = [e for e in engine_ids if self._outages.can_host(s.topology.engine_cluster[e])]
+        topo = s.topology
+        ready = self._placeable(engine_ids)
         for e in ready:
             self._set(e, Standing.RECREATING)
-            s.topology.retire(e, s.config)  # its name is released before the lock is taken
-        for e in ready:
-            with self._holding(e, s.lock):
-                if not self._outages.regain(s.topology.engine_cluster[e]):  # its relays come back first
-                    continue
-                s.topology.respawn(e, s.config)
-            self._set(e, Standing.STARTING, respawn=False, created_at=time.perf_counter())
+            topo.retire(e, s.config)  # its name is released before the lock is taken
+        clusters = sorted({topo.engine_cluster[e] for e in ready})
+        waiting = self._outages.waiting
+        hosted = [c for c in clusters if c not in waiting or self._outages.can_host(c)]
+        made = [e for e in ready if topo.engine_cluster[e] in hosted]
+        # created and routed without the coordinator's lock (each creation is a round trip to Ray's GCS): no
+        # refit calls these engines, nor a waiting cluster; relays serve once install() took them, under it
+        with self._creating:
+            for e in made:  # first: a regained cluster's new relays are routed to the new engines
+                topo.respawn(e, s.config)
+            regaining = [c for c in hosted if c in waiting and self._outages.begin_regain(c, hostable=True)]
+        if not made:
+            return
+        topo.transport.settle(s.config.commit.timeout_s)  # the new relays start
+        with self._holding(made, s.lock):
+            failed = topo.transport.install()
+            for c in regaining:
+                self._outages.end_regain(c, failed)
+            topo.locate()
+        for e in made:
+            if topo.engine_cluster[e] in failed:  # its relays did not start: it waits, and tries again
+                self._set(e, respawn=True)
+            else:
+                self._set(e, Standing.STARTING, respawn=False, created_at=time.perf_counter())
 
     def _start(self, e: str) -> None:
         """Re-create ``e`` if its actor died (now or while it starts), and wait until its backend loaded
         (the model is built): no lock is held and nothing is copied meanwhile. Raises :class:`NoCapacity`
-        when no live node can host its cluster (before it is re-created, or while it waits to start)."""
+        when the live nodes have no room for it (before it is re-created, or while it waits to start)."""
         s = self._shared
         cluster = s.topology.engine_cluster[e]
         for _ in range(MAX_ROUNDS):
             if self._table[e]["respawn"]:
-                if not self._outages.can_host(cluster):
+                if not self._placeable([e]):
                     raise NoCapacity(cluster)
                 self._recreate([e])
                 if self._table[e]["respawn"]:  # its cluster lost its capacity meanwhile
                     raise NoCapacity(cluster)
             self._set(e, Standing.STARTING)
             try:
-                self._started(e, cluster)
+                try:
+                    waits.started(s, e, cluster)
+                except waits.Unplaceable:  # killed: it waits for capacity
+                    self._set(e, respawn=True)
+                    raise NoCapacity(cluster) from None
                 created = self._table[e].get("created_at")
                 if created is not None:  # re-created to ready to heal: its process, imports and backend
                     self._set(e, start_seconds=time.perf_counter() - created, created_at=None)
@@ -294,22 +338,6 @@ class Healing:
             except RayActorError:
                 self._set(e, respawn=True)
         raise RuntimeError(f"engine {e} died {MAX_ROUNDS} times while it was re-created")
-
-    def _started(self, e: str, cluster: str) -> None:
-        """Wait until ``e`` answers (its backend loaded), looking every :data:`CAPACITY_POLL_S` whether its
-        cluster can still be hosted: an engine Ray cannot place is killed and waits for capacity."""
-        s = self._shared
-        ref = s.engines[e].get_version.remote()
-        deadline = time.monotonic() + s.config.commit.start_timeout_s
-        while not ray.wait([ref], timeout=CAPACITY_POLL_S)[0]:
-            if not self._outages.can_host(cluster) or s.topology.nodes.lost([f"engine:{e}"]):
-                s.topology.retire(e, s.config)
-                self._set(e, respawn=True)
-                raise NoCapacity(cluster)
-            if time.monotonic() > deadline:
-                raise RefitError(f"engine {e} did not start within {s.config.commit.start_timeout_s:.0f} s "
-                                 f"(CommitConfig.start_timeout_s)")
-        ray.get(ref)
 
     def retry_failed(self) -> list[str]:
         """Queue again every engine whose healing failed (the coordinator calls it after each commit);
@@ -324,86 +352,99 @@ class Healing:
         return failed
 
     def _rounds(self, e: str) -> dict:
-        """Copies from a peer until one is still the committed version when it lands. The copies run
-        beside the refits; if refits keep committing faster than a copy lands, the last round holds the
-        coordinator's lock through one copy (refits wait for one in-cluster copy, never for the owners)."""
+        """Copies (or catch-ups) until one is still the committed version when it lands. The copies run
+        beside the refits, never under the coordinator's lock; a round that lands on a version a refit
+        replaced meanwhile is followed by one from there."""
         last: Exception | None = None
-        for r in range(MAX_ROUNDS):
-            self._set(e, rounds=r + 1)
-            out = self._round(e, final=r == MAX_ROUNDS - 1)
+        failed = stale = 0
+        while failed < MAX_ROUNDS and stale < STALE_ROUNDS:
+            self._set(e, rounds=failed + stale + 1)
+            if self._table[e]["respawn"]:  # it died in an earlier round: a new incarnation first
+                self._start(e)
+            out = self._round(e)
             if isinstance(out, dict):
                 return out
-            last = out
-            if out is not None:  # a failure, not a stale copy: let the cluster settle first
-                time.sleep(RETRY_PAUSE_S)
-        raise RuntimeError(f"engine {e} did not catch up with the committed version in {MAX_ROUNDS} copies "
-                           f"(last error: {last!r}); Refit.rejoin({e!r}) tries again")
+            if out is None:  # a refit committed meanwhile: the next round replays the steps since
+                stale += 1
+                continue
+            last, failed = out, failed + 1
+            time.sleep(RETRY_PAUSE_S)  # a failure, not a stale copy: let the cluster settle first
+        raise RuntimeError(f"engine {e} did not catch up with the committed version in {failed + stale} rounds "
+                           f"({stale} overtaken by refits; last error: {last!r}); it heals again after the next "
+                           f"commit, or Refit.rejoin({e!r})")
 
-    def _round(self, e: str, *, final: bool):
-        """One copy: the result dict once ``e`` joined, None when the copy landed on a version that is no
-        longer committed, or the error that failed it. Choosing the source and the join hold the
-        coordinator's lock (between refits); the peer's snapshot and the copy hold it only in the
-        ``final`` round (the peer refuses a snapshot unless it holds the committed version read under
-        the lock, settled)."""
+    def _round(self, e: str):
+        """One round: the result dict once ``e`` joined, None when what it took is no longer the committed
+        version, or the error that failed it. The lock is taken to read the committed version and to join,
+        and for the owners' dense send (the last resort); every remote call without it is bounded by the
+        stage timeout (a copy's wait watches both engines' nodes)."""
         s = self._shared
-        t = s.config.commit.start_timeout_s
-        whole = self._holding(e, s.lock) if final else contextlib.nullcontext()
-        step = contextlib.nullcontext() if final else self._holding(e, s.lock)
-        handle = s.engines[e]
-        with whole:
+        t = s.config.commit.timeout_s
+        try:
+            held, now = sources.held(s, e, t)
+        except RayActorError as err:  # the healing engine died: re-created in the next round
+            self._set(e, respawn=True)
+            return err
+        except Exception as err:  # e.g. it hangs: another round
+            return err
+        with self._holding([e], s.lock):
+            version, version_id = s.version, s.last_transfer()
+            if held == (version, version_id):  # it missed nothing (or took it in an earlier round)
+                return self._join(e, version, now)
+            peer = sources.peer_for(s, e)
+        steps = sources.window_steps(s, e, held, (version, version_id))  # asks the head relay: no lock
+        peer = peer if not steps or sources.dense_is_smaller(s, e, steps) else None
+        if steps and peer is not None and not sources.same_cluster(s, e, peer):
+            peer = None  # deltas inside the cluster beat a dense copy across the link
+        steps = None if peer is not None else steps
+        if not steps and (peer is None or s.topology.is_adopted(e)):  # no delta, no peer can hand it over
+            return self._from_owners(e)  # (or it cannot take a copy: an adopted engine's bits are not addressable)
+        snap = None
+        if not steps:  # the peer hands over only the committed version read above, settled (else it refuses)
             try:
-                held = sources.held(s, e, t)
-            except RayActorError as err:  # the healing engine died: re-created for the next round
-                s.topology.retire(e, s.config)
-                with step:
-                    s.topology.respawn(e, s.config)
+                snap = ray.get(s.engines[peer].snapshot.remote(version, version_id, epoch=s.incarnation(peer)),
+                               timeout=t)
+            except Exception as err:  # the peer died, is inside a refit, or moved on: another round
                 return err
-            except Exception as err:  # e.g. it hangs: another round
-                return err
-            with step:
-                version, version_id = s.version, s.last_transfer()
-                if held == (version, version_id):  # it missed nothing (or took it in an earlier round)
-                    return self._join(e, version)
-                steps = sources.window_steps(s, e, held, (version, version_id))
-                peer = sources.peer_for(s, e) if not steps or sources.dense_is_smaller(s, e, steps) else None
-                if steps and peer is not None and not sources.same_cluster(s, e, peer):
-                    peer = None  # deltas inside the cluster beat a dense copy across the link
-                steps = None if peer is not None else steps
-                if not steps and (peer is None or s.topology.is_adopted(e)):  # no delta, no peer can hand
-                    # it over (or it cannot take a copy: an adopted engine's bits are not addressable)
-                    self._set(e, Standing.JOINING, source="owners")
-                    sent = self._bootstrap.dense([e])  # joins the required set (an adopted engine by digest if it can)
-                    self._took(e, "owners" if sent else "digest", owner_bytes=sent)
-                    return {"engine": e, "version": version}
-            if peer is not None:
-                try:  # the peer hands over only the committed version read above, settled (else it refuses)
-                    snap = ray.get(s.engines[peer].snapshot.remote(version, version_id), timeout=t)
-                except Exception as err:  # the peer died, is inside a refit, or moved on: another round
-                    return err
-            try:
-                if steps:
-                    self._set(e, Standing.CATCHING_UP, source="window")
-                    got = ray.get(handle.catch_up.remote(steps, t), timeout=t)
-                    self._took(e, "window", delta_bytes=got["bytes"], steps=got["steps"])
-                else:
-                    self._set(e, Standing.COPYING, source=peer)
-                    ray.get(handle.heal_from.remote(snap, t), timeout=t)
-                    cross = 0 if sources.same_cluster(s, e, peer) else snap["bytes"]
-                    self._took(e, peer, copy_bytes=snap["bytes"], cross_bytes=cross)
-            except RayActorError as err:  # the healing engine itself died: re-created for the next round
-                s.topology.retire(e, s.config)
-                with step:
-                    s.topology.respawn(e, s.config)
-                return err
-            except Exception as err:  # e.g. the peer died before the copy was pulled, a step did not fit
-                return err
-            with step:
-                if s.version != version or ray.get(handle.get_version.remote(), timeout=t) != version:
-                    return None  # a refit committed while it copied: the next round starts from there
-                return self._join(e, version)
+        try:
+            if steps:
+                self._set(e, Standing.CATCHING_UP, source="window")
+                got = waits.landed(s, e, None, s.engines[e].catch_up.remote(steps, t, epoch=s.incarnation(e)))
+                self._took(e, "window", delta_bytes=got["bytes"], steps=got["steps"])
+            else:
+                self._set(e, Standing.COPYING, source=peer)
+                waits.landed(s, e, peer, s.engines[e].heal_from.remote(snap, s.config.commit.start_timeout_s,
+                                                                       epoch=s.incarnation(e)))
+                cross = 0 if sources.same_cluster(s, e, peer) else snap["bytes"]
+                self._took(e, peer, copy_bytes=snap["bytes"], cross_bytes=cross)
+            took = ray.get(s.engines[e].state.remote(), timeout=t)
+        except RayActorError as err:  # the healing engine died: re-created for the next round
+            self._set(e, respawn=True)
+            return err
+        except Exception as err:  # e.g. a step that did not fit, a lost node
+            return err
+        with self._holding([e], s.lock):
+            if (s.version, s.last_transfer()) != (version, version_id) or took.get("version") != version:
+                return None  # a refit committed while it copied: the next round starts from there
+            return self._join(e, version, took)
 
-    def _join(self, e: str, version: int) -> dict:
-        """``e`` holds the committed ``version``: it joins the required set (under the coordinator's lock)."""
-        self._shared.standings.require([e])
-        metrics.record("required_engines", len(self._shared.required))
+    def _from_owners(self, e: str):
+        """The last resort: the owners send the committed version densely (under the coordinator's lock)."""
+        s = self._shared
+        with self._holding([e], s.lock):
+            self._set(e, Standing.JOINING, source="owners")
+            version = s.version
+            sent = self._bootstrap.dense([e])  # joins the required set (an adopted engine by digest if it can)
+        self._took(e, "owners" if sent else "digest", owner_bytes=sent)
+        return {"engine": e, "version": version}
+
+    def _join(self, e: str, version: int, state: dict):
+        """``e`` holds the committed ``version``: it joins the required set (under the coordinator's lock),
+        if the incarnation that answered (``state``, asked before the lock was taken) is the one the
+        coordinator holds: an older one, replaced meanwhile, is fenced off (None: another round)."""
+        s = self._shared
+        if state.get("epoch") != s.incarnation(e):
+            return None
+        s.standings.require([e])
+        metrics.record("required_engines", len(s.required))
         return {"engine": e, "version": version}

@@ -30,6 +30,7 @@ from dcr_ray.actors.fleet.commit import CommitRecord
 from dcr_ray.actors.fleet.state import CoordinatorState
 from dcr_ray.actors.owner.endpoint import owner_endpoint
 from dcr_ray.actors.recovery.healing import Healing
+from dcr_ray.actors.recovery.outages import Outages
 from dcr_ray.errors import ConfigError
 from dcr_ray.report import RefitReport
 
@@ -42,9 +43,10 @@ OWNERS_FILE = "owners.pkl"
 class Recovery:
     """Resume, answers about a commit, relay repair and owner replacement (see the module doc)."""
 
-    def __init__(self, state: CoordinatorState, healer: Healing):
+    def __init__(self, state: CoordinatorState, healer: Healing, outages: Outages):
         self._shared = state
         self._healer = healer
+        self._outages = outages
         self._owner_specs: dict[str, dict] = {}  # owner id -> what it covers (checked on replacement)
 
     def attached(self, specs: dict[str, dict]) -> None:
@@ -62,7 +64,9 @@ class Recovery:
         s.epoch = rec.epoch + 1  # fence every older incarnation before touching anything
         s.commits.compare_and_set(rec.version, CommitRecord(**{**asdict(rec), "epoch": s.epoch, "time": 0.0}))
         s.version = rec.version
-        fresh = s.topology.reconnect(s.backend_factory, cfg)
+        # clusters no live node can host wait for capacity at once: nothing of this resume waits for them
+        fresh, out = s.topology.reconnect(s.backend_factory, cfg)
+        self._outages.waiting_for(out)
         self._load_owners()
         specs, dead_owners, errors = gather({o: h.attach(o, cfg) for o, h in s.owners.items()}, t,
                                             "attach")
@@ -79,25 +83,42 @@ class Recovery:
                 ray.get(h.promote(rec.version), timeout=t)
             elif st["pending"] is not None:
                 ray.get(h.discard(), timeout=t)
-        # engines: activate the transfer the record committed, roll back any other
-        states, dead, _ = gather({e: s.engines[e].state.remote() for e in s.engines if e not in fresh},
-                                 t, "engine state")
-        behind = list(fresh) + list(dead)
+        # engines: activate the transfer the record committed where it names them and they flushed it; roll
+        # back any other open transfer. An engine that did not answer heals (it has a standing either way).
+        waiting = [e for e in s.engines if s.topology.engine_cluster[e] in out]
+        states, dead, unsure = gather({e: s.engines[e].state.remote() for e in s.engines
+                                       if e not in fresh and e not in waiting}, t, "engine state", s.lost("engine"))
+        s.topology.adopt_epochs(states)
+        behind = [e for e in fresh if e not in waiting] + list(dead) + sorted(unsure)
         for e, st in states.items():
-            if st["transfer"] is not None and st["transfer"] == rec.transfer and st["target"] == rec.version:
-                ray.get(s.engines[e].activate.remote(rec.version, rec.transfer), timeout=t)
-            elif st["transfer"] is not None:
-                ray.get(s.engines[e].abort.remote(st["transfer"], True), timeout=t)
-            if ray.get(s.engines[e].get_version.remote(), timeout=t) == rec.version:
-                s.standings.require([e])
-            else:
-                behind.append(e)
-        for e in dead:
-            s.topology.respawn(e, cfg)
+            try:
+                if self._settle(e, st, rec, t) == rec.version:
+                    s.standings.require([e])
+                    continue
+            except Exception as err:  # its bits are in doubt: it heals (a peer's copy checks them)
+                log.warning("dcr_ray: engine %s could not be settled at resume: %r", e, err)
+            behind.append(e)
         if behind:  # from a peer of their cluster where one holds the version, in the background
             self._healer.schedule(sorted(behind), "behind the commit record at resume", respawn=False)
-        log.info("dcr_ray: coordinator epoch %d resumed at version %d (%d engines heal in the background)",
-                 s.epoch, s.version, len(behind))
+        if dead:  # re-created by the healing worker, off this resume's path
+            self._healer.schedule(sorted(dead), "dead at resume", respawn=True)
+        if waiting:
+            self._healer.schedule(waiting, "its cluster is waiting for capacity", respawn=True)
+        log.info("dcr_ray: coordinator epoch %d resumed at version %d (%d engines heal in the background, %d "
+                 "wait for capacity)", s.epoch, s.version, len(behind) + len(dead), len(waiting))
+
+    def _settle(self, e: str, st: dict, rec: CommitRecord, t: float) -> int | None:
+        """Settle engine ``e``'s open transfer (``st``: its state) against the record ``rec``: activated
+        only if the record names it as a member and it flushed the record's transfer (an engine evicted
+        mid-stream holds part of it), else rolled back (or left dirty). Returns the version it holds."""
+        h = self._shared.engines[e]
+        if st["transfer"] is not None:
+            commits = (st["transfer"] == rec.transfer and st["target"] == rec.version and st.get("flushed")
+                       and e in rec.members)
+            if commits:
+                return ray.get(h.activate.remote(rec.version, rec.transfer, epoch=st.get("epoch")), timeout=t)
+            ray.get(h.abort.remote(st["transfer"], True), timeout=t)
+        return ray.get(h.get_version.remote(), timeout=t)
 
     # -- answers about a commit ---------------------------------------------------------------------
     def answered(self, request: str | None) -> RefitReport | None:
@@ -153,6 +174,7 @@ class Recovery:
         topo = s.topology
         try:
             dead = s.transport.repair(list(topo.clusters.values()), topo.engines, topo.engine_cluster)
+            topo.wire(s.config.commit.timeout_s)
         except Exception as e:  # repair is best effort: the next attempt reports what still fails
             log.warning("dcr_ray: transport repair failed: %r", e)
             return

@@ -19,17 +19,17 @@ from dcr_ray.actors.fleet.state import CoordinatorState
 log = logging.getLogger("dcr_ray")
 
 
-def held(state: CoordinatorState, e: str, timeout_s: float) -> tuple | None:
-    """``(version, content id)`` engine ``e`` holds settled, or None (no version, or dirty). Writes of an
-    abandoned transfer it still holds (evicted inside a refit) are rolled back in place first."""
+def held(state: CoordinatorState, e: str, timeout_s: float) -> tuple[tuple | None, dict]:
+    """``((version, content id) engine ``e`` holds settled, or None (no version, or dirty), its state)``.
+    Writes of an abandoned transfer it still holds (evicted inside a refit) are rolled back in place first."""
     handle = state.engines[e]
     st = ray.get(handle.state.remote(), timeout=timeout_s)
     if st["transfer"] is not None and not st["dirty"]:
         ray.get(handle.abort.remote(st["transfer"], True), timeout=timeout_s)
         st = ray.get(handle.state.remote(), timeout=timeout_s)
     if st["dirty"] or st["version"] is None or st["transfer"] is not None:
-        return None
-    return st["version"], st.get("version_id")
+        return None, st
+    return (st["version"], st.get("version_id")), st
 
 
 def window_steps(state: CoordinatorState, e: str, held: tuple | None, committed: tuple) -> list | None:
@@ -52,11 +52,18 @@ def same_cluster(state: CoordinatorState, e: str, peer: str) -> bool:
     return cluster[e] == cluster[peer]
 
 
+#: Missed steps that are always replayed, however large: replaying them costs what the refits that made
+#: them cost the engines, so it keeps pace with refits where a dense copy may not (a heal then lands).
+ALWAYS_REPLAY_STEPS = 2
+
+
 def dense_is_smaller(state: CoordinatorState, e: str, steps: list) -> bool:
     """Whether a peer's dense copy moves fewer bytes than replaying ``steps`` (large learning rates: a few
-    versions of deltas outweigh the model); an adopted engine cannot take a copy."""
+    versions of deltas outweigh the model), counted beyond the last :data:`ALWAYS_REPLAY_STEPS`; an
+    adopted engine cannot take a copy."""
     model = state.model_bytes  # 0 when unknown (a resumed coordinator): replay
-    return bool(model) and not state.topology.is_adopted(e) and sum(st.nbytes for st in steps) >= model
+    return (bool(model) and not state.topology.is_adopted(e) and len(steps) > ALWAYS_REPLAY_STEPS
+            and sum(st.nbytes for st in steps) >= model)
 
 
 def peer_for(state: CoordinatorState, e: str) -> str | None:
