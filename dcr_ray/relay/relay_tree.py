@@ -14,6 +14,7 @@ import ray
 
 from dcr_ray.codec import PayloadKey
 from dcr_ray.errors import RefitTimeoutError
+from dcr_ray.failpoints import failpoint
 from dcr_ray.options import actor_options, create_named
 from dcr_ray.relay.backpressure import wait_bounded
 from dcr_ray.relay.relay import RelayActor
@@ -188,6 +189,7 @@ class RelayTransport:
             # Waited for: a payload pushed to a relay that does not know its children yet would be
             # forwarded to no one, and calls from the owners are not ordered after this one's.
             timeout_s = self.config.commit.start_timeout_s
+            failpoint("transport.wire")
             try:
                 ray.get(wired, timeout=timeout_s)
             except ray.exceptions.GetTimeoutError:

@@ -69,6 +69,7 @@ from dcr_ray.actors.recovery.restarts import Recovery
 from dcr_ray.codec.bits import dtype_of, itemsize
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, CommitConflictError, ConfigError, DcrError, RefitError
+from dcr_ray.failpoints import failpoint, remote as failpoints_remote
 from dcr_ray.relay.transport import make_transport
 from dcr_ray.relay.window import CommittedStep
 from dcr_ray.report import RefitReport
@@ -82,6 +83,7 @@ class CoordinatorActor:
     nothing from the object store."""
 
     def __init__(self, commit_dir: str):
+        failpoints_remote.started()  # a plan left for this incarnation (failure drills only)
         inputs = read_inputs(commit_dir)
         config = inputs.config
         s = self._shared = CoordinatorState(config=config, commits=CommitLog(config.commit.dir),
@@ -211,6 +213,7 @@ class CoordinatorActor:
                                      f"{self._resume_error!r}; relaunch with launch(..., resume=True)")
                 raise RefitError("the coordinator was not started; use dcr_ray.launch(...)")
             t_start = t_call
+            failpoint("coordinator.refit")
             base, target = s.version, s.version + 1
             transfer = f"v{target}-{uuid.uuid4().hex[:8]}"
             last: Exception | None = None
@@ -254,9 +257,11 @@ class CoordinatorActor:
                     owners_lost, last = True, e
                     break
                 self._abort(transfer)
+                failpoint("coordinator.repair")
                 self._recovery.repair()
             dirty = self._abort(transfer, final=True)
             self._discard_pending()
+            failpoint("coordinator.restore")
             restored = self._members.restore(dirty, owners=not owners_lost)
             raise RefitError(
                 f"refit to version {target} failed after {attempt + 1} attempt(s); the "
@@ -267,6 +272,7 @@ class CoordinatorActor:
         """Lost nodes and lost capacity, in one pass (:meth:`~dcr_ray.actors.recovery.outages.Outages.sweep`): the
         engines that left heal in the background (re-created on a live node, or once their cluster can be
         hosted again); ``notes`` gets the report's warnings. Raises ``RefitError`` if an owner's node is gone."""
+        failpoint("coordinator.sweep")
         found = self._outages.sweep()
         if found.out_engines:
             self._healer.schedule(found.out_engines, "its cluster is waiting for capacity", respawn=True)
@@ -281,6 +287,7 @@ class CoordinatorActor:
         so an abort still in flight could otherwise close the next attempt that a later ``prepare`` just
         opened.
         """
+        failpoint("coordinator.abort")
         s = self._shared
         calls = {e: s.engines[e].abort.remote(transfer, final) for e in s.required}
         try:
@@ -306,32 +313,41 @@ class CoordinatorActor:
         choice = choose_coding(s.config.codec, s.history, {s.topology.engine_cluster[e] for e in req})
         t0, clock = time.perf_counter(), CpuClock.start(s.topology, req)
         s.set_phase("prepare", transfer, attempt, target)
+        failpoint("coordinator.prepare.before")
         self._members.answers({e: s.engines[e].prepare.remote(transfer, attempt, base, target, base_id)
                                for e in req}, "prepare")
+        failpoint("coordinator.prepare.after")
         t1 = time.perf_counter()
         # engines outside the required set (healing, evicted) get nothing; their clusters' windows keep it
         sink = s.transport.sink(req, req, every_cluster=True)
         s.set_phase("stream", transfer, attempt, target)
+        failpoint("coordinator.stream.before")
         sums = get_all({o: h.stream(transfer, attempt, base, target, sink, base_id=base_id,
                                                 coding=choice.coding) for o, h in s.owners.items()}, t, "stream",
                        s.lost("owner"), s.relays_lost)
+        failpoint("coordinator.stream.after")
         # the owners read the trainer's tensors no more from here: its next optimizer step may run
         t_released = t1 + max((x.get("released_s", 0.0) for x in sums.values()), default=0.0)
         keys = [k for x in sums.values() for k in x["payloads"]]
         s.set_phase("flush", transfer, attempt, target)
+        failpoint("coordinator.flush.before")
         acks = self._members.answers({e: s.engines[e].flush.remote(transfer, attempt, keys, t) for e in req},
                                      "flush", s.relays_lost)
+        failpoint("coordinator.flush.after")
         req = sorted(acks)  # without engines evicted as hung
         t2 = time.perf_counter()
         s.set_phase("commit", transfer, attempt, target)
+        failpoint("coordinator.record.before")
         s.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer, epoch=s.epoch,
                                                      baseline=base_id, members=req, request=request))
+        failpoint("coordinator.record.after")
         t_rec = time.perf_counter()
         # Committed: v+1 is durable. From here on roll forward (never retry, never abort): a failure
         # now takes the failing actor out of service and is reported, the version stays v+1.
         s.version = target
         warnings = list(s.commits.warnings)
         s.set_phase("promote", transfer, attempt, target)
+        failpoint("coordinator.promote")
         promoting = {o: h.promote(target) for o, h in s.owners.items()}
         # the engines serve v+1 from now, beside the owners' promote: their pause ends at the record
         activating = {e: s.engines[e].activate.remote(target, transfer) for e in req}
@@ -344,7 +360,9 @@ class CoordinatorActor:
                             f"Refit.replace_owner(owner_id, handle) (or relaunch the topology)")
         t_pro = time.perf_counter()
         s.set_phase("activate", transfer, attempt, target)
+        failpoint("coordinator.activate.before")
         versions, dead, errors = gather(activating, t, "activate", s.lost("engine"))
+        failpoint("coordinator.activate.after")
         if dead:
             warnings += self._members.heal_later(dead, "died")
         if errors:
@@ -357,6 +375,7 @@ class CoordinatorActor:
         except (RayActorError, GetTimeoutError) as e:  # statistics only: the refit is committed
             link = {}
             warnings.append(f"link byte counts unavailable: {type(e).__name__}")
+        failpoint("coordinator.keep")
         self._healer.keep(CommittedStep(transfer=transfer, attempt=attempt, base=base, target=target,
                                         base_id=base_id, keys=[tuple(k) for k in keys]))
         report = RefitReport.from_stages(
@@ -377,6 +396,7 @@ class CoordinatorActor:
     def _discard_pending(self) -> None:
         """Owners drop their pending changed sets (their baselines stay the committed bits). A dead owner,
         or one whose node is gone, has nothing pending; a hung one fails the next refit's stream."""
+        failpoint("coordinator.discard")
         s = self._shared
         gather({o: h.discard() for o, h in s.owners.items()}, s.config.commit.timeout_s, "discard",
                s.lost("owner"))

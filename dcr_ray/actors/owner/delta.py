@@ -42,6 +42,7 @@ from dcr_ray.codec.encoding.diff import TensorDelta, full_delta
 from dcr_ray.codec.encoding.packdiff import PackDelta
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
+from dcr_ray.failpoints import failpoint
 from dcr_ray.sharding import Shard, ShardSpec, canonical_specs, project_all, resolve_shards
 from dcr_ray.sharding.device import DeviceBaseline, delta_from_changes
 from dcr_ray.sharding.digest import shard_digests
@@ -149,6 +150,7 @@ class DeltaOwner:
         carries it, so an engine holding other content with the same version number refuses them.
         ``coding``: ``"plain"`` or ``"context"`` for a first attempt; None takes ``CodecConfig.coding``
         (``"auto"``, which a coordinator decides per refit, is plain for an owner streaming on its own)."""
+        failpoint("owner.stream")
         coding = stream_coding(self.config.codec.coding, coding, self.owner_id)
         self.settle()
         if base != self.store.version:
@@ -231,11 +233,14 @@ class DeltaOwner:
                                    xor_ok=overwrite_only, coding=coding):
             key = PayloadKey(transfer, attempt, self.owner_id, len(payloads))
             ts = time.perf_counter()
+            failpoint("owner.send.before")
             sink.send(frame, key)
+            failpoint("owner.send.after")
             send_s += time.perf_counter() - ts
             payloads.append(key)
             wire += len(frame)
         ts = time.perf_counter()
+        failpoint("owner.drain")
         sink.drain()
         send_s += time.perf_counter() - ts
         changed = sum(td.changed for td in self.store.pending()) if base != BOOTSTRAP_BASE else 0
@@ -252,6 +257,7 @@ class DeltaOwner:
 
     def bootstrap(self, *, transfer: str, sink) -> dict:
         """Send the committed baseline densely (frames with base :data:`BOOTSTRAP_BASE`)."""
+        failpoint("owner.bootstrap")
         self.settle()
         t0 = time.perf_counter()
         deltas = (full_delta(n, self.store.tensor(n), chunk_elems=self.config.codec.chunk_elems)
@@ -268,6 +274,7 @@ class DeltaOwner:
         writes; every later call that reads the baseline waits for it first (:meth:`settle`).
         Idempotent: promoting the version being or already promoted does nothing.
         """
+        failpoint("owner.promote")
         with self._promote_lock:
             if self._promoting is not None and self._promoting_version == version:
                 return -1  # a repeated call while this version's promote runs
@@ -286,6 +293,7 @@ class DeltaOwner:
             return -1
 
     def _promote_now(self, version: int) -> int:
+        failpoint("owner.promote.write")
         n = self.store.promote(version)
         self.device.promote()
         self._pending_transfer = None
@@ -311,6 +319,7 @@ class DeltaOwner:
                                     f"record (relaunch the topology)") from e
 
     def discard(self) -> None:
+        failpoint("owner.discard")
         self.settle()
         self.store.discard()
         self.device.discard()
@@ -328,4 +337,5 @@ def _noting_end(deltas, read: dict):
     read every tensor of the trainer's: the pending set holds the changes, the frames may still be
     encoding and sending)."""
     yield from deltas
+    failpoint("owner.diff")
     read["at"] = time.perf_counter()

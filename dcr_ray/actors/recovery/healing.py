@@ -55,6 +55,7 @@ from dcr_ray.actors.recovery import sources
 from dcr_ray.actors.recovery.bootstrap import Bootstrap
 from dcr_ray.actors.recovery.outages import Outages
 from dcr_ray.errors import RefitError
+from dcr_ray.failpoints import failpoint
 
 log = logging.getLogger("dcr_ray")
 
@@ -268,6 +269,7 @@ class Healing:
             with self._holding(e, s.lock):
                 if not self._outages.regain(s.topology.engine_cluster[e]):  # its relays come back first
                     continue
+                failpoint("coordinator.heal.recreate")
                 s.topology.respawn(e, s.config)
             self._set(e, Standing.STARTING, respawn=False, created_at=time.perf_counter())
 
@@ -345,6 +347,7 @@ class Healing:
         coordinator's lock (between refits); the peer's snapshot and the copy hold it only in the
         ``final`` round (the peer refuses a snapshot unless it holds the committed version read under
         the lock, settled)."""
+        failpoint("coordinator.heal.round")
         s = self._shared
         t = s.config.commit.start_timeout_s
         whole = self._holding(e, s.lock) if final else contextlib.nullcontext()
@@ -404,6 +407,7 @@ class Healing:
 
     def _join(self, e: str, version: int) -> dict:
         """``e`` holds the committed ``version``: it joins the required set (under the coordinator's lock)."""
+        failpoint("coordinator.heal.join")
         self._shared.standings.require([e])
         metrics.record("required_engines", len(self._shared.required))
         return {"engine": e, "version": version}

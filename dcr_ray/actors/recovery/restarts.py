@@ -31,6 +31,7 @@ from dcr_ray.actors.fleet.state import CoordinatorState
 from dcr_ray.actors.owner.endpoint import owner_endpoint
 from dcr_ray.actors.recovery.healing import Healing
 from dcr_ray.errors import ConfigError
+from dcr_ray.failpoints import failpoint
 from dcr_ray.report import RefitReport
 
 log = logging.getLogger("dcr_ray")
@@ -62,6 +63,7 @@ class Recovery:
         s.epoch = rec.epoch + 1  # fence every older incarnation before touching anything
         s.commits.compare_and_set(rec.version, CommitRecord(**{**asdict(rec), "epoch": s.epoch, "time": 0.0}))
         s.version = rec.version
+        failpoint("coordinator.resume")
         fresh = s.topology.reconnect(s.backend_factory, cfg)
         self._load_owners()
         specs, dead_owners, errors = gather({o: h.attach(o, cfg) for o, h in s.owners.items()}, t,
@@ -79,11 +81,13 @@ class Recovery:
                 ray.get(h.promote(rec.version), timeout=t)
             elif st["pending"] is not None:
                 ray.get(h.discard(), timeout=t)
+        failpoint("coordinator.resume.owners")
         # engines: activate the transfer the record committed, roll back any other
         states, dead, _ = gather({e: s.engines[e].state.remote() for e in s.engines if e not in fresh},
                                  t, "engine state")
         behind = list(fresh) + list(dead)
         for e, st in states.items():
+            failpoint("coordinator.resume.engine")
             if st["transfer"] is not None and st["transfer"] == rec.transfer and st["target"] == rec.version:
                 ray.get(s.engines[e].activate.remote(rec.version, rec.transfer), timeout=t)
             elif st["transfer"] is not None:
