@@ -50,6 +50,8 @@ import threading
 import time
 from collections import Counter
 
+from benchmarks.chaos_matrix.cli import add_arguments as add_enumerate_arguments, run_enumerate
+
 FAULT_KINDS = ("kill_engine", "kill_relay", "kill_coordinator", "kill_owner", "flip_bytes", "wrong_key",
                "truncate", "stale_replay", "drop", "duplicate", "reorder", "delay", "stall_engine",
                "kill_node_mid_refit", "kill_node_between_refits", "lose_cluster")
@@ -76,10 +78,13 @@ def add_parser(groups) -> None:
                    help=f"refits to run (default 30; CI runs {len(FAULT_KINDS) + 1}: every kind once, then a quiet one)")
     p.add_argument("--seed", type=int, default=20137, help="fault schedule seed")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_enumerate_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.enumerate:
+        return run_enumerate(args)
     if args.refits < 1:
         print("dcr-ray chaos: --refits must be >= 1", file=sys.stderr)
         return 2

@@ -9,6 +9,8 @@ same batches hold bit-identical weights, and each sends only the names it owns
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from dcr_ray.actors.owner.delta import owned_names
@@ -48,6 +50,19 @@ class TinyTrainer(OwnerMixin):
         self.opt.step()
         self.steps += 1
         return float(loss.detach())
+
+    def train_state(self) -> dict:
+        """Everything a replica needs to continue exactly as this one: the FP32 weights, AdamW's state and the
+        step count (a replacement owner restored to a committed version loads it)."""
+        return {"model": {k: v.clone() for k, v in self.model.state_dict().items()},
+                "opt": copy.deepcopy(self.opt.state_dict()), "steps": self.steps}
+
+    def load_train_state(self, state: dict) -> None:
+        """Continue from :meth:`train_state` (bit for bit: the weights, the optimizer, the step count)."""
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(copy.deepcopy(state["opt"]))
+        self.steps = state["steps"]
+        self._cache = None
 
     def rollout_state(self, names=None) -> dict[str, torch.Tensor]:
         """BF16 (rollout dtype) copies of the canonical tensors, cached per step."""

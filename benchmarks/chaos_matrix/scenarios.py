@@ -1,0 +1,97 @@
+"""The scenarios of ``dcr-ray chaos --enumerate``: every failpoint x action x apply mode x transport, fired at
+its first hit and, where a refit hits it more than once in a process, at a middle hit.
+
+A scenario that cannot happen is a cell of its own (``n/a`` and why), so the matrix shows every combination:
+a point that the apply mode or the transport never reaches, a coordinator point's ``kill_node`` (the coordinator
+runs on the head node, which the harness cannot remove) and its ``restart_coordinator`` (for the coordinator's
+own process that is its ``exit``).
+
+Each runnable scenario names the process it arms (:func:`target`): the owners' points in ``owner0``, the
+relays' in cluster ``a``'s head relay (a sub-relay's in cluster ``b``'s, whose tree has one), the engines' in
+``a/e0`` (a peer's snapshot in it too, while ``a/e1`` heals), the coordinator's in the coordinator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from dcr_ray.failpoints.catalog import POINTS, Point
+from dcr_ray.failpoints.plan import ACTIONS
+
+MODES = ("in_place", "staged")
+TRANSPORTS = ("relay", "object_store")
+HITS = ("first", "middle")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Scenario:
+    point: str
+    action: str
+    hit: str
+    mode: str
+    transport: str
+    skip: str | None = None
+    """Why the combination cannot happen (the cell is ``n/a``), or None: it runs."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.mode}/{self.transport}/{self.point}/{self.action}/{self.hit}"
+
+    @property
+    def spec(self) -> Point:
+        return POINTS[self.point]
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "role": self.spec.role, "trigger": self.spec.trigger, "target": target(self.point)}
+
+
+def target(point: str) -> str:
+    """The process a scenario of ``point`` arms: ``owner0``, a relay id, an engine id or ``coordinator``."""
+    p = POINTS[point]
+    if p.role == "owner":
+        return "owner0"
+    if p.role == "relay":
+        return "b/r0" if point == "relay.subforward" else "a/head"
+    if p.role == "engine":
+        return "a/e1" if point == "engine.heal_from" else "a/e0"
+    return "coordinator"
+
+
+def skip_reason(p: Point, action: str, mode: str, transport: str) -> str | None:
+    if mode not in p.modes:
+        return f"{mode} refits never reach it"
+    if transport not in p.transports:
+        return f"the {transport} transport never reaches it"
+    if p.role == "coordinator" and action == "kill_node":
+        return "the coordinator runs on the head node, which cannot be removed"
+    if p.role == "coordinator" and action == "restart_coordinator":
+        return "in the coordinator's own process this is its exit"
+    return None
+
+
+def scenarios(points=None, actions=ACTIONS, modes=MODES, transports=TRANSPORTS) -> list[Scenario]:
+    """Every cell of the matrix, in run order: combination by combination (one topology each), point by point."""
+    out = []
+    for mode in modes:
+        for transport in transports:
+            for name in points or POINTS:
+                p = POINTS[name]
+                for action in actions:
+                    why = skip_reason(p, action, mode, transport)
+                    for hit in HITS if p.repeats else HITS[:1]:
+                        out.append(Scenario(point=name, action=action, hit=hit, mode=mode, transport=transport,
+                                            skip=why))
+    return out
+
+
+#: The fixed subset CI runs (``tests/test_chaos_matrix.py``): one combination, the steps whose faults issue
+#: reports and reviews found the most in (a mid-stream send, a relay's receive, an engine's apply and park,
+#: the record), each with the actions that reach its recovery paths.
+CI_SUBSET = (
+    ("owner.send.after", "raise", "middle"),
+    ("relay.push", "raise", "middle"),
+    ("engine.apply", "exit", "middle"),
+    ("engine.park", "raise", "middle"),
+    ("coordinator.record.after", "exit", "first"),
+    ("engine.flush.backend", "stall", "first"),
+)
