@@ -52,8 +52,20 @@ RESTART_ALLOWANCE_S = 60.0
 FIX = re.compile(r"Refit\.\w+\(|launch\(|resume=True|replace_owner|rejoin|relaunch|[A-Z][A-Za-z]+Config\.\w+")
 
 
+def root(err: BaseException) -> BaseException:
+    """The error an application raised, out of Ray's wrappers (``RayTaskError(...).cause``)."""
+    while getattr(err, "cause", None) is not None and err.cause is not err:
+        err = err.cause
+    return err
+
+
+def message(err: BaseException) -> str:
+    e = root(err)
+    return f"{type(e).__name__}: {e}"
+
+
 def names_fix(err: BaseException) -> bool:
-    return isinstance(err, DcrError) and FIX.search(str(err)) is not None
+    return isinstance(root(err), DcrError) and FIX.search(str(root(err))) is not None
 
 
 def op_bound_s(restarts: bool) -> float:
@@ -222,20 +234,38 @@ class Bench:
         """Apply what ``err`` names (replace dead owners, resume, relaunch) and what the faults left (nodes
         removed); returns what it did."""
         did = [f"node of {c} added back" for c in self.fleet.restore_nodes()]
-        msg = "" if err is None else str(err)
+        msg = "" if err is None else message(err)
         if err is not None and ("relaunch the topology" in msg):
             self.relaunch()
             return [*did, "relaunched"]
         if err is not None and ("could not resume" in msg or "resume=True" in msg):
-            try:
-                self.refit.status()
-            except Exception:
-                self.resume()
-                did.append("launch(resume=True)")
+            # launch() refuses while a coordinator runs in the namespace, even one that could not resume
+            ray.kill(self.refit.actor, no_restart=True)
+            self.resume()
+            did.append("coordinator killed, launch(resume=True)")
         dead = self.dead_owners()
         if dead:
             self.replace_owners(dead)
             did.append(f"replace_owner {dead}")
+        return did
+
+    def ensure(self) -> list[str]:
+        """Before a scenario: the fleet whole (every node, every owner, every engine required at the committed
+        version); what is not is repaired (rejoin, else a relaunch). Returns what it did."""
+        did = self.fix(None)
+        try:
+            self.heal()
+            st = self.status()
+            missing = sorted(set(st["engines"]) - set(st["required"]))
+            for eid in missing:
+                did.append(f"rejoin {eid} (not required before the scenario)")
+                self.refit.rejoin(eid)
+            st = self.status()
+            if set(st["required"]) != set(st["engines"]):
+                raise RefitError(f"engines {sorted(set(st['engines']) - set(st['required']))} stay out")
+        except Exception as e:  # noqa: BLE001 - start from a clean topology
+            did.append(f"relaunched ({type(e).__name__}: {str(e)[:160]})")
+            self.relaunch()
         return did
 
     # -- the checks ------------------------------------------------------------------------------------
@@ -249,6 +279,8 @@ class Bench:
         engines = self.handles()["engines"]
         for es in st["engine_states"]:
             e = es["engine"]
+            if not es.get("required"):
+                problems.append(f"engine {e} is not required after the heals ({es.get('standing')})")
             if es.get("required") and es.get("version") != v:
                 problems.append(f"required engine {e} holds {es.get('version')}, the record {v}")
             if es.get("phase") not in ("ready", "parked", "staging") or es.get("version") is None:

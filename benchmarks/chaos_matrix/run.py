@@ -5,8 +5,8 @@ What reaches a point is its trigger (:mod:`dcr_ray.failpoints.catalog`):
 
 ============  ====================================================================================================
 ``refit``     a refit
-``retry``     a refit whose first attempt fails at its commit record (the engines wrote everything)
-``abandon``   a refit whose every attempt fails at its commit record (expected to fail)
+``retry``     a refit whose first attempt fails before its flush (the engines wrote their frames)
+``abandon``   a refit whose every attempt fails before its flush (expected to fail)
 ``restart``   the coordinator restarts (the fault is armed for its next start, or in the running relay), then a
               refit
 ``respawn``   engine ``a/e1`` is killed, then a refit: it is re-created and heals from ``a/e0`` after the commit
@@ -31,7 +31,8 @@ import time
 
 import ray
 
-from benchmarks.chaos_matrix.bench import (NAMESPACE, STAGE_TIMEOUT_S, STALL_PAST_S, Bench, names_fix, op_bound_s)
+from benchmarks.chaos_matrix.bench import (NAMESPACE, STAGE_TIMEOUT_S, STALL_PAST_S, Bench, message, names_fix,
+                                           op_bound_s)
 from dcr_ray.actors.fleet.topology import engine_name
 from dcr_ray.errors import DcrError
 from dcr_ray.failpoints import remote as fp_remote
@@ -39,8 +40,9 @@ from dcr_ray.failpoints.catalog import POINTS
 from dcr_ray.failpoints.plan import Fault
 from dcr_ray.options import COORDINATOR_NAME
 
-#: The fault that makes a refit's attempts fail after the engines wrote everything (``retry``: once).
-RECORD_FAILS = "coordinator.record.before"
+#: The fault that makes a refit's attempts fail after the engines wrote their frames, before their flush (so an
+#: in-place engine rolls back rather than parks): ``retry`` once, ``abandon`` at every attempt.
+ATTEMPT_FAILS = "coordinator.flush.before"
 OUTCOMES = ("hang", "wrong_bits", "broken", "failed_nofix", "not_fired", "failed_fix", "committed", "ok")
 
 
@@ -82,15 +84,16 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
     its cell (see the module doc)."""
     trigger = POINTS[point].trigger
     target = _target_name(point)
-    cell = {"point": point, "action": action, "at": at, "trigger": trigger, "target": target, "recovery": []}
     t0 = time.monotonic()
+    cell = {"point": point, "action": action, "at": at, "trigger": trigger, "target": target,
+            "recovery": bench.ensure()}
     fault = None if action is None else Fault(point=point, action=action, at=at,
                                               stall_s=STAGE_TIMEOUT_S + STALL_PAST_S, namespace=NAMESPACE)
     coordinator_faults = []
     if trigger == "retry":
-        coordinator_faults.append(Fault(point=RECORD_FAILS, at=1))
+        coordinator_faults.append(Fault(point=ATTEMPT_FAILS, at=1))
     elif trigger == "abandon":
-        coordinator_faults.append(Fault(point=RECORD_FAILS, at=1, times=0))
+        coordinator_faults.append(Fault(point=ATTEMPT_FAILS, at=1, times=0))
     if count:
         _count_everywhere(bench)
     # -- what reaches the point ------------------------------------------------------------------------
@@ -145,7 +148,7 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
     if err is None and trigger not in ("lag", "bootstrap"):
         cell["attempts"] = out.attempts
     elif err is not None:
-        cell["error"] = f"{type(err).__name__}: {str(err)[:600]}"
+        cell["error"] = message(err)[:600]
         cell["names_fix"] = names_fix(err)
     # -- recovery and the checks ------------------------------------------------------------------------
     try:
@@ -161,7 +164,7 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
             _start_over(bench, cell)
             return _done(cell, t0)
         if kind2 == "error":
-            cell["next_error"] = f"{type(nxt).__name__}: {str(nxt)[:600]}"
+            cell["next_error"] = message(nxt)[:600]
         bench.bind()
         cell["recovery"] += bench.fix(nxt if kind2 == "error" else None)
         cell["recovery"] += bench.heal()
