@@ -20,15 +20,17 @@ import os
 import sys
 import time
 
-from benchmarks.chaos_matrix.scenarios import CI_SUBSET, MODES, TRANSPORTS, scenarios, target
+from benchmarks.chaos_matrix.scenarios import CI_SUBSET, MODES, TRANSPORTS, composed, scenarios, target
 
 
 def enumerate_matrix(*, modes=MODES, transports=TRANSPORTS, points=None, actions=None, only=None,
                      json_path: str | None = None, md_path: str | None = None, progress=sys.stderr,
-                     limit_s: float | None = None) -> dict:
+                     limit_s: float | None = None, composed_names=None) -> dict:
     """Run the scenarios (``only``: a list of ``(point, action, hit)``; else every combination of ``points`` and
-    ``actions``); returns ``{"cells": [...], "seconds", ...}`` and writes the JSON (after each cell, so a run cut
-    short keeps what it did) and the Markdown. ``limit_s``: stop starting scenarios past this many seconds."""
+    ``actions``), then the composed scenarios (:data:`~benchmarks.chaos_matrix.scenarios.COMPOSED`, or those
+    named in ``composed_names``) of each combination; returns ``{"cells": [...], "seconds",
+    ...}`` and writes the JSON (after each cell, so a run cut short keeps what it did) and the Markdown.
+    ``limit_s``: stop starting scenarios past this many seconds."""
     from benchmarks.chaos_matrix.bench import Bench, Fleet
     from benchmarks.chaos_matrix.run import run
     from dcr_ray.failpoints.plan import ACTIONS
@@ -63,21 +65,28 @@ def enumerate_matrix(*, modes=MODES, transports=TRANSPORTS, points=None, actions
                     bench = Bench(fleet, *combo)
                 at = 1
                 if sc.hit == "middle":
-                    trig = sc.spec.trigger
-                    if trig not in counts:
-                        say(f"counting hits ({trig})")
-                        counts[trig] = run(bench, sc.point, None, 1, count=True).get("counts", {})
-                    n = counts[trig].get(target(sc.point), {}).get(sc.point, 0)
-                    if n < 2:
+                    at = _middle(bench, counts, sc.spec.trigger, sc.point, target(sc.point))
+                    if not at:
                         result["cells"].append({**base, "outcome": "n/a",
-                                                "why": f"hit {n} time(s) per operation in {target(sc.point)}"})
+                                                "why": f"hit at most once per operation in {target(sc.point)}"})
                         continue
-                    at = (n + 1) // 2
                 cell = {**base, **run(bench, sc.point, sc.action, at)}
                 result["cells"].append(cell)
                 say(f"{i + 1}/{len(mine)} {sc.key} @{at}: {cell['outcome']}"
                     + (f" ({cell.get('error', '')[:120]})" if cell['outcome'] not in ("committed", "ok") else "")
                     + f" [{cell['seconds']:.1f}s]")
+                _write(result, t0, json_path)
+            for comp in [c for c in composed([combo[0]], [combo[1]])
+                         if composed_names is None or c.name in composed_names]:
+                if limit_s is not None and time.monotonic() - t0 > limit_s:
+                    say(f"stopping: past {limit_s:.0f} s")
+                    raise _Stop
+                if bench is None:
+                    say(f"launching the {combo[0]} / {combo[1]} topology")
+                    bench = Bench(fleet, *combo)
+                cell = {**comp.to_dict(), "key": comp.key, **_run_composed(bench, comp, counts)}
+                result["cells"].append(cell)
+                say(f"composed {comp.key}: {cell['outcome']} [{cell['seconds']:.1f}s]")
                 _write(result, t0, json_path)
             if bench is not None:
                 bench.shutdown()
@@ -98,6 +107,33 @@ def enumerate_matrix(*, modes=MODES, transports=TRANSPORTS, points=None, actions
 
 class _Stop(Exception):
     pass
+
+
+def _middle(bench, counts: dict, trigger: str, point: str, process: str) -> int:
+    """Half the hits of ``point`` in ``process`` per operation of ``trigger`` (0 when it is hit once or never),
+    counted once per trigger."""
+    from benchmarks.chaos_matrix.run import run
+    from dcr_ray.failpoints.catalog import POINTS
+
+    if trigger not in counts:
+        example = next(p for p, spec in POINTS.items() if spec.trigger == trigger)
+        counts[trigger] = run(bench, example, None, 1, count=True).get("counts", {})
+    n = counts[trigger].get(process, {}).get(point, 0)
+    return (n + 1) // 2 if n >= 2 else 0
+
+
+def _run_composed(bench, comp, counts: dict) -> dict:
+    from benchmarks.chaos_matrix.bench import NAMESPACE, STAGE_TIMEOUT_S, STALL_PAST_S
+    from benchmarks.chaos_matrix.run import run
+    from dcr_ray.failpoints.plan import Fault
+
+    faults = []
+    for process, point, action, hit, stall in comp.faults:
+        at = _middle(bench, counts, "refit", point, process) or 1 if hit == "middle" else 1
+        faults.append((process, Fault(point=point, action=action, at=at, namespace=NAMESPACE,
+                                      stall_s=stall or (STAGE_TIMEOUT_S + STALL_PAST_S) if action == "stall" else 0.0)))
+    (_, main), also = faults[0], faults[1:]
+    return run(bench, main.point, main.action, main.at, also=also)
 
 
 def _write(result: dict, t0: float, path: str | None) -> None:

@@ -105,6 +105,8 @@ class Bench:
         self.fleet, self.mode, self.transport, self.spec = fleet, mode, transport, spec
         self.seed = 0
         self.oracle: dict[int, dict[str, torch.Tensor]] = {}
+        #: the last scenario's final check found something: the next one checks and repairs first
+        self.dirty = False
         self._launch()
 
     # -- the topology ---------------------------------------------------------------------------------
@@ -255,6 +257,14 @@ class Bench:
         did = self.fix(None)
         try:
             self.heal()
+            if self.dirty:  # engines whose bits differ from the trainer's heal again (the user's repair)
+                for w in self.check(generate=False)["wrong_bits"]:
+                    did.append(f"invalidate {w['engine']} (bits differ from the trainer's before the scenario)")
+                    self.refit.invalidate(w["engine"], "its bits differ from the trainer's")
+                self.heal()
+                if self.check(generate=False)["wrong_bits"]:
+                    raise RefitError("engines still differ from the trainer after a heal")
+                self.dirty = False
             st = self.status()
             missing = sorted(set(st["engines"]) - set(st["required"]))
             for eid in missing:
@@ -269,18 +279,20 @@ class Bench:
         return did
 
     # -- the checks ------------------------------------------------------------------------------------
-    def check(self) -> dict:
-        """``{"wrong_bits": [...], "problems": [...]}`` of the topology as it stands (see the module doc)."""
+    def check(self, generate: bool = True) -> dict:
+        """``{"wrong_bits": [...], "problems": [...], "notes": [...]}`` of the topology as it stands (see the
+        module doc). An engine evicted as hung is a note: it rejoins at a later refit, once it answered."""
         st = self.status(detail=True)
         v, rec = st["version"], st["commit_record"]
-        wrong, problems = [], []
+        wrong, problems, notes = [], [], []
         if rec is None or rec["version"] != v:
             problems.append(f"the record holds {rec and rec['version']}, the coordinator {v}")
         engines = self.handles()["engines"]
         for es in st["engine_states"]:
             e = es["engine"]
             if not es.get("required"):
-                problems.append(f"engine {e} is not required after the heals ({es.get('standing')})")
+                (notes if es.get("standing") == "evicted" else problems).append(
+                    f"engine {e} is not required after the heals ({es.get('standing')})")
             if es.get("required") and es.get("version") != v:
                 problems.append(f"required engine {e} holds {es.get('version')}, the record {v}")
             if es.get("phase") not in ("ready", "parked", "staging") or es.get("version") is None:
@@ -297,13 +309,15 @@ class Bench:
                 elems = sum(int((got[n].view(torch.int16) != want[n].view(torch.int16)).sum()) for n in bad)
                 wrong.append({"engine": e, "version": es["version"], "phase": es["phase"], "tensors": len(bad),
                               "elements": elems, "required": bool(es.get("required"))})
+            if not generate:
+                continue
             try:
                 ans = ray.get(engines[e].generate.remote([[1, 2, 3]], 1, timeout_s=STAGE_TIMEOUT_S), timeout=60)
                 if ans["version"] != es["version"]:
                     problems.append(f"engine {e} generated with v{ans['version']}, it serves v{es['version']}")
             except Exception as err:
                 problems.append(f"ready engine {e} did not generate: {type(err).__name__}: {str(err)[:160]}")
-        return {"version": v, "wrong_bits": wrong, "problems": problems}
+        return {"version": v, "wrong_bits": wrong, "problems": problems, "notes": notes}
 
     # -- failpoints in every process -------------------------------------------------------------------
     def disarm_all(self) -> dict:

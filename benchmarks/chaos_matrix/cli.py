@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks.chaos_matrix.scenarios import CI_SUBSET, MODES, TRANSPORTS
+from benchmarks.chaos_matrix.scenarios import CI_COMPOSED, CI_SUBSET, MODES, TRANSPORTS
 
 #: Where the committed full run goes.
 DEFAULT_JSON = "docs/chaos_enumerate.json"
@@ -30,7 +30,9 @@ def run_enumerate(args) -> int:
     out = enumerate_matrix(modes=tuple(args.mode or MODES), transports=tuple(args.transport or TRANSPORTS),
                            points=args.point, actions=tuple(args.action) if args.action else None,
                            only=CI_SUBSET if args.subset == "ci" else None, json_path=args.json or DEFAULT_JSON,
-                           md_path=args.md, progress=sys.stderr, limit_s=args.limit_s)
+                           md_path=args.md, progress=sys.stderr, limit_s=args.limit_s,
+                           composed_names=CI_COMPOSED if args.subset == "ci" else
+                           ([] if (args.point or args.action) else None))
     bad = {k: sum(r[k] for r in out["summary"] if r["mode"] == "all") for k in ("wrong_bits", "hang")}
     print(f"{out['summary'][-1]}", file=sys.stderr)
     return 0 if not any(bad.values()) else 1

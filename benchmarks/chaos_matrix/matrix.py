@@ -52,7 +52,7 @@ def markdown(result: dict) -> str:
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in summary(cells)]
     lines += ["", LEGEND, ""]
     by = {}
-    for c in cells:
+    for c in (c for c in cells if not c.get("composed")):
         by.setdefault((c["mode"], c["transport"]), {}).setdefault((c["point"], c["action"]), {})[c["hit"]] = c
     for (mode, transport), table in sorted(by.items()):
         lines += [f"#### {mode}, {transport}", "", "| failpoint | " + " | ".join(ACTIONS) + " |",
@@ -64,5 +64,14 @@ def markdown(result: dict) -> str:
                 row.append("/".join(short(hits[h]) for h in ("first", "middle") if h in hits) or "")
             if any(row):
                 lines.append(f"| `{point}` | " + " | ".join(row) + " |")
+        lines.append("")
+    comp = [c for c in cells if c.get("composed")]
+    if comp:
+        combos = sorted({(c["mode"], c["transport"]) for c in comp})
+        lines += ["#### Faults that compose", "", "| scenario | " + " | ".join(f"{m}, {t}" for m, t in combos) + " |",
+                  "|---|" + "---|" * len(combos)]
+        for name in dict.fromkeys(c["name"] for c in comp):
+            mine = {(c["mode"], c["transport"]): short(c) for c in comp if c["name"] == name}
+            lines.append(f"| {name} | " + " | ".join(mine.get(k, "") for k in combos) + " |")
         lines.append("")
     return "\n".join(lines)

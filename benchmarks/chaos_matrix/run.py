@@ -79,9 +79,11 @@ def _restart_coordinator(bench: Bench) -> None:
             time.sleep(0.5)
 
 
-def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = False) -> dict:
-    """Run one scenario (``action`` None with ``count``: no fault, every process counts its hits); returns
-    its cell (see the module doc)."""
+def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = False,
+        also: list[tuple[str, Fault]] = ()) -> dict:
+    """Run one scenario (``action`` None with ``count``: no fault, every process counts its hits; ``also``:
+    more faults, ``(process, fault)``, armed beside it: faults that compose); returns its cell (see the
+    module doc)."""
     trigger = POINTS[point].trigger
     target = _target_name(point)
     t0 = time.monotonic()
@@ -112,18 +114,21 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
     elif trigger == "respawn":
         ray.kill(bench.process("a/e1"))
     # -- arm ---------------------------------------------------------------------------------------------
+    plan: dict[str, list[Fault]] = {}
+    for tgt, f in ([(target, fault)] if fault is not None else []) + list(also):
+        plan.setdefault(tgt, []).append(f)
+    if coordinator_faults:
+        plan.setdefault("coordinator", []).extend(coordinator_faults)
     handle = None
-    if fault is not None or coordinator_faults or count:
-        if target == "coordinator" and trigger == "restart":
-            fp_remote.arm_next_start(COORDINATOR_NAME, NAMESPACE, [fault] if fault else [])
-        elif target == "a/e1" and trigger == "respawn":
-            fp_remote.arm_next_start(engine_name("a/e1"), NAMESPACE, [fault] if fault else [])
-        elif fault is not None:
-            handle = bench.process(target)
-            faults = [fault] + (coordinator_faults if target == "coordinator" else [])
-            fp_remote.arm_actor(handle, faults)
-        if coordinator_faults and target != "coordinator":
-            fp_remote.arm_actor(bench.refit.actor, coordinator_faults)
+    for tgt, faults in plan.items():
+        if tgt == "coordinator" and trigger == "restart":
+            fp_remote.arm_next_start(COORDINATOR_NAME, NAMESPACE, faults)
+        elif tgt == "a/e1" and trigger == "respawn":
+            fp_remote.arm_next_start(engine_name("a/e1"), NAMESPACE, faults)
+        else:
+            h = bench.process(tgt)
+            fp_remote.arm_actor(h, faults)
+            handle = h if tgt == target else handle
     epoch = bench.status()["epoch"]
     if trigger == "restart":
         _restart_coordinator(bench)
@@ -176,6 +181,8 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
         return _done(cell, t0)
     cell["wrong_bits"] = first["wrong_bits"] + second["wrong_bits"]
     cell["problems"] = first["problems"] + second["problems"]
+    cell["notes"] = sorted(set(first["notes"] + second["notes"]))
+    bench.dirty = bool(second["wrong_bits"] or second["problems"])
     reports = bench.disarm_all()
     cell["fired"] = _fired(bench, action, target, handle, reports, epoch)
     if count:

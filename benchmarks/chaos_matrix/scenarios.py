@@ -84,6 +84,45 @@ def scenarios(points=None, actions=ACTIONS, modes=MODES, transports=TRANSPORTS) 
     return out
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Composed:
+    """Faults that compose: ``faults`` (``(process, point, action, hit, stall seconds or None)``) armed
+    together; the first is the scenario's own (its row in the matrix), the others set the stage."""
+
+    name: str
+    faults: tuple[tuple[str, str, str, str, float | None], ...]
+    mode: str
+    transport: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.mode}/{self.transport}/composed/{self.name}"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "faults": [list(f) for f in self.faults], "mode": self.mode,
+                "transport": self.transport, "point": self.faults[0][1], "action": self.faults[0][2],
+                "hit": self.faults[0][3], "composed": True}
+
+
+#: How long a composed scenario's engine holds a payload back: past its flush's timeout and past the
+#: coordinator's restart, so the payload is still missing when the resumed coordinator settles the engine.
+HELD_BACK_S = 30.0
+#: The engine of cluster ``a`` evicted mid-stream: one payload held back in delivery, its flush hung past the
+#: stage timeout (so the coordinator evicts it, rather than failing the attempt); the others commit.
+_EVICTED_MID_STREAM = (("a/e1", "engine.deliver", "stall", "middle", HELD_BACK_S),
+                       ("a/e1", "engine.flush", "stall", "first", None))
+#: The composed scenarios: an engine evicted mid-stream while the refit commits without it, then the
+#: coordinator restarts at a step after the record (its resume settles the engine that never finished).
+COMPOSED = {f"evicted mid-stream, restart at {point}": ((("coordinator", point, "exit", "first", None),
+                                                         *_EVICTED_MID_STREAM))
+            for point in ("coordinator.record.after", "coordinator.activate.before")}
+
+
+def composed(modes=MODES, transports=TRANSPORTS) -> list[Composed]:
+    return [Composed(name=n, faults=f, mode=m, transport=t) for m in modes for t in transports
+            for n, f in COMPOSED.items()]
+
+
 #: The fixed subset CI runs (``tests/test_chaos_matrix.py``): one combination, the steps whose faults issue
 #: reports and reviews found the most in (a mid-stream send, a relay's receive, an engine's apply and park,
 #: the record), each with the actions that reach its recovery paths.
@@ -95,3 +134,5 @@ CI_SUBSET = (
     ("coordinator.record.after", "exit", "first"),
     ("engine.flush.backend", "stall", "first"),
 )
+#: The composed scenario CI runs.
+CI_COMPOSED = ("evicted mid-stream, restart at coordinator.record.after",)
