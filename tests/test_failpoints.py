@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from raytools import local_ray  # noqa: F401
+
 from dcr_ray import failpoints
 from dcr_ray.errors import ConfigError
 from dcr_ray.failpoints import FailpointError, failpoint, plan
@@ -126,3 +128,47 @@ def test_the_text_form_reads_back_and_bad_terms_say_the_fix():
         plan.parse("engine.apply=stall")
     with pytest.raises(ConfigError, match=">= 1"):
         plan.Fault(point="engine.apply", at=0)
+
+
+@pytest.mark.slow
+def test_a_plan_armed_in_an_actor_fires_there_and_a_plan_left_for_a_start_fires_in_the_next_incarnation(local_ray):
+    import ray
+
+    from dcr_ray.failpoints import remote
+
+    class Stepper:  # defined here: Ray ships it by value (workers do not import the tests)
+        """An actor whose ``step`` is a failpoint, and whose constructor takes a plan left for its start."""
+
+        def __init__(self):
+            from dcr_ray.failpoints import remote
+
+            remote.started()
+
+        def step(self) -> str:
+            from dcr_ray.failpoints import failpoint
+
+            failpoint("engine.apply")
+            return "stepped"
+
+    Stepper = ray.remote(num_cpus=0)(Stepper)
+    a = Stepper.remote()
+    remote.arm_actor(a, "engine.apply=raise@2")
+    assert ray.get(a.step.remote()) == "stepped"
+    with pytest.raises(ray.exceptions.RayTaskError, match="engine.apply \\(hit 2\\)"):
+        ray.get(a.step.remote())
+    assert remote.report_of(a, disarm=True)["counts"] == {"engine.apply": 2}
+    remote.arm_actor(a, "engine.apply=exit")
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(a.step.remote())
+    # a plan left for the next start of a named actor: taken by it once, and only where the environment asks
+    env = {"runtime_env": {"env_vars": {failpoints.ENV: ""}}}
+    remote.arm_next_start("fp-stepper", "fp-tests", plan.parse("engine.apply=raise"))
+    b = Stepper.options(name="fp-stepper", namespace="fp-tests", **env).remote()
+    with pytest.raises(ray.exceptions.RayTaskError, match="injected failure"):
+        ray.get(b.step.remote())
+    ray.kill(b)
+    remote.arm_next_start("fp-stepper2", "fp-tests", plan.parse("engine.apply=raise"))
+    c = Stepper.options(name="fp-stepper2", namespace="fp-tests").remote()  # no DCR_RAY_FAILPOINTS: never looks
+    assert ray.get(c.step.remote()) == "stepped"
+    remote.clear_next_start("fp-stepper2")
+    ray.kill(c)

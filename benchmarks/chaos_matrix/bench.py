@@ -29,6 +29,7 @@ import torch
 
 import dcr_ray
 from dcr_ray import failpoints
+from dcr_ray.actors.fleet.topology import engine_name
 from dcr_ray.errors import DcrError, RefitError, RefitTimeoutError
 from dcr_ray.failpoints import remote as fp_remote
 from dcr_ray.testing.clusters import LocalClusters
@@ -333,7 +334,7 @@ class Bench:
                     pass  # dead: nothing armed there any more
         from dcr_ray.options import COORDINATOR_NAME
 
-        fp_remote.clear_next_start(COORDINATOR_NAME, NAMESPACE)
+        fp_remote.clear_next_start(COORDINATOR_NAME)
         for eid in self.handles()["engines"]:
-            fp_remote.clear_next_start(f"dcr_engine:{eid}", NAMESPACE)
+            fp_remote.clear_next_start(engine_name(eid))
         return out

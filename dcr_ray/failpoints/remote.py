@@ -15,7 +15,9 @@ import os
 
 from dcr_ray.failpoints.plan import Fault, parse, text
 
-_KV_KEY = "dcr_ray/failpoints/{namespace}/{name}"
+#: Keyed by the actor's name alone: a Ray actor knows its name but not the namespace it was created in (its
+#: runtime context names the job's), so a drill arms one topology's actors at a time.
+_KV_KEY = "dcr_ray/failpoints/next/{name}"
 
 
 def _arm_here(_actor, faults: list[Fault]) -> bool:
@@ -48,18 +50,19 @@ def report_of(handle, *, disarm: bool = False, timeout_s: float = 60.0) -> dict:
 
 
 def arm_next_start(name: str, namespace: str, faults: list[Fault]) -> None:
-    """Leave ``faults`` for the next start of the actor named ``name`` in ``namespace`` (see the module doc)."""
+    """Leave ``faults`` for the next start of the actor named ``name`` (see the module doc); ``namespace`` is the
+    topology's, where its ``restart_coordinator`` and ``kill_node`` reach."""
     from ray.experimental import internal_kv
 
     value = json.dumps({"plan": text(faults), "namespace": namespace})
-    internal_kv._internal_kv_put(_KV_KEY.format(namespace=namespace, name=name), value.encode(), overwrite=True)
+    internal_kv._internal_kv_put(_KV_KEY.format(name=name), value.encode(), overwrite=True)
 
 
-def clear_next_start(name: str, namespace: str) -> None:
+def clear_next_start(name: str) -> None:
     """Take back a plan :func:`arm_next_start` left that no start took."""
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_del(_KV_KEY.format(namespace=namespace, name=name))
+    internal_kv._internal_kv_del(_KV_KEY.format(name=name))
 
 
 def started() -> None:
@@ -71,8 +74,7 @@ def started() -> None:
     import ray
     from ray.experimental import internal_kv
 
-    ctx = ray.get_runtime_context()
-    key = _KV_KEY.format(namespace=ctx.namespace, name=ctx.get_actor_name())
+    key = _KV_KEY.format(name=ray.get_runtime_context().get_actor_name())
     value = internal_kv._internal_kv_get(key)
     if not value:
         return
