@@ -129,8 +129,9 @@ class Bench:
         self.refit = dcr_ray.launch(owners=dict(self.owners), clusters=self.clusters, config=self.config,
                                     engine=dcr_ray.HFEngine(self.spec))
         self.oracle = {0: ray.get(self.owners["owner0"].rollout_state.remote())}
-        self.ckpt = {"committed": ray.get(self.owners["owner0"].train_state.remote())}
-        self.ckpt["now"] = self.ckpt["committed"]
+        #: the trainer's whole state (weights, AdamW) at the committed version and now, kept only while a
+        #: scenario may lose an owner (a replacement is restored from them): :meth:`keep_owner_state`
+        self.ckpt: dict = {"committed": None, "now": None}
         self.snapshot = self.oracle[0]
 
     def relaunch(self) -> None:
@@ -176,7 +177,14 @@ class Bench:
         self.seed += 1
         ray.get([o.step.remote(seed=self.seed) for o in self.owners.values()], timeout=120)
         self.snapshot = ray.get(self.owners["owner0"].rollout_state.remote(), timeout=60)
-        self.ckpt["now"] = ray.get(self.owners["owner0"].train_state.remote(), timeout=60)
+        if self.ckpt["committed"] is not None:
+            self.ckpt["now"] = ray.get(self.owners["owner0"].train_state.remote(), timeout=60)
+
+    def keep_owner_state(self, keep: bool) -> None:
+        """Before a scenario that may lose an owner (``keep``): the trainer's state now is the committed
+        version's (:meth:`ensure` saw to it), kept so that a replacement can be restored to it."""
+        state = ray.get(self.owners["owner0"].train_state.remote(), timeout=60) if keep else None
+        self.ckpt = {"committed": state, "now": state}
 
     def bind(self) -> int:
         """After an operation: a version the record newly holds is the trainer's tensors read before it."""
@@ -204,6 +212,8 @@ class Bench:
     def replace_owners(self, oids: list[str]) -> None:
         """Each owner in ``oids`` replaced by a new replica restored to the committed version (its digests then
         match the engines'), which then catches up with the trainer's current step."""
+        if self.ckpt["committed"] is None:
+            raise RefitError(f"owners {oids} died in a scenario that was not expected to lose one")
         for oid in oids:
             rank = int(oid.removeprefix("owner"))
             new = self.Trainer.remote(self.spec, lr=LR, rank=rank, world=2)
@@ -266,6 +276,10 @@ class Bench:
                 if self.check(generate=False)["wrong_bits"]:
                     raise RefitError("engines still differ from the trainer after a heal")
                 self.dirty = False
+            if self.oracle.get(self.status()["version"]) is not self.snapshot:  # the trainer is ahead
+                self.refit.run(timeout=120)
+                self.bind()
+                did.append("a quiet refit (the trainer was ahead of the record)")
             st = self.status()
             missing = sorted(set(st["engines"]) - set(st["required"]))
             for eid in missing:

@@ -32,7 +32,7 @@ import time
 import ray
 
 from benchmarks.chaos_matrix.bench import (NAMESPACE, STAGE_TIMEOUT_S, STALL_PAST_S, Bench, message, names_fix,
-                                           op_bound_s)
+                                           op_bound_s, root)
 from dcr_ray.actors.fleet.topology import engine_name
 from dcr_ray.errors import DcrError
 from dcr_ray.failpoints import remote as fp_remote
@@ -89,6 +89,9 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
     t0 = time.monotonic()
     cell = {"point": point, "action": action, "at": at, "trigger": trigger, "target": target,
             "recovery": bench.ensure()}
+    bench.keep_owner_state(POINTS[point].role == "owner" or point == "objstore.put"
+                           or any(f.action in ("exit", "kill_node") and t.startswith("owner") for t, f in also))
+    marks = {"ensure": time.monotonic() - t0}
     fault = None if action is None else Fault(point=point, action=action, at=at,
                                               stall_s=STAGE_TIMEOUT_S + STALL_PAST_S, namespace=NAMESPACE)
     coordinator_faults = []
@@ -145,6 +148,12 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
         kind, out = _call(bench.refit.remote(), bound)
     cell["op_seconds"] = round(time.monotonic() - t_op, 2)
     cell["op_bound_s"] = bound
+    early = {}
+    if coordinator_faults:  # the trigger's faults stop with the operation they were for
+        try:
+            early["coordinator"] = fp_remote.report_of(bench.refit.actor, disarm=True, timeout_s=30)
+        except Exception:  # noqa: BLE001 - it restarted: nothing armed there any more
+            pass
     if kind == "hang":
         cell.update(outcome="hang", detail=f"the operation did not return within {bound:.0f} s")
         _start_over(bench, cell)
@@ -157,13 +166,19 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
         cell["names_fix"] = names_fix(err)
     # -- recovery and the checks ------------------------------------------------------------------------
     try:
+        t1 = time.monotonic()
         bench.bind()
         cell["recovery"] += bench.fix(err)
         cell["recovery"] += bench.heal()
         bench.bind()
+        marks["recover"] = time.monotonic() - t1
+        t1 = time.monotonic()
         first = bench.check()
+        marks["check"] = time.monotonic() - t1
+        t1 = time.monotonic()
         bench.step()
         kind2, nxt = _call(bench.refit.remote(), op_bound_s(False))
+        marks["next"] = time.monotonic() - t1
         if kind2 == "hang":
             cell.update(outcome="hang", detail="the next refit did not return within its bound")
             _start_over(bench, cell)
@@ -184,7 +199,10 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
     cell["notes"] = sorted(set(first["notes"] + second["notes"]))
     bench.dirty = bool(second["wrong_bits"] or second["problems"])
     reports = bench.disarm_all()
+    for name, rep in early.items():  # the coordinator's faults that fired before the trigger's were disarmed
+        reports[name] = {**rep, "fired": rep["fired"] + reports.get(name, {}).get("fired", [])}
     cell["fired"] = _fired(bench, action, target, handle, reports, epoch)
+    cell["phase_s"] = {k: round(v, 2) for k, v in marks.items()}
     if count:
         cell["counts"] = {name: r["counts"] for name, r in reports.items()}
     cell["outcome"] = _outcome(cell, err, kind2 == "done", expect_fail=trigger == "abandon")
@@ -237,7 +255,7 @@ def _outcome(cell: dict, err, next_committed: bool, expect_fail: bool) -> str:
         return "wrong_bits"
     if cell["problems"] or not next_committed:
         return "broken"
-    if err is not None and not expect_fail and not names_fix(err):
+    if err is not None and not names_fix(err) and not (expect_fail and isinstance(root(err), DcrError)):
         return "failed_nofix"
     if cell["fired"] is False:
         return "not_fired"
