@@ -63,6 +63,7 @@ def enumerate_matrix(*, modes=MODES, transports=TRANSPORTS, points=None, actions
                 if bench is None:
                     say(f"launching the {combo[0]} / {combo[1]} topology")
                     bench = Bench(fleet, *combo)
+                    _middle(bench, counts, "refit", "owner.send.before", "owner0")  # the frames per refit, on record
                 at = 1
                 if sc.hit == "middle":
                     at = _middle(bench, counts, sc.spec.trigger, sc.point, target(sc.point))
@@ -88,6 +89,7 @@ def enumerate_matrix(*, modes=MODES, transports=TRANSPORTS, points=None, actions
                 result["cells"].append(cell)
                 say(f"composed {comp.key}: {cell['outcome']} [{cell['seconds']:.1f}s]")
                 _write(result, t0, json_path)
+            result.setdefault("hits", {})["/".join(combo)] = counts  # per trigger, process and point
             if bench is not None:
                 bench.shutdown()
         result["complete"] = True

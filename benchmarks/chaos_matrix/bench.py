@@ -220,7 +220,8 @@ class Bench:
             ray.get(new.load_train_state.remote(self.ckpt["committed"]), timeout=120)
             self.refit.replace_owner(oid, new)
             ray.get(new.load_train_state.remote(self.ckpt["now"]), timeout=120)
-            self.owners[oid] = new
+            old, self.owners[oid] = self.owners[oid], new
+            ray.kill(old)  # dead already, or alive with a baseline the record no longer matches
 
     def heal(self, bound_s: float = HEAL_BOUND_S) -> list[str]:
         """Wait until no engine heals (rejoining each whose heal failed: the fix its error names); returns
@@ -243,9 +244,9 @@ class Bench:
         self.refit.wait_healed(timeout=max(1.0, deadline - time.monotonic()))
         return did
 
-    def fix(self, err: BaseException | None) -> list[str]:
-        """Apply what ``err`` names (replace dead owners, resume, relaunch) and what the faults left (nodes
-        removed); returns what it did."""
+    def fix(self, err: BaseException | None, warnings: list[str] = ()) -> list[str]:
+        """Apply what ``err``, or a committed report's ``warnings``, name (replace dead owners or owners that did
+        not promote, resume, relaunch) and what the faults left (nodes removed); returns what it did."""
         did = [f"node of {c} added back" for c in self.fleet.restore_nodes()]
         msg = "" if err is None else message(err)
         if err is not None and ("relaunch the topology" in msg):
@@ -257,9 +258,10 @@ class Bench:
             self.resume()
             did.append("coordinator killed, launch(resume=True)")
         dead = self.dead_owners()
-        if dead:
-            self.replace_owners(dead)
-            did.append(f"replace_owner {dead}")
+        stale = sorted({o for w in warnings if "did not promote" in w for o in re.findall(r"'(owner\d+)'", w)})
+        if dead or stale:
+            self.replace_owners(sorted({*dead, *stale}))
+            did.append(f"replace_owner {sorted({*dead, *stale})}" + (" (as the report's warning says)" if stale else ""))
         return did
 
     def ensure(self) -> list[str]:

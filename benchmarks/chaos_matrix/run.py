@@ -149,6 +149,11 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
     cell["op_seconds"] = round(time.monotonic() - t_op, 2)
     cell["op_bound_s"] = bound
     early = {}
+    if handle is not None:  # what fired in the operation (recovery may replace the process)
+        try:
+            early[target] = fp_remote.report_of(handle, timeout_s=30)
+        except Exception:  # noqa: BLE001 - it died
+            pass
     if coordinator_faults:  # the trigger's faults stop with the operation they were for
         try:
             early["coordinator"] = fp_remote.report_of(bench.refit.actor, disarm=True, timeout_s=30)
@@ -159,8 +164,10 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
         _start_over(bench, cell)
         return _done(cell, t0)
     err = out if kind == "error" else None
+    warnings = []
     if err is None and trigger not in ("lag", "bootstrap"):
         cell["attempts"] = out.attempts
+        warnings = list(out.warnings)
     elif err is not None:
         cell["error"] = message(err)[:600]
         cell["names_fix"] = names_fix(err)
@@ -168,13 +175,22 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
     try:
         t1 = time.monotonic()
         bench.bind()
-        cell["recovery"] += bench.fix(err)
+        cell["recovery"] += bench.fix(err, warnings)
         cell["recovery"] += bench.heal()
         bench.bind()
         marks["recover"] = time.monotonic() - t1
         t1 = time.monotonic()
         first = bench.check()
         marks["check"] = time.monotonic() - t1
+        # the fault fired in the operation and its recovery, or not at all: the next refit runs disarmed
+        reports = bench.disarm_all()
+        for name, rep in early.items():  # what fired before the trigger's faults were disarmed, or the process
+            later = reports.get(name, {})  # replaced, merged with what its last report says
+            fired = {(f["point"], f["hit"]): f for f in [*rep["fired"], *later.get("fired", [])]}
+            reports[name] = {**rep, "fired": list(fired.values()), "counts": {**rep["counts"], **later.get("counts", {})}}
+        cell["fired"] = _fired(bench, action, target, handle, reports, epoch)
+        if count:
+            cell["counts"] = {name: r["counts"] for name, r in reports.items()}
         t1 = time.monotonic()
         bench.step()
         kind2, nxt = _call(bench.refit.remote(), op_bound_s(False))
@@ -198,13 +214,7 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
     cell["problems"] = first["problems"] + second["problems"]
     cell["notes"] = sorted(set(first["notes"] + second["notes"]))
     bench.dirty = bool(second["wrong_bits"] or second["problems"])
-    reports = bench.disarm_all()
-    for name, rep in early.items():  # the coordinator's faults that fired before the trigger's were disarmed
-        reports[name] = {**rep, "fired": rep["fired"] + reports.get(name, {}).get("fired", [])}
-    cell["fired"] = _fired(bench, action, target, handle, reports, epoch)
     cell["phase_s"] = {k: round(v, 2) for k, v in marks.items()}
-    if count:
-        cell["counts"] = {name: r["counts"] for name, r in reports.items()}
     cell["outcome"] = _outcome(cell, err, kind2 == "done", expect_fail=trigger == "abandon")
     return _done(cell, t0)
 
