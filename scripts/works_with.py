@@ -51,6 +51,8 @@ def table() -> str:
         ran = "; ".join(f"`{run}`" for run in r["runs"])
         result = (f"{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped "
                   f"({r['seconds'] / 60:.1f} min)")
+        if r.get("same_as_suite"):
+            ran, result = "nothing: the suite's own versions", "the suite's"
         rows.append(f"| `{name}` | {versions_cell(r['versions'])} | {ran} | {result} | {r['note']} |")
     return "\n".join(rows)
 

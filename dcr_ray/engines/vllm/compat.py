@@ -1,6 +1,7 @@
 """What differs between the vLLM releases dcr_ray supports, and what exists only to make vLLM run here.
 
-Releases (:data:`SUPPORTED_VLLM`; the plugin refuses others at registration, :func:`check_vllm_version`).
+Releases (:data:`SUPPORTED_VLLM`; on others the plugin registers only a ``dcr`` that refuses, naming the range,
+and :func:`start_llm` refuses the same: :func:`check_vllm_version`).
 Each shim picks its path from what the imported vLLM has, not from its version number, and
 ``tests/test_vllm_compat.py`` runs against each release's own modules (``scripts/compat.sh``):
 
@@ -210,14 +211,14 @@ VLLM_CPU_RUNTIME_ENV = {
 def start_llm(kwargs: dict[str, Any], *, cuda: bool, kv_cache_gib: int) -> tuple[Any, bool]:
     """A ``vllm.LLM(**kwargs)``, started with the settings this process needs.
 
-    On CPU: :func:`cpu_environment` and :func:`init_amx` first. Always: :func:`import_vllm` (the install
-    hint when vLLM is missing) and :func:`make_llvmlite_safe_for_vllm` (numba may already be loaded
+    On CPU: :func:`cpu_environment` and :func:`init_amx` first. Always: :func:`check_vllm_version` (the install
+    hint when vLLM is missing, the supported range when it is another release) and :func:`make_llvmlite_safe_for_vllm` (numba may already be loaded
     here by dcr_ray's apply kernels). Returns ``(llm, in_process)``; an in-process engine is counted
     live until :func:`shutdown_llm`.
     """
     if not cuda:
         cpu_environment(kv_cache_gib)
-    import_vllm()
+    check_vllm_version()  # an unsupported release: the error names the range before anything starts
     from vllm import LLM
 
     if not cuda:

@@ -24,16 +24,22 @@ runs first.
 
 vLLM loads general plugins only when ``VLLM_PLUGINS`` is unset or names them (``VLLM_PLUGINS=dcr``).
 
-On a vLLM release outside :data:`~dcr_ray.engines.vllm.compat.SUPPORTED_VLLM` registration raises
-:class:`~dcr_ray.errors.UnsupportedRuntimeError` naming the supported range, before anything is registered
-(vLLM calls each plugin unguarded, so the engine does not start), instead of a missing vLLM module surfacing
-later at ``init_weight_transfer_engine``.
+On a vLLM release outside :data:`~dcr_ray.engines.vllm.compat.SUPPORTED_VLLM` the plugin logs one warning and
+changes nothing in vLLM but one name: vLLM calls every installed plugin unguarded in every process, so a raise
+here would stop every vLLM process of the environment, those that never ask for ``dcr`` included. Backend
+``dcr`` is then a stand-in (:mod:`~dcr_ray.engines.vllm.unsupported`) that raises
+:class:`~dcr_ray.errors.UnsupportedRuntimeError`, naming the supported range, when someone asks for it
+(``weight_transfer_config={"backend": "dcr"}``, on either side); starting an engine through dcr_ray raises the
+same (:func:`~dcr_ray.engines.vllm.compat.start_llm`).
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: The name both halves are registered under: ``weight_transfer_config={"backend": BACKEND_NAME}``.
 BACKEND_NAME = "dcr"
@@ -43,10 +49,16 @@ def register() -> None:
     """Register :class:`~dcr_ray.engines.vllm.worker.transfer.DcrWeightTransferEngine` and its trainer twin as
     backend ``dcr``, let vLLM's HTTP client send frames, add ``dcr_transfer_status`` to vLLM's worker
     base class, and make this process ready for a CPU engine (:func:`~dcr_ray.engines.vllm.compat.prepare_cpu_process`;
-    all idempotent). An unsupported vLLM release raises :class:`~dcr_ray.errors.UnsupportedRuntimeError` first."""
+    all idempotent). On an unsupported vLLM release: one warning, and ``dcr`` names the stand-in that refuses
+    (:func:`register_unsupported`); nothing else changes."""
     from dcr_ray.engines.vllm.compat import check_vllm_version, prepare_cpu_process
+    from dcr_ray.errors import UnsupportedRuntimeError
 
-    check_vllm_version()
+    try:
+        check_vllm_version()
+    except UnsupportedRuntimeError as e:
+        register_unsupported(e)
+        return
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     prepare_cpu_process()  # AMX and the llvmlite shim; nothing CUDA-related, so a later fork is unaffected
@@ -63,6 +75,23 @@ def register() -> None:
         return
     if not hasattr(WorkerBase, "dcr_transfer_status"):
         WorkerBase.dcr_transfer_status = dcr_transfer_status
+
+
+def register_unsupported(error: Exception) -> None:
+    """On an unsupported vLLM: log ``error`` once, and register backend ``dcr`` (both sides) as the stand-in of
+    :mod:`~dcr_ray.engines.vllm.unsupported`, so asking for it raises ``error``'s message instead of vLLM's
+    "invalid backend". Never raises: a vLLM whose registries changed shape gets the warning alone."""
+    log.warning("dcr_ray: %s. The dcr weight-transfer backend is not registered; vLLM runs without it.", error)
+    try:
+        from vllm.distributed.weight_transfer import factory
+    except Exception:  # a vLLM without the weight-transfer registries: nothing to register
+        return
+    for registry, cls in (("WeightTransferEngineFactory", "DcrWeightTransferEngine"),
+                          ("WeightTransferTrainerFactory", "DcrTrainerWeightTransferEngine")):
+        try:
+            getattr(factory, registry).register_engine(BACKEND_NAME, "dcr_ray.engines.vllm.unsupported", cls)
+        except Exception:  # already registered, or another shape: the warning is what is left
+            pass
 
 
 def register_trainer() -> None:
