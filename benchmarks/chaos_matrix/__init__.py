@@ -72,6 +72,7 @@ def enumerate_matrix(*, modes=MODES, transports=TRANSPORTS, points=None, actions
                                                 "why": f"hit at most once per operation in {target(sc.point)}"})
                         continue
                 cell = {**base, **run(bench, sc.point, sc.action, at)}
+                bench.scenarios += 1
                 result["cells"].append(cell)
                 say(f"{i + 1}/{len(mine)} {sc.key} @{at}: {cell['outcome']}"
                     + (f" ({cell.get('error', '')[:120]})" if cell['outcome'] not in ("committed", "ok") else "")
@@ -111,15 +112,24 @@ class _Stop(Exception):
     pass
 
 
+#: A trigger's hits are counted again after this many scenarios: the frames per refit shrink as training goes
+#: on (fewer elements change their BF16 bits per step), and a middle hit must stay inside the operation.
+RECOUNT_EVERY = 25
+
+
 def _middle(bench, counts: dict, trigger: str, point: str, process: str) -> int:
     """Half the hits of ``point`` in ``process`` per operation of ``trigger`` (0 when it is hit once or never),
-    counted once per trigger."""
+    counted with an empty plan armed everywhere, again every :data:`RECOUNT_EVERY` scenarios."""
     from benchmarks.chaos_matrix.run import run
     from dcr_ray.failpoints.catalog import POINTS
 
-    if trigger not in counts:
+    seen = counts.setdefault("_scenarios", {})
+    if trigger not in counts or bench.scenarios - seen.get(trigger, 0) >= RECOUNT_EVERY:
         example = next(p for p, spec in POINTS.items() if spec.trigger == trigger)
         counts[trigger] = run(bench, example, None, 1, count=True).get("counts", {})
+        seen[trigger] = bench.scenarios
+        counts.setdefault("_history", []).append({"trigger": trigger, "after_scenarios": bench.scenarios,
+                                                   "counts": counts[trigger]})
     n = counts[trigger].get(process, {}).get(point, 0)
     return (n + 1) // 2 if n >= 2 else 0
 

@@ -110,6 +110,8 @@ class Bench:
         self.oracle: dict[int, dict[str, torch.Tensor]] = {}
         #: the last scenario's final check found something: the next one checks and repairs first
         self.dirty = False
+        #: scenarios run on this topology (its hits per refit are counted again every so many)
+        self.scenarios = 0
         self._launch()
 
     # -- the topology ---------------------------------------------------------------------------------
