@@ -43,10 +43,10 @@ STAGE_TIMEOUT_S = 5.0
 STALL_PAST_S = 2.0
 MAX_ATTEMPTS = 3
 LR = 1e-3
-#: 6 KiB buckets (raw): the owners' hash split of the tiny model is lopsided (owner0 holds 394 k elements,
-#: owner1 164 k), and at these buckets owner1 still streams 16+ frames per refit.
-BUCKET_BYTES = 6 << 10
-CHUNK_ELEMS = 1 << 9
+#: 12 KiB buckets (raw), and the tiny model's tensors split between the two owners by size (279 k elements
+#: each; a stable hash of the names would give one 394 k and the other 164 k): each streams 16+ frames.
+BUCKET_BYTES = 12 << 10
+CHUNK_ELEMS = 1 << 10
 #: How long healing may take after a scenario before it counts as a hang.
 HEAL_BOUND_S = 240.0
 #: Extra seconds an operation may take when the coordinator restarts or a node is lost during it.
@@ -75,6 +75,22 @@ def op_bound_s(restarts: bool) -> float:
     """The longest one refit call may take: every attempt's stages at their timeout, the sweeps and aborts
     between them, and (when the coordinator restarts or a node goes) the restart itself."""
     return MAX_ATTEMPTS * 5 * STAGE_TIMEOUT_S + 2 * STAGE_TIMEOUT_S + (RESTART_ALLOWANCE_S if restarts else 0.0)
+
+
+def balanced_shares(spec: ModelSpec, world: int) -> list[list[str]]:
+    """The model's tensor names split between ``world`` owners by size (the largest first, each to the owner
+    with the fewest elements so far), so that every owner streams a like number of frames."""
+    from dcr_ray.engines.base import checkpoint_state_dict
+    from dcr_ray.testing.models import build_model
+
+    sizes = {n: t.numel() for n, t in checkpoint_state_dict(build_model(spec)).items()}
+    shares: list[list[str]] = [[] for _ in range(world)]
+    load = [0] * world
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        i = load.index(min(load))
+        shares[i].append(name)
+        load[i] += sizes[name]
+    return shares
 
 
 class Fleet:
@@ -117,7 +133,8 @@ class Bench:
     # -- the topology ---------------------------------------------------------------------------------
     def _launch(self) -> None:
         self.Trainer = ray.remote(num_cpus=0, resources={"train": 0.01})(TinyTrainer)
-        self.owners = {f"owner{r}": self.Trainer.remote(self.spec, lr=LR, rank=r, world=2) for r in range(2)}
+        self.shares = balanced_shares(self.spec, 2)
+        self.owners = {f"owner{r}": self.Trainer.remote(self.spec, lr=LR, owns=self.shares[r]) for r in range(2)}
         self.work = tempfile.mkdtemp(prefix="dcr_matrix_")
         env = {"runtime_env": {"env_vars": {failpoints.ENV: ""}}}  # each start looks for a plan left for it
         self.config = dcr_ray.RefitConfig(
@@ -220,7 +237,7 @@ class Bench:
             raise RefitError(f"owners {oids} died in a scenario that was not expected to lose one")
         for oid in oids:
             rank = int(oid.removeprefix("owner"))
-            new = self.Trainer.remote(self.spec, lr=LR, rank=rank, world=2)
+            new = self.Trainer.remote(self.spec, lr=LR, owns=self.shares[rank])
             ray.get(new.load_train_state.remote(self.ckpt["committed"]), timeout=120)
             self.refit.replace_owner(oid, new)
             ray.get(new.load_train_state.remote(self.ckpt["now"]), timeout=120)

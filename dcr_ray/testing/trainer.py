@@ -20,10 +20,11 @@ from dcr_ray.testing.models import ModelSpec, build_model
 
 
 class TinyTrainer(OwnerMixin):
-    """FP32 AdamW trainer of ``spec``'s model; rank ``rank`` of ``world`` owns a share of the names."""
+    """FP32 AdamW trainer of ``spec``'s model; rank ``rank`` of ``world`` owns a share of the names (or the
+    names in ``owns``)."""
 
     def __init__(self, spec: ModelSpec = ModelSpec(), *, lr: float = 1e-5, rank: int = 0, world: int = 1,
-                 rollout_dtype: torch.dtype = torch.bfloat16, threads: int | None = 1):
+                 rollout_dtype: torch.dtype = torch.bfloat16, threads: int | None = 1, owns=None):
         if threads:
             torch.set_num_threads(threads)
         self.spec = spec
@@ -31,7 +32,9 @@ class TinyTrainer(OwnerMixin):
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.rollout_dtype = rollout_dtype
         self.names = list(checkpoint_state_dict(self.model))
-        self.mine = set(owned_names(self.names, rank, world))
+        # the names this replica sends: its share of a stable hash (owned_names), or ``owns`` (the replicas
+        # then split the names between them some other way, e.g. by size)
+        self.mine = set(owned_names(self.names, rank, world)) if owns is None else set(owns)
         self.steps = 0
         self._cache: tuple[int, dict] | None = None
 
