@@ -43,9 +43,9 @@ STAGE_TIMEOUT_S = 5.0
 STALL_PAST_S = 2.0
 MAX_ATTEMPTS = 3
 LR = 1e-3
-#: 12 KiB buckets (raw), and the tiny model's tensors split between the two owners by size (279 k elements
-#: each; a stable hash of the names would give one 394 k and the other 164 k): each streams 16+ frames.
-BUCKET_BYTES = 12 << 10
+#: 8 KiB buckets (raw), and the tiny model's tensors split between the two owners by how many of their elements
+#: change (:func:`balanced_shares`): each streams 16+ frames per refit.
+BUCKET_BYTES = 8 << 10
 CHUNK_ELEMS = 1 << 10
 #: How long healing may take after a scenario before it counts as a hang.
 HEAL_BOUND_S = 240.0
@@ -77,19 +77,23 @@ def op_bound_s(restarts: bool) -> float:
     return MAX_ATTEMPTS * 5 * STAGE_TIMEOUT_S + 2 * STAGE_TIMEOUT_S + (RESTART_ALLOWANCE_S if restarts else 0.0)
 
 
-def balanced_shares(spec: ModelSpec, world: int) -> list[list[str]]:
-    """The model's tensor names split between ``world`` owners by size (the largest first, each to the owner
-    with the fewest elements so far), so that every owner streams a like number of frames."""
-    from dcr_ray.engines.base import checkpoint_state_dict
-    from dcr_ray.testing.models import build_model
-
-    sizes = {n: t.numel() for n, t in checkpoint_state_dict(build_model(spec)).items()}
+def balanced_shares(spec: ModelSpec, world: int, steps: int = 3) -> list[list[str]]:
+    """The model's tensor names split between ``world`` owners so that each streams a like number of frames:
+    by how many elements change their BF16 bits in a few real AdamW steps at :data:`LR` (the lm head changes
+    densely, the embedding only in the rows a batch used), the largest first, each to the owner with the
+    fewest so far. (A stable hash of the names, ``owned_names``, gives one owner 3x the frames of the other.)"""
+    trainer = TinyTrainer(spec, lr=LR)
+    before = trainer.rollout_state()
+    for seed in range(1, steps + 1):
+        trainer.step(seed=10_000 + seed)
+    after = trainer.rollout_state()
+    changed = {n: int((after[n].view(torch.int16) != before[n].view(torch.int16)).sum()) + 1 for n in after}
     shares: list[list[str]] = [[] for _ in range(world)]
     load = [0] * world
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+    for name in sorted(changed, key=lambda n: (-changed[n], n)):
         i = load.index(min(load))
         shares[i].append(name)
-        load[i] += sizes[name]
+        load[i] += changed[name]
     return shares
 
 
