@@ -77,23 +77,32 @@ def op_bound_s(restarts: bool) -> float:
     return MAX_ATTEMPTS * 5 * STAGE_TIMEOUT_S + 2 * STAGE_TIMEOUT_S + (RESTART_ALLOWANCE_S if restarts else 0.0)
 
 
-def balanced_shares(spec: ModelSpec, world: int, steps: int = 3) -> list[list[str]]:
+def balanced_shares(spec: ModelSpec, world: int, steps: int = 4) -> list[list[str]]:
     """The model's tensor names split between ``world`` owners so that each streams a like number of frames:
-    by how many elements change their BF16 bits in a few real AdamW steps at :data:`LR` (the lm head changes
-    densely, the embedding only in the rows a batch used), the largest first, each to the owner with the
-    fewest so far. (A stable hash of the names, ``owned_names``, gives one owner 3x the frames of the other.)"""
+    each tensor weighs the frames the real codec makes of its change in one AdamW step at :data:`LR` (after a
+    few: the lm head changes densely, the embedding only in the rows a batch used), the heaviest first, each
+    to the owner with the lightest load so far. (A stable hash of the names, ``owned_names``, gives one owner
+    3x the frames of the other.)"""
+    from dcr_ray.codec import FrameMeta, bits_view, diff_tensor, encode_frames
+
     trainer = TinyTrainer(spec, lr=LR)
-    before = trainer.rollout_state()
-    for seed in range(1, steps + 1):
+    for seed in range(1, steps):
         trainer.step(seed=10_000 + seed)
+    before = {n: t.clone() for n, t in trainer.rollout_state().items()}
+    trainer.step(seed=10_000 + steps)
     after = trainer.rollout_state()
-    changed = {n: int((after[n].view(torch.int16) != before[n].view(torch.int16)).sum()) + 1 for n in after}
+    meta = FrameMeta(transfer="t", attempt=0, producer="o", payload=0, base=0, target=1)
+    weight = {}
+    for n in after:
+        delta = diff_tensor(n, bits_view(before[n]), after[n], chunk_elems=CHUNK_ELEMS)
+        frames = list(encode_frames([delta], meta, bucket_bytes=BUCKET_BYTES)) if delta.chunks else []
+        weight[n] = sum(len(f) for f in frames) + 1
     shares: list[list[str]] = [[] for _ in range(world)]
     load = [0] * world
-    for name in sorted(changed, key=lambda n: (-changed[n], n)):
+    for name in sorted(weight, key=lambda n: (-weight[n], n)):
         i = load.index(min(load))
         shares[i].append(name)
-        load[i] += changed[name]
+        load[i] += weight[name]
     return shares
 
 
