@@ -71,7 +71,12 @@ def enumerate_matrix(*, modes=MODES, transports=TRANSPORTS, points=None, actions
                         result["cells"].append({**base, "outcome": "n/a",
                                                 "why": f"hit at most once per operation in {target(sc.point)}"})
                         continue
-                cell = {**base, **run(bench, sc.point, sc.action, at)}
+                try:
+                    cell = {**base, **run(bench, sc.point, sc.action, at)}
+                except Exception as e:  # noqa: BLE001 - the harness's own failure: recorded, then start over
+                    cell = {**base, "outcome": "harness_error", "error": f"{type(e).__name__}: {str(e)[:600]}",
+                            "seconds": 0.0}
+                    bench.relaunch()
                 bench.scenarios += 1
                 result["cells"].append(cell)
                 say(f"{i + 1}/{len(mine)} {sc.key} @{at}: {cell['outcome']}"
@@ -86,7 +91,12 @@ def enumerate_matrix(*, modes=MODES, transports=TRANSPORTS, points=None, actions
                 if bench is None:
                     say(f"launching the {combo[0]} / {combo[1]} topology")
                     bench = Bench(fleet, *combo)
-                cell = {**comp.to_dict(), "key": comp.key, **_run_composed(bench, comp, counts)}
+                try:
+                    cell = {**comp.to_dict(), "key": comp.key, **_run_composed(bench, comp, counts)}
+                except Exception as e:  # noqa: BLE001 - the harness's own failure: recorded, then start over
+                    cell = {**comp.to_dict(), "key": comp.key, "outcome": "harness_error",
+                            "error": f"{type(e).__name__}: {str(e)[:600]}", "seconds": 0.0}
+                    bench.relaunch()
                 result["cells"].append(cell)
                 say(f"composed {comp.key}: {cell['outcome']} [{cell['seconds']:.1f}s]")
                 _write(result, t0, json_path)

@@ -78,6 +78,17 @@ def op_bound_s(restarts: bool) -> float:
     return MAX_ATTEMPTS * 5 * STAGE_TIMEOUT_S + 2 * STAGE_TIMEOUT_S + (RESTART_ALLOWANCE_S if restarts else 0.0)
 
 
+def alive(handle) -> bool:
+    """Whether an actor answers (a call to it fails with a dead actor's error only when it is dead)."""
+    try:
+        ray.get(handle.__ray_call__.remote(lambda self: True), timeout=30)
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+    except Exception:  # noqa: BLE001 - slow, not dead
+        return True
+
+
 def balanced_shares(spec: ModelSpec, world: int, steps: int = 4) -> list[list[str]]:
     """The model's tensor names split between ``world`` owners so that each streams a like number of frames:
     each tensor weighs the frames the real codec makes of its change in one AdamW step at :data:`LR` (after a
@@ -313,6 +324,13 @@ class Bench:
                 if self.check(generate=False)["wrong_bits"]:
                     raise RefitError("engines still differ from the trainer after a heal")
                 self.dirty = False
+            dead = [r for r, h in self.handles()["relays"].items() if not alive(h)]
+            if dead:  # the refit's retry re-creates them (what the next refit would do anyway)
+                did.append(f"relays {dead} dead before the scenario: a quiet refit")
+                self.refit.run(timeout=120)
+                self.bind()
+                if any(not alive(h) for h in self.handles()["relays"].values()):
+                    raise RefitError(f"relays {dead} stay dead")
             if self.oracle.get(self.status()["version"]) is not self.snapshot:  # the trainer is ahead
                 self.refit.run(timeout=120)
                 self.bind()

@@ -11,13 +11,15 @@ from dcr_ray.failpoints.plan import ACTIONS
 
 #: Each outcome's short form in a table cell.
 SHORT = {"hang": "**HANG**", "wrong_bits": "**WRONG**", "broken": "**BROKEN**", "failed_nofix": "**ERR**",
+         "harness_error": "h!",
          "not_fired": "nf", "failed_fix": "fix", "ok": "ok", "n/a": "·"}
 LEGEND = ("`c1`/`c2`/`c3`: committed at attempt n; `ok`: the operation (a rejoin, a dense bootstrap) succeeded; "
           "`fix`: failed with a DcrError that names its fix, which the harness applied; `nf`: the hit never came; "
           "`·`: cannot happen (the apply mode or transport never reaches it, or the action does not apply); "
           "**ERR**: failed with an error that names no fix; **BROKEN**: a check failed (a ready engine that does "
           "not generate, the next refit not committing); **WRONG**: an engine served bits other than the trainer's "
-          "for its version; **HANG**: an operation or heal ran past its bound. `first/middle` where the point "
+          "for its version; **HANG**: an operation or heal ran past its bound; `h!`: the harness itself failed (the "
+          "topology was relaunched). `first/middle` where the point "
           "is hit more than once per refit.")
 
 
@@ -38,7 +40,7 @@ def summary(cells: list[dict]) -> list[dict]:
         rows.append({"mode": combo[0], "transport": combo[1], "ran": sum(v for k, v in n.items() if k != "n/a"),
                      "n/a": n.get("n/a", 0), **{k: n.get(k, 0) for k in ("committed", "ok", "failed_fix",
                                                                              "not_fired", "failed_nofix", "broken",
-                                                                             "wrong_bits", "hang")}})
+                                                                             "wrong_bits", "hang", "harness_error")}})
     return rows
 
 
@@ -47,7 +49,7 @@ def markdown(result: dict) -> str:
     lines = [f"{len(POINTS)} failpoints x {len(ACTIONS)} actions x apply mode x transport, at the first hit and a "
              f"middle hit; {result.get('seconds', 0):.0f} s on {result.get('cores', '?')} cores.", ""]
     cols = ["mode", "transport", "ran", "n/a", "committed", "ok", "failed_fix", "not_fired", "failed_nofix",
-            "broken", "wrong_bits", "hang"]
+            "broken", "wrong_bits", "hang", "harness_error"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in summary(cells)]
     lines += ["", LEGEND, ""]

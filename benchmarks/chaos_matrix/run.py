@@ -31,8 +31,8 @@ import time
 
 import ray
 
-from benchmarks.chaos_matrix.bench import (NAMESPACE, STAGE_TIMEOUT_S, STALL_PAST_S, Bench, message, names_fix,
-                                           op_bound_s, root)
+from benchmarks.chaos_matrix.bench import (NAMESPACE, STAGE_TIMEOUT_S, STALL_PAST_S, Bench, alive, message,
+                                           names_fix, op_bound_s, root)
 from dcr_ray.actors.fleet.topology import engine_name
 from dcr_ray.errors import DcrError
 from dcr_ray.failpoints import remote as fp_remote
@@ -43,7 +43,8 @@ from dcr_ray.options import COORDINATOR_NAME
 #: The fault that makes a refit's attempts fail after the engines wrote their frames, before their flush (so an
 #: in-place engine rolls back rather than parks): ``retry`` once, ``abandon`` at every attempt.
 ATTEMPT_FAILS = "coordinator.flush.before"
-OUTCOMES = ("hang", "wrong_bits", "broken", "failed_nofix", "not_fired", "failed_fix", "committed", "ok")
+OUTCOMES = ("hang", "wrong_bits", "broken", "failed_nofix", "not_fired", "failed_fix", "committed", "ok",
+            "harness_error")
 
 
 def _call(ref, bound_s: float):
@@ -55,16 +56,6 @@ def _call(ref, bound_s: float):
         return "done", ray.get(ref)
     except Exception as e:  # noqa: BLE001 - the cell reports it
         return "error", e
-
-
-def _alive(handle) -> bool:
-    try:
-        ray.get(handle.__ray_call__.remote(lambda self: True), timeout=30)
-        return True
-    except ray.exceptions.RayActorError:
-        return False
-    except Exception:
-        return True
 
 
 def _restart_coordinator(bench: Bench) -> None:
@@ -253,7 +244,7 @@ def _fired(bench: Bench, action, target: str, handle, reports: dict, epoch: int)
     if action == "restart_coordinator" or target == "coordinator":
         if bench.status()["epoch"] > epoch:
             return True
-    if action in ("exit", "kill_node") and handle is not None and not _alive(handle):
+    if action in ("exit", "kill_node") and handle is not None and not alive(handle):
         return True
     if handle is None and action in ("exit", "kill_node"):
         return None  # armed for a start: a process that died with it leaves no report (unknown)
