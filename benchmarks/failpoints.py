@@ -101,7 +101,8 @@ def refits(size: str, bucket: int, chunk: int, n: int) -> dict:
     finally:
         ray.shutdown()
     per = {name: statistics.median(x[name] for x in hits) for name in hits[0]}
-    return {"refit_s": statistics.median(seconds["disarmed"]), "refit_counting_s": statistics.median(seconds["counting"]),
+    return {"refit_s": statistics.median(seconds["disarmed"]),
+            "refit_counting_s": statistics.median(seconds["counting"]),
             "refit_s_all": seconds, "hits_per_refit": sum(per.values()), "hits_most_process": max(per.values()),
             "most_hit_process": max(per, key=per.get), "hits_by_process": per, "frames": frames}
 

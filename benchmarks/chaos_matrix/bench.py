@@ -314,7 +314,8 @@ class Bench:
         stale = sorted({o for w in warnings if "did not promote" in w for o in re.findall(r"'(owner\d+)'", w)})
         if dead or stale:
             self.replace_owners(sorted({*dead, *stale}))
-            did.append(f"replace_owner {sorted({*dead, *stale})}" + (" (as the report's warning says)" if stale else ""))
+            why = " (as the report's warning says)" if stale else ""
+            did.append(f"replace_owner {sorted({*dead, *stale})}{why}")
         return did
 
     def ensure(self) -> list[str]:

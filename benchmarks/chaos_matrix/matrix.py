@@ -12,8 +12,9 @@ from dcr_ray.failpoints.plan import ACTIONS
 #: Each outcome's short form in a table cell.
 SHORT = {"hang": "**HANG**", "wrong_bits": "**WRONG**", "broken": "**BROKEN**", "failed_nofix": "**ERR**",
          "harness_error": "h!",
-         "not_fired": "nf", "failed_fix": "fix", "ok": "ok", "n/a": "·"}
+         "not_fired": "nf", "failed_fix": "fix", "ok": "ok", "abandoned": "ab", "n/a": "·"}
 LEGEND = ("`c1`/`c2`/`c3`: committed at attempt n; `ok`: the operation (a rejoin, a dense bootstrap) succeeded; "
+          "`ab`: a refit whose every attempt the trigger failed was abandoned cleanly (engines back at the version); "
           "`fix`: failed with a DcrError that names its fix, which the harness applied; `nf`: the hit never came; "
           "`·`: cannot happen (the apply mode or transport never reaches it, or the action does not apply); "
           "**ERR**: failed with an error that names no fix; **BROKEN**: a check failed (a ready engine that does "
@@ -38,7 +39,7 @@ def summary(cells: list[dict]) -> list[dict]:
         mine = [c for c in cells if combo == ("all", "all") or (c["mode"], c["transport"]) == combo]
         n = Counter(c["outcome"] for c in mine)
         rows.append({"mode": combo[0], "transport": combo[1], "ran": sum(v for k, v in n.items() if k != "n/a"),
-                     "n/a": n.get("n/a", 0), **{k: n.get(k, 0) for k in ("committed", "ok", "failed_fix",
+                     "n/a": n.get("n/a", 0), **{k: n.get(k, 0) for k in ("committed", "ok", "abandoned", "failed_fix",
                                                                              "not_fired", "failed_nofix", "broken",
                                                                              "wrong_bits", "hang", "harness_error")}})
     return rows
@@ -48,8 +49,8 @@ def markdown(result: dict) -> str:
     cells = result["cells"]
     lines = [f"{len(POINTS)} failpoints x {len(ACTIONS)} actions x apply mode x transport, at the first hit and a "
              f"middle hit; {result.get('seconds', 0):.0f} s on {result.get('cores', '?')} cores.", ""]
-    cols = ["mode", "transport", "ran", "n/a", "committed", "ok", "failed_fix", "not_fired", "failed_nofix",
-            "broken", "wrong_bits", "hang", "harness_error"]
+    cols = ["mode", "transport", "ran", "n/a", "committed", "ok", "abandoned", "failed_fix", "not_fired",
+            "failed_nofix", "broken", "wrong_bits", "hang", "harness_error"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in summary(cells)]
     lines += ["", LEGEND, ""]

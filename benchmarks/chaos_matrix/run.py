@@ -21,7 +21,9 @@ engine serves bits that are not the trainer's for its version, or the record nam
 ``broken`` (a check failed otherwise: a ready engine that does not generate, a required engine off the record's
 version, the next refit not committing), ``failed_nofix`` (the operation failed with an error that names no
 fix), ``not_fired`` (the fault's hit never came), ``failed_fix`` (a ``DcrError`` naming its fix, which the
-harness applied), ``committed`` (at ``attempts``; ``ok`` for an operation that is not a refit). ``recovery``
+harness applied), ``committed`` (at ``attempts``; ``ok`` for an operation that is not a refit; ``abandoned``: an
+``abandon`` trigger's refit failed with a ``RefitError``, as that trigger intends, and everything after it checked
+out). ``recovery``
 lists what the harness did (the fixes applied, nodes added back, engines rejoined).
 """
 
@@ -44,7 +46,7 @@ from dcr_ray.options import COORDINATOR_NAME
 #: in-place engine rolls back rather than parks): ``retry`` once, ``abandon`` at every attempt.
 ATTEMPT_FAILS = "coordinator.flush.before"
 OUTCOMES = ("hang", "wrong_bits", "broken", "failed_nofix", "not_fired", "failed_fix", "committed", "ok",
-            "harness_error")
+            "abandoned", "harness_error")
 
 
 def _call(ref, bound_s: float):
@@ -178,7 +180,8 @@ def run(bench: Bench, point: str, action: str | None, at: int, *, count: bool = 
         for name, rep in early.items():  # what fired before the trigger's faults were disarmed, or the process
             later = reports.get(name, {})  # replaced, merged with what its last report says
             fired = {(f["point"], f["hit"]): f for f in [*rep["fired"], *later.get("fired", [])]}
-            reports[name] = {**rep, "fired": list(fired.values()), "counts": {**rep["counts"], **later.get("counts", {})}}
+            reports[name] = {**rep, "fired": list(fired.values()),
+                             "counts": {**rep["counts"], **later.get("counts", {})}}
         cell["fired"] = _fired(bench, action, target, handle, reports, epoch)
         if count:
             cell["counts"] = {name: r["counts"] for name, r in reports.items()}
@@ -262,6 +265,8 @@ def _outcome(cell: dict, err, next_committed: bool, expect_fail: bool) -> str:
         return "not_fired"
     if err is not None and not expect_fail:
         return "failed_fix"
+    if expect_fail and err is not None:
+        return "abandoned"
     return "committed" if "attempts" in cell else "ok"
 
 
