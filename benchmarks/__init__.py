@@ -19,7 +19,9 @@ matplotlib) inside the functions that run, so ``dcr-ray --help`` stays fast.
 - :mod:`~benchmarks.startup`  where a topology's start-up goes (per actor), the first refits, an engine's
   re-creation
 - :mod:`~benchmarks.markdown`  a run's tables (BENCHMARKS.md) rendered from its JSON alone
-- :mod:`~benchmarks.chaos`  ``dcr-ray chaos``: seeded faults against a multi-node topology, every refit checked
+- :mod:`~benchmarks.failpoints`  what the library's failpoints cost a refit when no plan is armed
+- :mod:`~benchmarks.chaos`  ``dcr-ray chaos``: seeded faults against a multi-node topology, every refit checked;
+  :mod:`~benchmarks.chaos_matrix`: ``dcr-ray chaos --enumerate``, every failpoint x action x apply mode x transport
 - :mod:`~benchmarks.cuda`  scripts for a GPU (``cuda_ext/check_gpu.sh`` runs them): the CuPy kernels vs the
   numpy path (``kernels``), one sparse patch's apply vs vLLM ``sparse_nccl``'s (``patch``)
 """
@@ -29,7 +31,8 @@ from __future__ import annotations
 import importlib
 
 #: Benchmark modules (under ``benchmarks``) that add a ``dcr-ray bench <name>`` subcommand.
-MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal", "peers", "live", "startup", "markdown")
+MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal", "peers", "live", "startup", "markdown",
+                             "failpoints")
 
 
 def add_parsers(subparsers) -> None:

@@ -59,6 +59,8 @@ import threading
 import time
 from collections import Counter
 
+from benchmarks.chaos_matrix.cli import add_arguments as add_enumerate_arguments, run_enumerate
+
 FAULT_KINDS = ("kill_engine", "kill_relay", "kill_coordinator", "kill_owner", "flip_bytes", "wrong_key",
                "truncate", "stale_replay", "drop", "duplicate", "reorder", "delay", "stall_engine",
                "kill_node_mid_refit", "kill_node_between_refits", "lose_cluster")
@@ -92,10 +94,13 @@ def add_parser(groups) -> None:
                    help=f"stream (default): every owner streams >= {MIN_FRAMES_PER_OWNER} frames a refit, kills "
                         f"land mid-stream; tiny: a few frames per owner")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_enumerate_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.enumerate:
+        return run_enumerate(args)
     if args.refits < 1:
         print("dcr-ray chaos: --refits must be >= 1", file=sys.stderr)
         return 2

@@ -3,8 +3,10 @@ message that says how to fix them. Constructors only check; :func:`validate` (ru
 :func:`dcr_ray.launch` before anything is spawned) checks the objects together and fills defaults
 that need the file system (temporary directories).
 
-One environment variable exists, for the codec's CPU kernels: ``DCR_RAY_JIT=0`` selects the numpy
-apply path instead of the numba kernels (both write the same bits; see :mod:`dcr_ray.codec.compiled.kernels`).
+Two environment variables exist: ``DCR_RAY_JIT=0`` selects the codec's numpy apply path instead of the
+numba kernels (both write the same bits; see :mod:`dcr_ray.codec.compiled.kernels`), and
+``DCR_RAY_FAILPOINTS`` arms a fault plan for failure drills (:mod:`dcr_ray.failpoints`; set it per kind of
+actor through ``RefitConfig.actor_options``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from dcr_ray.codec import PayloadKey
 from dcr_ray.errors import ConfigError
+from dcr_ray.failpoints import failpoint
 from dcr_ray.relay.backpressure import wait_bounded
 from dcr_ray.relay.window import CatchUpWindow, CommittedStep
 
@@ -54,6 +55,7 @@ class ObjectStoreSink:
             self._fs.makedirs(prefix, exist_ok=True)
             self._made.add(prefix)
         path = StoredFrame(f"{prefix}/{pid:06d}.dcrf")
+        failpoint("objstore.put")
         self._fs.pipe_file(path, frame)
         for e in self.engines:
             self._acks.append(e.deliver.remote(path, self.targets))
@@ -72,6 +74,7 @@ class ObjectReader:
         self._fs = None
 
     def read(self, payload: Any) -> bytes:
+        failpoint("objstore.read")
         if self._fs is None:
             self._fs = storage_fs(self.url, self.options)[0]
         return self._fs.cat_file(str(payload))
@@ -137,6 +140,7 @@ class ObjectStoreTransport:
             pass
 
     def keep(self, step: CommittedStep) -> None:
+        failpoint("objstore.keep")
         fs, root = storage_fs(self.url, self.options)
         for d in fs.ls(f"{root}/{step.transfer}", detail=False) if fs.exists(f"{root}/{step.transfer}") else []:
             if d.rstrip("/").rsplit("/", 1)[-1] != f"a{step.attempt}":

@@ -26,6 +26,7 @@ import ray
 
 from dcr_ray import metrics
 from dcr_ray.errors import RefitTimeoutError
+from dcr_ray.failpoints import failpoint
 from dcr_ray.start_clock import StartClock
 from dcr_ray.relay.window import CatchUpWindow, CommittedStep
 
@@ -62,10 +63,12 @@ class RelayActor:
 
     def set_children(self, children: list[tuple[str, object, list[str]]]) -> None:
         """``[(kind, handle, engine ids below it)]`` with kind ``"engine"`` or ``"relay"``."""
+        failpoint("relay.wire")
         self.children = [(k, h, frozenset(ids)) for k, h, ids in children]
 
     def push(self, key: tuple, refs: list, targets: list[str] | None = None) -> int:
         """Head relay: pull a payload across the boundary once, re-own it here, fan it out."""
+        failpoint("relay.push")
         transfer = key[0]
         with self._lock:
             dup = key in self._seen
@@ -82,6 +85,7 @@ class RelayActor:
                                     f"(CommitConfig.timeout_s)") from None
         if self.on_cross is not None:
             self.on_cross(len(data))
+        failpoint("relay.pulled")
         own = ray.put(data)
         with self._lock:
             self._held[transfer][tuple(key)] = (own, len(data))
@@ -93,6 +97,7 @@ class RelayActor:
 
     def forward(self, key: tuple, refs: list, targets: list[str] | None = None) -> None:
         """Sub-relay: route a ref inside the cluster without reading it."""
+        failpoint("relay.subforward")
         with self._lock:
             self._held[key[0]][tuple(key)] = (refs[0], 0)
         self._forward(key, refs[0], targets)
@@ -102,6 +107,7 @@ class RelayActor:
         for kind, handle, ids in self.children:
             if want is not None and not (ids & want):
                 continue
+            failpoint("relay.forward")
             if kind == "engine":
                 handle.deliver.remote(ref)
             else:
@@ -109,6 +115,7 @@ class RelayActor:
 
     def release(self, transfer: str) -> None:
         """Drop this relay's copies of ``transfer``'s payloads."""
+        failpoint("relay.release")
         with self._lock:
             self._held.pop(transfer, None)
             self._seen = {k for k in self._seen if k[0] != transfer}
@@ -117,6 +124,7 @@ class RelayActor:
         """After ``step.transfer`` committed: a head keeps the copies of the committed attempt in its
         catch-up window when it holds every one of ``step.keys`` (its cluster took part); everything else
         of the transfer is released. Returns whether the step is in the window."""
+        failpoint("relay.keep")
         with self._lock:
             held = self._held.pop(step.transfer, {})
             self._seen = {k for k in self._seen if k[0] != step.transfer}

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Mapping
 import ray
 
 from dcr_ray.codec import PayloadKey
+from dcr_ray.failpoints import failpoint
 from dcr_ray.options import actor_options, create_named
 from dcr_ray.relay.backpressure import wait_bounded
 from dcr_ray.relay.relay import RelayActor
@@ -107,6 +108,7 @@ class RelayTransport:
     def settle(self, timeout_s: float) -> None:
         """Wait, at most ``timeout_s``, until every relay created or routed since the last :meth:`install`
         answered its routing. Changes nothing: call it without the coordinator's lock."""
+        failpoint("transport.wire")
         refs = [r for w in list(self._wiring.values()) for r in w[1]]  # a copy: the lock's holder may route
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)

@@ -9,6 +9,8 @@ same batches hold bit-identical weights, and each sends only the names it owns
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from dcr_ray.actors.owner.delta import owned_names
@@ -18,10 +20,11 @@ from dcr_ray.testing.models import ModelSpec, build_model
 
 
 class TinyTrainer(OwnerMixin):
-    """FP32 AdamW trainer of ``spec``'s model; rank ``rank`` of ``world`` owns a share of the names."""
+    """FP32 AdamW trainer of ``spec``'s model; rank ``rank`` of ``world`` owns a share of the names (or the
+    names in ``owns``)."""
 
     def __init__(self, spec: ModelSpec = ModelSpec(), *, lr: float = 1e-5, rank: int = 0, world: int = 1,
-                 rollout_dtype: torch.dtype = torch.bfloat16, threads: int | None = 1):
+                 rollout_dtype: torch.dtype = torch.bfloat16, threads: int | None = 1, owns=None):
         if threads:
             torch.set_num_threads(threads)
         self.spec = spec
@@ -29,7 +32,9 @@ class TinyTrainer(OwnerMixin):
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.rollout_dtype = rollout_dtype
         self.names = list(checkpoint_state_dict(self.model))
-        self.mine = set(owned_names(self.names, rank, world))
+        # the names this replica sends: its share of a stable hash (owned_names), or ``owns`` (the replicas
+        # then split the names between them some other way, e.g. by size)
+        self.mine = set(owned_names(self.names, rank, world)) if owns is None else set(owns)
         self.steps = 0
         self._cache: tuple[int, dict] | None = None
 
@@ -48,6 +53,19 @@ class TinyTrainer(OwnerMixin):
         self.opt.step()
         self.steps += 1
         return float(loss.detach())
+
+    def train_state(self) -> dict:
+        """Everything a replica needs to continue exactly as this one: the FP32 weights, AdamW's state and the
+        step count (a replacement owner restored to a committed version loads it)."""
+        return {"model": {k: v.clone() for k, v in self.model.state_dict().items()},
+                "opt": copy.deepcopy(self.opt.state_dict()), "steps": self.steps}
+
+    def load_train_state(self, state: dict) -> None:
+        """Continue from :meth:`train_state` (bit for bit: the weights, the optimizer, the step count)."""
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(copy.deepcopy(state["opt"]))
+        self.steps = state["steps"]
+        self._cache = None
 
     def rollout_state(self, names=None) -> dict[str, torch.Tensor]:
         """BF16 (rollout dtype) copies of the canonical tensors, cached per step."""

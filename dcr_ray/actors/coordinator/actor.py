@@ -68,6 +68,7 @@ from dcr_ray.actors.recovery.outages import Outages
 from dcr_ray.actors.recovery.restarts import Recovery
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, CommitConflictError, ConfigError, DcrError, OwnerLostError, RefitError
+from dcr_ray.failpoints import failpoint, remote as failpoints_remote
 from dcr_ray.relay.transport import make_transport
 from dcr_ray.relay.window import CommittedStep
 from dcr_ray.report import RefitReport
@@ -90,6 +91,7 @@ class CoordinatorActor:
     nothing from the object store."""
 
     def __init__(self, commit_dir: str):
+        failpoints_remote.started()  # a plan left for this incarnation (failure drills only)
         inputs = read_inputs(commit_dir)
         config = inputs.config
         s = self._shared = CoordinatorState(config=config, commits=CommitLog(config.commit.dir),
@@ -178,6 +180,7 @@ class CoordinatorActor:
         s = self._shared
         with s.lock:
             self._startup.require_started()
+            failpoint("coordinator.refit")
             base, target = s.version, s.version + 1
             transfer = f"v{target}-{uuid.uuid4().hex[:8]}"
             notes: list[str] = []  # the report's warnings about who joined or left before the commit
@@ -198,6 +201,7 @@ class CoordinatorActor:
             # it on the way (lost, waiting for capacity, evicted) where they still answer
             dirty = self._abort(transfer, final=True, also=sorted(set(s.engines) - set(s.required) - left))
             self._discard_pending()
+            failpoint("coordinator.restore")
             restored = self._members.restore(dirty, owners=not owners_lost)
             tries = f" after {attempts} attempt(s)" if attempts else ""
             raise RefitError(
@@ -246,6 +250,7 @@ class CoordinatorActor:
             except Exception as e:  # the sweep is repair, not a verdict: the next attempt finds what is still wrong
                 log.warning("dcr_ray: the sweep after attempt %d of %s failed: %r", attempt, transfer, e)
             self._abort(transfer)
+            failpoint("coordinator.repair")
             self._recovery.repair()
         raise _Abandoned(last, s.config.commit.max_attempts, False)
 
@@ -253,6 +258,7 @@ class CoordinatorActor:
         """Lost nodes and lost capacity, in one pass (:meth:`~dcr_ray.actors.recovery.outages.Outages.sweep`): the
         engines that left heal in the background (re-created on a live node, or once their cluster can be
         hosted again); ``notes`` gets the report's warnings. Raises ``OwnerLostError`` if an owner's node is gone."""
+        failpoint("coordinator.sweep")
         found = self._outages.sweep()
         if found.out_engines:
             self._healer.schedule(found.out_engines, "its cluster is waiting for capacity", respawn=True)
@@ -268,6 +274,7 @@ class CoordinatorActor:
         serve calls concurrently, so an abort still in flight could otherwise close the next attempt that
         a later ``prepare`` just opened.
         """
+        failpoint("coordinator.abort")
         s = self._shared
         calls = {e: s.engines[e].abort.remote(transfer, final) for e in {*s.required, *also}}
         try:
@@ -295,32 +302,41 @@ class CoordinatorActor:
         choice = choose_coding(s.config.codec, s.history, {s.topology.engine_cluster[e] for e in req})
         t0, clock = time.perf_counter(), CpuClock.start(s.topology, req)
         s.set_phase("prepare", transfer, attempt, target)
+        failpoint("coordinator.prepare.before")
         self._members.answers({e: s.engines[e].prepare.remote(transfer, attempt, base, target, base_id,
                                                               epoch=s.incarnation(e)) for e in req}, "prepare")
+        failpoint("coordinator.prepare.after")
         t1 = time.perf_counter()
         # engines outside the required set (healing, evicted) get nothing; their clusters' windows keep it
         sink = s.transport.sink(req, req, every_cluster=True)
         s.set_phase("stream", transfer, attempt, target)
+        failpoint("coordinator.stream.before")
         sums = get_all({o: h.stream(transfer, attempt, base, target, sink, base_id=base_id,
                                                 coding=choice.coding) for o, h in s.owners.items()}, t, "stream",
                        s.lost("owner"), s.relays_lost)
+        failpoint("coordinator.stream.after")
         # the owners read the trainer's tensors no more from here: its next optimizer step may run
         t_released = t1 + max((x.get("released_s", 0.0) for x in sums.values()), default=0.0)
         keys = [k for x in sums.values() for k in x["payloads"]]
         s.set_phase("flush", transfer, attempt, target)
+        failpoint("coordinator.flush.before")
         acks = self._members.answers({e: s.engines[e].flush.remote(transfer, attempt, keys, t, epoch=s.incarnation(e))
                                       for e in req}, "flush", s.relays_lost)
+        failpoint("coordinator.flush.after")
         req = sorted(acks)  # without engines evicted as hung
         t2 = time.perf_counter()
         s.set_phase("commit", transfer, attempt, target)
+        failpoint("coordinator.record.before")
         s.commits.compare_and_set(base, CommitRecord(version=target, transfer=transfer, epoch=s.epoch,
                                                      baseline=base_id, members=req, request=request))
+        failpoint("coordinator.record.after")
         t_rec = time.perf_counter()
         # Committed: v+1 is durable. From here on roll forward (never retry, never abort): a failure
         # now takes the failing actor out of service and is reported, the version stays v+1.
         s.version = target
         warnings = list(s.commits.warnings)
         s.set_phase("promote", transfer, attempt, target)
+        failpoint("coordinator.promote")
         promoting = {o: h.promote(target) for o, h in s.owners.items()}
         # the engines serve v+1 from now, beside the owners' promote: their pause ends at the record
         activating = {e: s.engines[e].activate.remote(target, transfer, epoch=s.incarnation(e)) for e in req}
@@ -333,7 +349,9 @@ class CoordinatorActor:
                             f"Refit.replace_owner(owner_id, handle) (or relaunch the topology)")
         t_pro = time.perf_counter()
         s.set_phase("activate", transfer, attempt, target)
+        failpoint("coordinator.activate.before")
         versions, dead, errors = gather(activating, t, "activate", s.lost("engine"))
+        failpoint("coordinator.activate.after")
         if dead:
             warnings += self._members.heal_later(dead, "died")
         if errors:
@@ -346,6 +364,7 @@ class CoordinatorActor:
         except (RayActorError, GetTimeoutError) as e:  # statistics only: the refit is committed
             link = {}
             warnings.append(f"link byte counts unavailable: {type(e).__name__}")
+        failpoint("coordinator.keep")
         self._healer.keep(CommittedStep(transfer=transfer, attempt=attempt, base=base, target=target,
                                         base_id=base_id, keys=[tuple(k) for k in keys]))
         report = RefitReport.from_stages(
@@ -366,6 +385,7 @@ class CoordinatorActor:
     def _discard_pending(self) -> None:
         """Owners drop their pending changed sets (their baselines stay the committed bits). A dead owner,
         or one whose node is gone, has nothing pending; a hung one fails the next refit's stream."""
+        failpoint("coordinator.discard")
         s = self._shared
         gather({o: h.discard() for o, h in s.owners.items()}, s.config.commit.timeout_s, "discard",
                s.lost("owner"))

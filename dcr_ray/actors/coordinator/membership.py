@@ -29,6 +29,7 @@ from dcr_ray.actors.fleet.state import CoordinatorState
 from dcr_ray.actors.recovery.bootstrap import Bootstrap
 from dcr_ray.actors.recovery.healing import Healing
 from dcr_ray.errors import ConfigError, RefitError
+from dcr_ray.failpoints import failpoint
 from dcr_ray.report import RefitReport
 
 log = logging.getLogger("dcr_ray")
@@ -134,6 +135,7 @@ class Membership:
                 continue
             self._probes.pop(e, None)
             try:
+                failpoint("coordinator.readmit")
                 rec = s.commits.read()
                 t = s.config.commit.timeout_s
                 if (rec is not None and st.get("flushed") and st["transfer"] == rec.transfer

@@ -41,6 +41,7 @@ from dcr_ray.codec.compiled import kernels
 from dcr_ray.config import RefitConfig
 from dcr_ray.engines.base import EngineBackend, readable_tensors
 from dcr_ray.errors import ConfigError
+from dcr_ray.failpoints import remote as failpoints_remote
 from dcr_ray.start_clock import StartClock
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class EngineActor:
     def __init__(self, engine_id: str, cluster: str, backend_factory, config: RefitConfig, reader,
                  epoch: int | None = None):
         self._clock = StartClock()  # worker start and imports until now; then the backend, the kernels
+        failpoints_remote.started()  # a plan left for this incarnation (failure drills only)
         backend = backend_factory()
         self._clock.mark("backend")
         if not isinstance(backend, EngineBackend):

@@ -40,6 +40,7 @@ from dcr_ray.actors.engine.context import EngineContext
 from dcr_ray.actors.engine.receive import Receiver
 from dcr_ray.codec import open_frame
 from dcr_ray.errors import EngineStateError, FrameError, RefitError
+from dcr_ray.failpoints import failpoint
 
 
 class CatchUp:
@@ -82,6 +83,7 @@ class CatchUp:
             self._check_chain(steps)  # nothing moved while it read
             c.quiesce()
             for cur, frames in decoded:
+                failpoint("engine.catch_up")
                 self._apply_step(cur, frames)
             c.count("caught_up")
         return {"engine": c.engine_id, "version": c.state.version, "steps": len(steps), "bytes": nbytes,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 
+from dcr_ray import failpoints
 from dcr_ray.actors.engine.context import EngineContext
 from dcr_ray.actors.engine.state import Phase
 from dcr_ray.engines.base import TensorBackend
@@ -56,7 +57,7 @@ class Parking:
             if not (st.is_in(transfer, attempt) and st.flushed == (transfer, attempt) and self._parks(transfer)):
                 return  # activated, aborted or re-opened meanwhile
             try:  # no generate call reads the weights: the engine has been paused since before its first write
-                self._redo = c.undo.set_aside(c.backend, c.backend.undo_tensors())
+                self._redo = c.undo.set_aside(failpoints.each(c.backend, "engine.park"), c.backend.undo_tensors())
             except Exception as e:
                 c.mark_dirty(f"setting aside the applied writes of {transfer} failed ({e!r})")
                 c.pause.end(transfer, "abandoned", None)
@@ -75,7 +76,7 @@ class Parking:
         c.quiesce()
         t0 = time.perf_counter()
         try:
-            self._redo.rollback(c.backend)
+            self._redo.rollback(failpoints.each(c.backend, "engine.write_back"))
         except Exception as e:
             c.mark_dirty(f"writing back the set-aside writes of the committed transfer {transfer} failed ({e!r})")
             c.pause.end(transfer, "abandoned", None)

@@ -34,6 +34,7 @@ from dcr_ray.actors.engine.context import EngineContext
 from dcr_ray.codec.bits import bits_view, wire_name
 from dcr_ray.engines.base import WireBackend, readable_tensors
 from dcr_ray.errors import EngineStateError
+from dcr_ray.failpoints import failpoint
 
 
 #: Bytes of one object of a peer's snapshot: the healing engine pulls and loads one group at a time,
@@ -58,6 +59,7 @@ class PeerCopy:
         "digests", "ref": [ObjectRef of {name: tensor}, ...], "bytes"}`` (groups of at most
         :data:`SNAPSHOT_GROUP_BYTES`, in name order); refused unless it holds ``version`` of
         ``version_id`` settled."""
+        failpoint("engine.snapshot")
         c = self._engine
         with c.lock:
             st = c.state
@@ -85,6 +87,7 @@ class PeerCopy:
         """Take the committed version a peer's :meth:`snapshot` handed over (see the module doc); returns
         ``{"engine", "version", "bytes", "seconds"}``. Raises :class:`EngineStateError` (holding no
         version when bits were written) if the copy does not match the peer's digests."""
+        failpoint("engine.heal_from")
         c = self._engine
         t0 = time.perf_counter()
         version, version_id, specs = snap["version"], snap["version_id"], snap["specs"]

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 
-from dcr_ray import metrics
+from dcr_ray import failpoints, metrics
 from dcr_ray.actors.engine.attempt import Attempt
 from dcr_ray.actors.engine.context import EngineContext, log
 from dcr_ray.actors.engine.park import Parking
@@ -48,6 +48,7 @@ from dcr_ray.codec import DIGEST_SIZE, PayloadKey, open_frame
 from dcr_ray.codec.format import BOOTSTRAP_BASE
 from dcr_ray.engines.base import TensorBackend
 from dcr_ray.errors import EngineStateError, FrameError, RefitError, RefitTimeoutError, StagingBudgetError
+from dcr_ray.failpoints import failpoint
 
 
 def _decoded_bytes(frame) -> int:
@@ -76,6 +77,7 @@ class Receiver:
         """Open attempt ``(transfer, attempt)``; checks that this engine holds ``base`` and, when
         ``base_id`` is given, that it holds that content (the transfer that produced ``base``): its
         frames are then refused unless built on exactly that content."""
+        failpoint("engine.prepare")
         c = self._engine
         st = c.state
         with c.lock:
@@ -122,6 +124,7 @@ class Receiver:
         return c.cpu.timed("deliver", self._deliver, payload)
 
     def _deliver(self, payload) -> str:
+        failpoint("engine.deliver")
         c = self._engine
         try:
             data = c.reader.read(payload)
@@ -143,6 +146,7 @@ class Receiver:
         # staged: validated and decoded outside the lock (generation and other deliveries go on)
         t0 = time.perf_counter()
         try:
+            failpoint("engine.stage")
             frame = c.decode(header, cur)
             renew = c.prepare_ahead(frame)
             error = None
@@ -208,6 +212,7 @@ class Receiver:
                 c.quiesce()  # no generation reads the weights while they change
                 st.wrote()
                 t_w = time.perf_counter()
+                failpoint("engine.apply")
                 c.write(data, frame)
                 c.pause.applied(time.perf_counter() - t_w)
         except FrameError as e:
@@ -255,6 +260,7 @@ class Receiver:
     def flush(self, transfer: str, attempt: int, expected: list[tuple], timeout_s: float) -> dict:
         """Wait until every expected payload is applied (or staged), write what was staged, flush the
         backend, acknowledge."""
+        failpoint("engine.flush")
         c = self._engine
         want = {PayloadKey(*k) for k in expected}
         deadline = time.monotonic() + timeout_s
@@ -275,6 +281,7 @@ class Receiver:
                         f"within {timeout_s:.0f} s, e.g. {sorted(missing)[:3]}")
                 c.lock.wait(min(left, 1.0))
             t0 = time.perf_counter()
+            failpoint("engine.flush.backend")
             if not (self._staged or self._forwarded == transfer):
                 c.backend.flush()  # in place: the writes are visible to the runtime now
             st.flushed_now()  # staged: every frame validated and decoded, written at activate
@@ -294,6 +301,7 @@ class Receiver:
         ``transfer``'s open attempt, or already holds ``version`` of that content: an engine whose bits
         match no version (dirty), or that left the transfer before its flush, is never activated; it
         heals."""
+        failpoint("engine.activate")
         c = self._engine
         renew = []
         want_id = version_id if version_id is not None else transfer
@@ -335,6 +343,7 @@ class Receiver:
         renew = []
         try:
             for _key, frame, counts in sorted(self._staged, key=lambda kfr: kfr[0]):
+                failpoint("engine.staged_write")
                 c.backend.apply(frame)
                 renew += counts
             c.backend.flush()
@@ -362,6 +371,7 @@ class Receiver:
         (``dirty``), refuses deltas and generation, and must be bootstrapped densely (the coordinator
         does it). Frames a wire backend holds staged are dropped unapplied.
         """
+        failpoint("engine.abort")
         c = self._engine
         st = c.state
         with c.lock:
@@ -407,7 +417,7 @@ class Receiver:
         c = self._engine
         try:
             if c.undo.transfer == transfer:
-                c.undo.rollback(c.backend)
+                c.undo.rollback(failpoints.each(c.backend, "engine.rollback"))
                 return True
             return c.config.engines.rollback == "in_place" and c.backend.rollback() is True
         except Exception as e:  # dirty then: the coordinator re-bootstraps densely

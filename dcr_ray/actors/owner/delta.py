@@ -45,6 +45,7 @@ from dcr_ray.codec.encoding.diff import TensorDelta, full_delta
 from dcr_ray.codec.encoding.packdiff import PackDelta
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
+from dcr_ray.failpoints import failpoint
 from dcr_ray.sharding import Shard, ShardSpec, canonical_specs, project_all, resolve_shards
 from dcr_ray.sharding.device import DeviceBaseline, delta_from_changes
 from dcr_ray.sharding.digest import shard_digests
@@ -156,6 +157,7 @@ class DeltaOwner:
         carries it, so an engine holding other content with the same version number refuses them.
         ``coding``: ``"plain"`` or ``"context"`` for a first attempt; None takes ``CodecConfig.coding``
         (``"auto"``, which a coordinator decides per refit, is plain for an owner streaming on its own)."""
+        failpoint("owner.stream")
         coding = stream_coding(self.config.codec.coding, coding, self.owner_id)
         self.used = True
         self.settle()
@@ -248,11 +250,14 @@ class DeltaOwner:
                                    xor_ok=overwrite_only, coding=coding):
             key = PayloadKey(transfer, attempt, self.owner_id, len(payloads))
             ts = time.perf_counter()
+            failpoint("owner.send.before")
             sink.send(frame, key)
+            failpoint("owner.send.after")
             send_s += time.perf_counter() - ts
             payloads.append(key)
             wire += len(frame)
         ts = time.perf_counter()
+        failpoint("owner.drain")
         sink.drain()
         send_s += time.perf_counter() - ts
         changed = sum(td.changed for td in self.store.pending()) if base != BOOTSTRAP_BASE else 0
@@ -270,6 +275,7 @@ class DeltaOwner:
     def bootstrap(self, *, transfer: str, sink) -> dict:
         """Send the committed baseline densely (frames with base :data:`BOOTSTRAP_BASE`)."""
         self.used = True
+        failpoint("owner.bootstrap")
         self.settle()
         t0 = time.perf_counter()
         deltas = (full_delta(n, self.store.tensor(n), chunk_elems=self.config.codec.chunk_elems)
@@ -286,6 +292,7 @@ class DeltaOwner:
         writes; every later call that reads the baseline waits for it first (:meth:`settle`).
         Idempotent: promoting the version being or already promoted does nothing.
         """
+        failpoint("owner.promote")
         with self._promote_lock:
             if self._promoting is not None and self._promoting_version == version:
                 return -1  # a repeated call while this version's promote runs
@@ -304,6 +311,7 @@ class DeltaOwner:
             return -1
 
     def _promote_now(self, version: int) -> int:
+        failpoint("owner.promote.write")
         n = self.store.promote(version)
         self.device.promote()
         self._pending_transfer, self._pending_complete = None, False
@@ -329,6 +337,7 @@ class DeltaOwner:
                                     f"record (relaunch the topology)") from e
 
     def discard(self) -> None:
+        failpoint("owner.discard")
         self.settle()
         self.store.discard()
         self.device.discard()
@@ -347,5 +356,6 @@ def _noting_end(deltas, read: dict, done):
     be encoding and sending) and ``done()`` is called. A stream that stops early (its sink raised) never
     gets there: the pending set is partial, and a retry diffs again."""
     yield from deltas
+    failpoint("owner.diff")
     read["at"] = time.perf_counter()
     done()

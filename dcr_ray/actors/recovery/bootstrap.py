@@ -24,6 +24,7 @@ import uuid
 from dcr_ray.actors.fleet.calls import get_all
 from dcr_ray.actors.fleet.state import CoordinatorState
 from dcr_ray.codec.format import BOOTSTRAP_BASE
+from dcr_ray.failpoints import failpoint
 
 log = logging.getLogger("dcr_ray")
 
@@ -48,6 +49,7 @@ class Bootstrap:
         s.set_phase("bootstrap", transfer, 0, s.version)
         s.progress_total = s.model_bytes * len(engine_ids) if s.model_bytes else None
         try:
+            failpoint("coordinator.bootstrap")
             get_all({e: engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, s.version, epoch=s.incarnation(e))
                      for e in engine_ids}, t, "bootstrap prepare")
             sink = transport.sink(engine_ids, sorted(s.required))

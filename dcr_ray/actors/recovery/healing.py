@@ -59,6 +59,7 @@ from dcr_ray.actors.recovery import sources, waits
 from dcr_ray.actors.recovery.bootstrap import Bootstrap
 from dcr_ray.actors.recovery.outages import Outages
 from dcr_ray.errors import RefitError
+from dcr_ray.failpoints import failpoint
 
 log = logging.getLogger("dcr_ray")
 
@@ -295,6 +296,7 @@ class Healing:
         # refit calls these engines, nor a waiting cluster; relays serve once install() took them, under it
         with self._creating:
             for e in made:  # first: a regained cluster's new relays are routed to the new engines
+                failpoint("coordinator.heal.recreate")
                 topo.respawn(e, s.config)
             regaining = [c for c in hosted if c in waiting and self._outages.begin_regain(c, hostable=True)]
         if not made:
@@ -378,6 +380,7 @@ class Healing:
         version, or the error that failed it. The lock is taken to read the committed version and to join,
         and for the owners' dense send (the last resort); every remote call without it is bounded by the
         stage timeout (a copy's wait watches both engines' nodes)."""
+        failpoint("coordinator.heal.round")
         s = self._shared
         t = s.config.commit.timeout_s
         try:
@@ -442,6 +445,7 @@ class Healing:
         """``e`` holds the committed ``version``: it joins the required set (under the coordinator's lock),
         if the incarnation that answered (``state``, asked before the lock was taken) is the one the
         coordinator holds: an older one, replaced meanwhile, is fenced off (None: another round)."""
+        failpoint("coordinator.heal.join")
         s = self._shared
         if state.get("epoch") != s.incarnation(e):
             return None

@@ -32,6 +32,7 @@ from dcr_ray.actors.owner.endpoint import owner_endpoint
 from dcr_ray.actors.recovery.healing import Healing
 from dcr_ray.actors.recovery.outages import Outages
 from dcr_ray.errors import ConfigError
+from dcr_ray.failpoints import failpoint
 from dcr_ray.report import RefitReport
 
 log = logging.getLogger("dcr_ray")
@@ -65,6 +66,7 @@ class Recovery:
         s.commits.compare_and_set(rec.version, CommitRecord(**{**asdict(rec), "epoch": s.epoch, "time": 0.0}))
         s.version = rec.version
         # clusters no live node can host wait for capacity at once: nothing of this resume waits for them
+        failpoint("coordinator.resume")
         fresh, out = s.topology.reconnect(s.backend_factory, cfg)
         self._outages.waiting_for(out)
         self._load_owners()
@@ -83,6 +85,7 @@ class Recovery:
                 ray.get(h.promote(rec.version), timeout=t)
             elif st["pending"] is not None:
                 ray.get(h.discard(), timeout=t)
+        failpoint("coordinator.resume.owners")
         # engines: activate the transfer the record committed where it names them and they flushed it; roll
         # back any other open transfer. An engine that did not answer heals (it has a standing either way).
         waiting = [e for e in s.engines if s.topology.engine_cluster[e] in out]
@@ -91,6 +94,7 @@ class Recovery:
         s.topology.adopt_epochs(states)
         behind = [e for e in fresh if e not in waiting] + list(dead) + sorted(unsure)
         for e, st in states.items():
+            failpoint("coordinator.resume.engine")
             try:
                 if self._settle(e, st, rec, t) == rec.version:
                     s.standings.require([e])
