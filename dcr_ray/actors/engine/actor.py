@@ -158,8 +158,9 @@ class EngineActor:
     def state(self) -> dict:
         """Where this engine stands: its ``phase`` (:class:`~dcr_ray.actors.engine.state.Phase`: empty,
         ready, staging, open, written, dirty), its version and content id, the transfer it is in or wrote
-        into, ``dirty`` (its bits match no version) and ``flushed`` (every payload of the open attempt
-        applied). A resumed coordinator settles an open transfer from this (activate it if the record
+        into, ``dirty`` (its bits match no version), ``flushed`` (every payload of the open attempt
+        applied) and how its backend receives (``receiver``: a vLLM engine's ``path``, capture or
+        mirror). A resumed coordinator settles an open transfer from this (activate it if the record
         committed it, else roll it back); an engine evicted as hung that flushed the transfer the record
         committed is activated instead of bootstrapped."""
         c = self._engine
@@ -169,7 +170,8 @@ class EngineActor:
             return {"engine": c.engine_id, "cluster": c.cluster, "version": st.version,
                     "version_id": st.version_id, "phase": st.phase.value, "transfer": st.transfer,
                     "target": cur.target if cur else None, "dirty": st.why is not None,
-                    "flushed": cur is not None and st.flushed == (cur.transfer, cur.attempt)}
+                    "flushed": cur is not None and st.flushed == (cur.transfer, cur.attempt),
+                    "receiver": c.backend.describe()}
 
     def info(self) -> dict:
         """Identity, placement, start-up seconds and counters (payloads applied, duplicate, stale,

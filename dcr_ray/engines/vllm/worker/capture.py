@@ -262,12 +262,14 @@ class LoaderCapture:
 
     # -- apply -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def apply(self, items: Iterable[DecodedItem]) -> int:
+    def apply(self, items: Iterable[DecodedItem], undo: list | None = None) -> int:
         """Write decoded frame items (:class:`~dcr_ray.codec.DecodedItem`) into live storage.
 
         ``encoding`` is ``XOR`` / ``OVERWRITE`` (sparse, ``positions`` absolute flat indices) or ``DENSE``
         (``values`` for ``[lo, hi)``); ``values`` are unsigned integers of the tensor's element size.
-        Every write is computed and checked before the first one lands. Returns elements written.
+        Every write is computed and checked before the first one lands. With ``undo`` (a list), the bits
+        each write replaces are appended to it first, so :meth:`undo` can put them back. Returns elements
+        written.
         """
         device = self._device()
         writes = []
@@ -309,9 +311,32 @@ class LoaderCapture:
                     writes.append((op.param, dpos, v, enc == Encoding.XOR))
         n = 0
         for pname, dpos, v, xor in writes:
-            scatter(int_view(storage_flat(self._tensors[pname])), dpos, v, xor=xor)
+            flat = int_view(storage_flat(self._tensors[pname]))
+            if undo is not None:  # the bits this write replaces, kept before it lands
+                undo.append((pname, dpos, flat.index_select(0, dpos)))
+            scatter(flat, dpos, v, xor=xor)
             n += dpos.numel()
         return n
+
+    @torch.no_grad()
+    def undo(self, log: list) -> None:
+        """Put back, newest first, the bits an :meth:`apply` recorded in ``log`` (O(changes))."""
+        for pname, dpos, old in reversed(log):
+            scatter(int_view(storage_flat(self._tensors[pname])), dpos, old, xor=False)
+
+    def demote(self, names: Iterable[str], reason: str) -> None:
+        """Send ``names`` through the native loader from now on (a start-up check found their captured
+        writes do not reach what the engine computes with)."""
+        for n in names:
+            plan = self.plans.get(n)
+            if plan is not None and plan.kind == "affine":
+                plan.kind, plan.ops, plan.fills, plan.reason = "fallback", [], [], reason
+
+    def writers_of(self, tensors: Iterable[torch.Tensor]) -> set[str]:
+        """The affine checkpoint tensors whose captured copies write into the storage of any of ``tensors``."""
+        keys = {storage_key(t) for t in tensors} - {None}
+        names = {self._storages.get(k) for k in keys} - {None}
+        return {n for n, p in self.plans.items() if p.kind == "affine" and any(op.param in names for op in p.ops)}
 
     @torch.no_grad()
     def readback(self, name: str) -> torch.Tensor:
