@@ -24,21 +24,18 @@ importable, else PyTorch indexing (:func:`~dcr_ray.engines.vllm.worker.storage.s
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dcr_ray.codec import Encoding
-from dcr_ray.codec.bits import np_int
+from dcr_ray.codec import DecodedItem, Encoding
+from dcr_ray.codec.bits import bits_view, np_int, np_uint, torch_int
 from dcr_ray.codec.decoding import context
 from dcr_ray.engines.vllm.worker.plan import CopyOp, Geometry, TensorPlan, map_positions
 from dcr_ray.engines.vllm.worker.storage import int_view, scatter, storage_flat, storage_key
 from dcr_ray.errors import BackendError
-
-if TYPE_CHECKING:
-    from dcr_ray.codec import DecodedItem
 
 
 class _AbortProbe(Exception):
@@ -273,8 +270,7 @@ class LoaderCapture:
         """
         device = self._device()
         writes = []
-        # ADD items and class-order positions need the old canonical bits: read back, made absolute
-        items = context.absolute(items, self.readback)
+        items = self._absolute(items)
         for it in items:
             name, enc, lo, hi, positions, values = it.name, it.encoding, it.lo, it.hi, it.positions, it.values
             plan = self.plans.get(name)
@@ -317,6 +313,36 @@ class LoaderCapture:
             scatter(flat, dpos, v, xor=xor)
             n += dpos.numel()
         return n
+
+    def _absolute(self, items: Iterable[DecodedItem]) -> list[DecodedItem]:
+        """``items`` as absolute writes: class-order positions resolved against the canonical bits read back
+        (the whole tensor: the walk reads its range), every ``ADD`` item turned into the ``OVERWRITE`` of the
+        bits it gives, reading the old bits only at its positions (O(changes); a rank that holds a shard of
+        the tensor reads what it holds, and writes only that)."""
+        items = list(items)
+        full = {n: self.readback(n) for n in {it.name for it in items if it.positions is None and it.ranks is not None}}
+        context.resolve([it for it in items if it.name in full], full)
+        out = []
+        for it in items:
+            if it.encoding == Encoding.ADD:
+                old = bits_view(full[it.name])[it.positions] if it.name in full else self._gather(it.name, it.positions)
+                it = DecodedItem(it.name, Encoding.OVERWRITE, it.lo, it.hi, it.positions, old + it.values)
+            out.append(it)
+        return out
+
+    def _gather(self, name: str, positions) -> np.ndarray:
+        """The canonical bits at flat ``positions`` of ``name`` as live storage holds them (unsigned; 0 where
+        this rank holds none of them)."""
+        plan = self.plans.get(name)
+        if plan is None or plan.kind != "affine":
+            raise BackendError(f"{name} is not stored through captured copies")
+        w = torch.empty((), dtype=plan.dtype).element_size()
+        pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(self._device())
+        out = torch.zeros(len(pos), dtype=torch_int(w), device=pos.device)
+        for op in plan.ops:
+            valid, dpos = map_positions(pos, op.src, op.dst)
+            out[valid] = int_view(storage_flat(self._tensors[op.param]))[dpos[valid]]
+        return out.cpu().numpy().view(np_uint(w))
 
     @torch.no_grad()
     def undo(self, log: list) -> None:
