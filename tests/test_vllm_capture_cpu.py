@@ -219,6 +219,7 @@ def test_at_tp2_each_worker_writes_its_shard_in_place_and_serves_what_a_fresh_tp
     state = trainer.bf16()
     user = _tp2_engine(ckpt)
     try:
+        ray.get(user.get_weight_version.remote())  # started (the proxy's calls wait only its own timeout)
         proxy = WeightSyncBackend(RayWeightSync([user]), ckpt, init_extra={"keep_undo": True, "own_checkpoint": True})
         layouts = [r["result"] for r in ray.get(user.collective_rpc.remote(worker_query, args=("layout", None)))]
         assert [lay["unpacked"] for lay in layouts] == [True, True]

@@ -1,6 +1,7 @@
 """Loader capture: where a model's own loader puts each checkpoint tensor, recorded once, replayed sparsely.
 
-For bit-addressable storage (CUDA). :class:`LoaderCapture` runs the model's native ``load_weights``
+For parameters the engine computes from (CUDA; vLLM-CPU with its weights unpacked,
+:mod:`~dcr_ray.engines.vllm.worker.unpacked`). :class:`LoaderCapture` runs the model's native ``load_weights``
 once per checkpoint tensor on a scratch tensor of canonical shape, under a ``TorchDispatchMode`` that
 sees each ``aten.copy_`` the loader makes into parameter storage and records its geometry (a strided
 view of the scratch -> a strided view of the parameter) *instead of* performing it. Checkpoint tensors
@@ -15,10 +16,16 @@ or — with ``VllmBackend(strict_capture=True)`` — fails closed with a
 :class:`~dcr_ray.errors.LoaderCaptureError` naming the tensors
 (:func:`~dcr_ray.engines.vllm.worker.plan.strict_check`).
 
-The capture core is plain PyTorch and device-agnostic (it is unit-tested on CPU with stand-in loaders
-and with real vLLM loaders on a never-repacked CPU model instance); the backend selects it only when the
-engine's device is CUDA. On CUDA the sparse writes use ``cuda_ext``'s scatter kernels when CuPy is
-importable, else PyTorch indexing (:func:`~dcr_ray.engines.vllm.worker.storage.scatter`).
+The capture core is plain PyTorch and device-agnostic: it is unit-tested on CPU with stand-in loaders, and
+runs end to end on vLLM-CPU engines with unpacked weights. Being probed is not proof that a write reaches
+what the engine computes with (a layer may compute from a copy made at load): the receiver's start-up check
+(:func:`~dcr_ray.engines.vllm.worker.startup.stale_captures`) proves that, and :meth:`LoaderCapture.demote`
+sends the tensors it refutes through the native loader. ``ADD`` items read the old bits only at their
+positions; class-order items read the whole tensor back (their walk needs its range), which a rank holding
+only a shard of it cannot (:meth:`LoaderCapture.readback` says so; the refit then retries). Each write can
+keep the bits it replaces (``apply(undo=...)``, :meth:`LoaderCapture.undo`). On CUDA the sparse writes use
+``cuda_ext``'s scatter kernels when CuPy is importable, else PyTorch indexing
+(:func:`~dcr_ray.engines.vllm.worker.storage.scatter`).
 """
 
 from __future__ import annotations

@@ -24,10 +24,12 @@ Having passed it, the mirror *is* what the worker serves (reloading it changes n
 ``finish`` keeps it so; that is why :meth:`MirrorReceiver.verify` (does this worker serve committed
 version v?) digests the mirror.
 
-With ``capture`` (bit-addressable storage: CUDA) the model's loader is probed once per tensor at
-start-up (:class:`~dcr_ray.engines.vllm.worker.capture.LoaderCapture`); tensors whose loader path is a plain
-view copy get no mirror at all: their changes are kept, decoded, until ``finish`` writes them sparsely
-into live storage through the recorded copies. Only the rest (whole fused groups) keep a host mirror.
+With ``capture`` (parameters the engine computes from: CUDA, or vLLM-CPU with its weights unpacked,
+:mod:`~dcr_ray.engines.vllm.worker.unpacked`) the model's loader is probed once per tensor at start-up
+(:class:`~dcr_ray.engines.vllm.worker.capture.LoaderCapture`); tensors whose loader path is a plain view copy
+get no mirror at all: their changes are kept, decoded, until ``finish`` writes them sparsely into live
+storage through the recorded copies. Only the rest (whole fused groups) keep a host mirror, and so do the
+groups the start-up check finds the engine does not compute from (:mod:`~dcr_ray.engines.vllm.worker.startup`).
 
 In-place undo. The bits every frame replaces in the mirror are kept while its update is open, so
 :meth:`MirrorReceiver.reset` can close a failed update. A driver that may abandon an update *after*
@@ -35,9 +37,8 @@ In-place undo. The bits every frame replaces in the mirror are kept while its up
 ``keep_undo=True``: a finished update's undo record is then kept until :meth:`MirrorReceiver.commit`
 (or the next update), later attempts of the same update reopen it and stack their own records, and
 :meth:`MirrorReceiver.rollback` takes the mirror back to ``base`` and reloads what those attempts
-reloaded, so the worker serves ``base`` again. Writes made through captured copies into live storage
-keep no undo record: an update that finished some cannot be rolled back (only a dense bootstrap
-restores the worker).
+reloaded, so the worker serves ``base`` again. Writes made through captured copies into live storage keep
+the bits they replaced too (O(changes)), and a rollback puts them back first.
 """
 
 from __future__ import annotations
