@@ -42,6 +42,7 @@ BACKEND_NAME = "dcr"
 #: ``LLM(load_format=UNPACKED_LOAD_FORMAT)``: vLLM-CPU keeps unquantized weights unpacked
 #: (:mod:`~dcr_ray.engines.vllm.worker.unpacked`).
 UNPACKED_LOAD_FORMAT = "dcr_unpacked"
+_unpacked_registered = False
 
 
 def register() -> None:
@@ -62,14 +63,27 @@ def register() -> None:
     except ValueError:  # already registered in this process
         pass
     register_trainer()
-    import dcr_ray.engines.vllm.worker.unpacked  # noqa: F401 - registers the load format "dcr_unpacked"
-
+    register_unpacked_loader()
     try:
         from vllm.v1.worker.worker_base import WorkerBase
     except ImportError:  # a vLLM without v1 workers: the driver finds no status and says so
         return
     if not hasattr(WorkerBase, "dcr_transfer_status"):
         WorkerBase.dcr_transfer_status = dcr_transfer_status
+
+
+def register_unpacked_loader() -> None:
+    """Register the load format :data:`UNPACKED_LOAD_FORMAT` (vLLM-CPU keeps its weights unpacked,
+    :class:`~dcr_ray.engines.vllm.worker.unpacked.UnpackedCpuModelLoader`). Idempotent."""
+    global _unpacked_registered
+    if _unpacked_registered:
+        return
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from dcr_ray.engines.vllm.worker.unpacked import UnpackedCpuModelLoader
+
+    register_model_loader(UNPACKED_LOAD_FORMAT)(UnpackedCpuModelLoader)
+    _unpacked_registered = True
 
 
 def register_trainer() -> None:

@@ -84,7 +84,8 @@ from vllm.distributed.weight_transfer.base import (
 from dcr_ray.engines.vllm.compat import end_weight_update_session
 from dcr_ray.engines.vllm.worker.ranks import EngineRanks, find_worker, vllm_ranks
 from dcr_ray.engines.vllm.worker.receiver import MirrorReceiver
-from dcr_ray.engines.vllm.worker.unpacked import UNPACKED_LOAD_FORMAT, is_unpacked
+from dcr_ray.engines.vllm.plugin import UNPACKED_LOAD_FORMAT
+from dcr_ray.engines.vllm.worker.unpacked import is_unpacked
 from dcr_ray.errors import BackendError, ConfigError, EngineStateError
 
 

@@ -7,9 +7,9 @@ layers keep their weight but compute the LM head from a packed copy. Parameter s
 engine computes with, so a write into it reaches nothing, and dcr_ray's receiver must go through vLLM's reload.
 
 vLLM has its own per-layer switch for this: a layer with ``_cpu_skip_gemm_dispatch = True`` keeps its weight
-and computes with ``F.linear`` (vLLM sets it on MLA's ``kv_b_proj``). The loader registered here under
-:data:`UNPACKED_LOAD_FORMAT` (``LLM(..., load_format="dcr_unpacked")``; dcr_ray's vLLM plugin registers it in
-every vLLM process) is vLLM's default loader that sets that switch on every unquantized linear layer before
+and computes with ``F.linear`` (vLLM sets it on MLA's ``kv_b_proj``). :class:`UnpackedCpuModelLoader`, the load
+format ``dcr_unpacked`` (``LLM(..., load_format="dcr_unpacked")``; dcr_ray's vLLM plugin registers it in every
+vLLM process, :data:`~dcr_ray.engines.vllm.plugin.UNPACKED_LOAD_FORMAT`) is vLLM's default loader that sets that switch on every unquantized linear layer before
 the weights are loaded and processed, and gives embedding and LM-head layers a method that reads the same
 switch (vLLM 0.32's embedding method packs without reading it). Then every such parameter *is* what the
 layer computes with, on every later reload too (the switch is an attribute of the layer), and the loader
@@ -28,11 +28,8 @@ import dataclasses
 import torch
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.platforms import current_platform
-
-from dcr_ray.engines.vllm.plugin import UNPACKED_LOAD_FORMAT
 #: vLLM's per-layer switch (read by ``UnquantizedLinearMethod.process_weights_after_loading`` on CPU).
 SWITCH = "_cpu_skip_gemm_dispatch"
 
@@ -65,14 +62,13 @@ def keep_unpacked(model: torch.nn.Module) -> int:
 
 
 def is_unpacked(model: torch.nn.Module) -> bool:
-    """Whether ``model`` was loaded with :data:`UNPACKED_LOAD_FORMAT` (some layer carries the switch)."""
+    """Whether ``model`` was loaded unpacked (some layer carries the switch)."""
     return any(getattr(m, SWITCH, False) for m in model.modules())
 
 
-@register_model_loader(UNPACKED_LOAD_FORMAT)
 class UnpackedCpuModelLoader(DefaultModelLoader):
     """vLLM's default loader (checkpoint formats as ``load_format="auto"``) with :func:`keep_unpacked` run on
-    the model before its weights are loaded and processed."""
+    the model before its weights are loaded and processed; registered as ``dcr_unpacked`` by dcr_ray's plugin."""
 
     def __init__(self, load_config):
         super().__init__(dataclasses.replace(load_config, load_format="auto"))
