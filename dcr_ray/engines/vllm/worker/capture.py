@@ -267,13 +267,22 @@ class LoaderCapture:
     # -- apply -------------------------------------------------------------------------------------
     @torch.no_grad()
     def apply(self, items: Iterable[DecodedItem], undo: list | None = None) -> int:
-        """Write decoded frame items (:class:`~dcr_ray.codec.DecodedItem`) into live storage.
+        """Write decoded frame items into live storage: :meth:`write` of :meth:`prepare`. Returns elements
+        written."""
+        return self.write(self.prepare(items), undo)
 
-        ``encoding`` is ``XOR`` / ``OVERWRITE`` (sparse, ``positions`` absolute flat indices) or ``DENSE``
-        (``values`` for ``[lo, hi)``); ``values`` are unsigned integers of the tensor's element size.
-        Every write is computed and checked before the first one lands. With ``undo`` (a list), the bits
-        each write replaces are appended to it first, so :meth:`undo` can put them back. Returns elements
-        written.
+    @torch.no_grad()
+    def prepare(self, items: Iterable[DecodedItem]) -> list[tuple[str, torch.Tensor, torch.Tensor, bool]]:
+        """Decoded frame items (:class:`~dcr_ray.codec.DecodedItem`) as the writes into live storage they
+        make, every one checked and mapped through the recorded copies; nothing is written. A receiver that
+        stages frames prepares them while the engine serves, so its pause holds only :meth:`write`.
+
+        ``encoding`` is ``XOR`` / ``OVERWRITE`` (sparse, ``positions`` absolute flat indices), ``DENSE``
+        (``values`` for ``[lo, hi)``) or ``ADD`` (made an ``OVERWRITE`` against the bits live storage holds
+        now: prepare before any other write to the same tensor); ``values`` are unsigned integers of the
+        tensor's element size. Returns ``(parameter, storage positions, values, xor)`` per write; a
+        ``DENSE`` item stays ``(name, (lo, hi), values, None)`` until :meth:`write` maps it (its positions
+        would take four times its values' memory, and only a bootstrap sends whole tensors).
         """
         device = self._device()
         writes = []
@@ -295,7 +304,8 @@ class LoaderCapture:
             if enc == Encoding.DENSE:
                 if not (0 <= lo <= hi <= numel) or len(vals) != hi - lo:
                     raise BackendError(f"{name}: dense range [{lo}, {hi}) with {len(vals)} values is invalid")
-                pos = torch.arange(lo, hi, dtype=torch.int64, device=device)
+                writes.append((name, (lo, hi), torch.from_numpy(vals.view(np_int(w))), None))
+                continue
             elif enc in (Encoding.XOR, Encoding.OVERWRITE):
                 p = np.asarray(positions, dtype=np.int64)
                 if len(p) != len(vals) or (len(p) and (int(p.min()) < 0 or int(p.max()) >= numel)):
@@ -303,23 +313,44 @@ class LoaderCapture:
                 pos = torch.from_numpy(p).to(device)
             else:
                 raise BackendError(f"{name}: unknown encoding {enc!r}")
-            vt = torch.from_numpy(vals.view(np_int(w))).to(device)
-            for op in plan.ops:
-                valid, dpos = map_positions(pos, op.src, op.dst)
-                if not bool(valid.all()):
-                    dpos, v = dpos[valid], vt[valid]
-                else:
-                    v = vt
-                if dpos.numel():
-                    writes.append((op.param, dpos, v, enc == Encoding.XOR))
+            writes += self._mapped(plan, pos, torch.from_numpy(vals.view(np_int(w))).to(device), enc == Encoding.XOR)
+        return writes
+
+    @staticmethod
+    def _mapped(plan: TensorPlan, pos: torch.Tensor, vt: torch.Tensor, xor: bool) -> list:
+        """Canonical positions ``pos`` and their values, as writes through each of ``plan``'s copies."""
+        out = []
+        for op in plan.ops:
+            valid, dpos = map_positions(pos, op.src, op.dst)
+            v = vt
+            if not bool(valid.all()):
+                dpos, v = dpos[valid], vt[valid]
+            if dpos.numel():
+                out.append((op.param, dpos, v, xor))
+        return out
+
+    @torch.no_grad()
+    def write(self, writes: list[tuple[str, torch.Tensor, torch.Tensor, bool]], undo: list | None = None) -> int:
+        """Make the writes of :meth:`prepare` in live storage, in order. With ``undo`` (a list), the bits each
+        write replaces are appended to it first, so :meth:`undo` can put them back. Returns elements written."""
         n = 0
-        for pname, dpos, v, xor in writes:
+        for pname, dpos, v, xor in self._expanded(writes):
             flat = int_view(storage_flat(self._tensors[pname]))
             if undo is not None:  # the bits this write replaces, kept before it lands
                 undo.append((pname, dpos, flat.index_select(0, dpos)))
             scatter(flat, dpos, v, xor=xor)
             n += dpos.numel()
         return n
+
+    def _expanded(self, writes: list):
+        """The writes, each ``DENSE`` item mapped now (one at a time)."""
+        for w in writes:
+            if w[3] is not None:
+                yield w
+                continue
+            name, (lo, hi), vt, _ = w
+            pos = torch.arange(lo, hi, dtype=torch.int64, device=self._device())
+            yield from self._mapped(self.plans[name], pos, vt.to(pos.device), False)
 
     def _absolute(self, items: Iterable[DecodedItem]) -> list[DecodedItem]:
         """``items`` as absolute writes: class-order positions resolved against the canonical bits read back

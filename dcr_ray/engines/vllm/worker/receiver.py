@@ -101,7 +101,7 @@ class MirrorReceiver:
             mirrored = {n for n, (kind, _) in self.capture.summary().items() if kind != "affine"}
             mirrored = {m for n in mirrored if n in self.group_of for m in self.groups[self.group_of[n]]}
         self.mirror = {n: t.contiguous() for n, t in iter_checkpoint(files, mirrored)}
-        self.captured: list[DecodedItem] = []
+        self.captured: list = []  # the open update's captured writes, prepared (LoaderCapture.prepare)
         self.touched: set[str] = set()
         self._undo = UndoLog()  # the mirror bits the open update's frames replaced (reset puts them back)
         self.base: int | None = None
@@ -169,6 +169,9 @@ class MirrorReceiver:
             raise EngineStateError(f"frames for {base}->{target} inside the update {self.base}->{self.target}")
         decoded = [decode_frame(open_frame(f, key=self.key), shapes=self.specs, expect_base=base,
                                 max_raw_bytes=MAX_FRAME_RAW_BYTES) for f in frames]
+        # captured items become their writes into live storage now, while the engine serves (checked, mapped)
+        captured = [] if self.capture is None else self.capture.prepare(
+            it for frame in decoded for it in frame.items if it.name not in self.mirror and not self._ignored(it.name))
         if self.target is None and not reopen:
             self._drop_kept()  # another update opens: the kept one was committed or given up
         self.base, self.target = base, target
@@ -178,8 +181,13 @@ class MirrorReceiver:
             self._undo.record(f"{base}->{target}", mirrored, self.mirror)
             self.touched.update(it.name for it in mirrored.items)
             n += apply_decoded(mirrored, self.mirror)
-            self.captured.extend(it for it in frame.items if it.name not in self.mirror)
+        self.captured.extend(captured)
         return n
+
+    def _ignored(self, name: str) -> bool:
+        """The model's loader does not store ``name`` (a reload would drop it too): its frames write nothing."""
+        plan = self.capture.plans.get(name)
+        return plan is not None and plan.kind == "ignored"
 
     def reset(self) -> None:
         """Close the update in flight after a failure: the mirror gets back the bits the open attempt's
@@ -205,7 +213,7 @@ class MirrorReceiver:
         captured_undo: list | None = [] if keep else None  # the live bits the captured writes replace
         try:
             if self.captured:
-                stats["captured_elements"] = self.capture.apply(self.captured, undo=captured_undo)
+                stats["captured_elements"] = self.capture.write(self.captured, undo=captured_undo)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 self.captured = []
