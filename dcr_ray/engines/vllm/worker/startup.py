@@ -84,19 +84,21 @@ def stale_captures(model: torch.nn.Module, vllm_config: Any, capture: Any, files
         return {}
     before = served_fingerprint(model)
     snapshot = ServedSnapshot(model)
-    failed, other = None, []
+    failed = None
+
+    def other():  # the checkpoint's tensors with other bits, one at a time, in checkpoint order
+        return ((n, _flipped(t)) for n, t in iter_checkpoint(files, names))
+
     try:
-        other = [(n, _flipped(t)) for n, t in iter_checkpoint(files, names)]
-        capture.apply([DecodedItem(n, Encoding.DENSE, 0, t.numel(), None, int_view(t).reshape(-1).numpy())
-                       for n, t in other])
+        for n, t in other():
+            capture.apply([DecodedItem(n, Encoding.DENSE, 0, t.numel(), None, int_view(t).reshape(-1).numpy())])
         written = served_fingerprint(model)
-        reload_groups(model, vllm_config, other)
+        reload_groups(model, vllm_config, other(), names=sorted(names))
         loaded = served_fingerprint(model)
     except BaseException as e:
         failed = e
         raise
     finally:
-        del other
         try:
             put_back(model, snapshot, before, "captured writes against vLLM's own load")
         except BackendError:
