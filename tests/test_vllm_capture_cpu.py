@@ -193,10 +193,11 @@ def _tp2_served(h) -> tuple:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen3_moe", False)])
 def test_at_tp2_each_worker_writes_its_shard_in_place_and_serves_what_a_fresh_tp2_engine_serves(
-        local_ray, tmp_path, arch):
-    """Both ranks probe their own loader (each holds a shard of every parallel layer), write their part of
+        local_ray, tmp_path, arch, tied):
+    """Both ranks probe their own loader (each holds a shard of every parallel layer: fused q/k/v and
+    gate/up, the vocabulary-parallel embedding its LM head is tied to, the experts), write their part of
     each frame in place, and roll back in place a flushed update that was abandoned."""
     from dcr_ray.codec import read_frame
     from dcr_ray.engines.vllm.adopted import WeightSyncBackend
@@ -213,7 +214,7 @@ def test_at_tp2_each_worker_writes_its_shard_in_place_and_serves_what_a_fresh_tp
             proxy.apply_wire(f, read_frame(f, shapes=proxy.tensor_specs(), expect_base=base))
         proxy.flush()
 
-    spec = ModelSpec(arch=arch, seed=7)
+    spec = ModelSpec(arch=arch, tie_word_embeddings=tied, seed=7)
     ckpt = save_checkpoint(build_model(spec), str(tmp_path / "v0"))
     trainer = Trainer(spec, lr=LR)
     state = trainer.bf16()

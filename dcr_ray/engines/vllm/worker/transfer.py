@@ -27,8 +27,9 @@ mirror); ``key`` the hex of the shared frame key, if refits sign frames with one
 loaded, see :mod:`~dcr_ray.engines.vllm.plugin`; a frame that is not bytes is refused with that advice).
 The trainer side of this backend, :mod:`~dcr_ray.integrations.vllm.trainer`, makes these calls for you
 (``WeightTransferTrainerFactory.trainer_init(DcrTrainerInitInfo(...), client=...)``). Every frame of one
-``update_weights`` call is validated before any is written; ``finish_weight_update`` reloads the touched
-fused groups (see :class:`~dcr_ray.engines.vllm.worker.receiver.MirrorReceiver`).
+``update_weights`` call is validated before any is written; ``finish_weight_update`` writes the captured
+changes in place and reloads the touched fused groups of the rest (see
+:class:`~dcr_ray.engines.vllm.worker.receiver.MirrorReceiver`).
 
 Failures and the status protocol. Every call is recorded: a call number ``seq``, the ``op`` (init,
 start, update, finish, shutdown), ``ok`` and the ``error``. Any failure of start/update/finish resets
