@@ -17,13 +17,13 @@ def text_rows(cols, rows) -> list[str]:
 
 def bench_engine(receiver: str, spec, seed: int, prefix: str) -> tuple[object, list[str]]:
     """The engine factory of a benchmark's engines: ``receiver="vllm"``, a vLLM engine over a checkpoint of
-    ``spec`` at ``seed`` written to a temporary directory (named ``prefix``...), else a ``transformers``
-    engine of it; the dense bootstrap then gives every engine the owners' bits. Returns the factory and
-    the directories to remove afterwards."""
+    ``spec`` at ``seed`` written to a temporary directory (named ``prefix``...; ``"vllm_capture"``: its weights
+    unpacked, dcr_ray's capture path), else a ``transformers`` engine of it; the dense bootstrap then gives every
+    engine the owners' bits. Returns the factory and the directories to remove afterwards."""
     import dcr_ray
     from dcr_ray.testing.models import build_model, save_checkpoint
 
-    if receiver != "vllm":
+    if not receiver.startswith("vllm"):
         return dcr_ray.HFEngine(spec.with_seed(seed)), []
     import tempfile
 
@@ -31,7 +31,7 @@ def bench_engine(receiver: str, spec, seed: int, prefix: str) -> tuple[object, l
 
     ckpt = tempfile.mkdtemp(prefix=prefix)
     save_checkpoint(build_model(spec.with_seed(seed)), ckpt)
-    return VllmEngine(ckpt), [ckpt]
+    return VllmEngine(ckpt, cpu_weights="unpacked" if receiver == "vllm_capture" else "packed"), [ckpt]
 
 
 def adamw_step(model, opt, ids) -> float:

@@ -52,6 +52,17 @@ def run(args) -> int:
     return 0
 
 
+def _receiver(r: dict | None) -> str:
+    """One engine's receiver in a few words: a vLLM engine's path and weights, and how many tensors are
+    written in place (``captured``) or reloaded (``mirrored``)."""
+    if not r:
+        return "-"
+    if "path" not in r:
+        return str(r.get("receiver", "-"))
+    return (f"{r.get('receiver', '')} {r['path']} ({r.get('weights')} weights; {r.get('captured', 0)} captured, "
+            f"{r.get('mirrored', 0)} mirrored)").strip()
+
+
 def format_status(st: dict) -> str:
     """The text ``dcr-ray status`` prints for a ``status(detail=True)`` dict."""
     rec = st.get("commit_record") or {}
@@ -63,10 +74,12 @@ def format_status(st: dict) -> str:
                      f"'{ph['phase']}' for {time.time() - ph.get('since', time.time()):.1f} s")
     else:
         lines.append("no refit in flight")
-    lines += ["", f"{'engine':<20} {'cluster':<12} {'version':>7}  {'state':<14} standing"]
+    lines += ["", f"{'engine':<20} {'cluster':<12} {'version':>7}  {'state':<14} {'standing':<12} receiver"]
     for e in st.get("engine_states", []):
         lines.append(f"{e['engine']:<20} {str(e.get('cluster')):<12} {str(e.get('version')):>7}  "
-                     f"{e.get('phase', '?'):<14} {e.get('standing') or ('required' if e.get('required') else '-')}")
+                     f"{e.get('phase', '?'):<14} "
+                     f"{e.get('standing') or ('required' if e.get('required') else '-'):<12} "
+                     f"{_receiver(e.get('receiver'))}")
     for c, w in sorted((st.get("capacity") or {}).items()):
         since = w.get("waiting_since") or time.time()
         lines += ["", f"cluster {c} is waiting for capacity since {time.strftime('%H:%M:%S', time.localtime(since))} "

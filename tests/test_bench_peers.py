@@ -117,7 +117,7 @@ def test_a_corruption_verdict_is_judged_from_what_the_receiver_did():
 def test_the_cli_offers_bench_peers_with_quick_tiny_steps_receivers_and_json():
     args = build_parser().parse_args(["bench", "peers", "--quick", "--json", "x.json"])
     assert args.quick and args.json == "x.json" and args.func is not None
-    assert (args.steps, args.receivers) == ("1,10,50", "hf,vllm")  # steps of one run; both engines
+    assert (args.steps, args.receivers) == ("1,10,50", "hf,vllm,vllm_capture")  # steps of one run; every engine
     assert build_parser().parse_args(["bench", "peers", "--tiny"]).tiny
     with pytest.raises(ValueError, match="--receivers"):
         Settings.make("tiny", receivers=("sglang",))
@@ -170,17 +170,24 @@ def test_on_a_vllm_engine_every_receiver_is_timed_until_it_serves_the_new_versio
     from dcr_ray.cli import main
 
     path = tmp_path / "peers.json"
-    main(["bench", "peers", "--tiny", "--repeats", "1", "--steps", "1", "--receivers", "vllm", "--json", str(path)])
+    main(["bench", "peers", "--tiny", "--repeats", "1", "--steps", "1", "--receivers", "vllm,vllm_capture",
+          "--json", str(path)])
     r = json.loads(path.read_text())
-    got = {(x["data"], x["peer"]): x for x in r["cases"]}
-    assert {x["receiver"] for x in r["cases"]} == {"vllm"} and {x["step"] for x in r["cases"]} == {1}
-    for data in ("adamw-tiny-lr1e-06", "adamw-tiny-lr1e-05"):
-        assert {p for d, p in got if d == data} == {"dcr_default", "dcr_plain", "dcr_class_order", "skyrl",
-                                                    "vllm_sparse_nccl"}
-        for peer in ("dcr_default", "dcr_plain", "dcr_class_order", "skyrl"):  # they serve the new version
-            x = got[data, peer]
-            assert x["bit_exact"] and x["error"] is None and x["receiver_seconds"] > 0, (data, peer, x["error"])
-        # vLLM's own sparse patch apply either serves the new version or says why it could not, here on CPU
-        x = got[data, "vllm_sparse_nccl"]
-        assert x["bit_exact"] or x["error"]
+    got = {(x["receiver"], x["data"], x["peer"]): x for x in r["cases"]}
+    assert {x["receiver"] for x in r["cases"]} == {"vllm", "vllm_capture"} and {x["step"] for x in r["cases"]} == {1}
+    for receiver in ("vllm", "vllm_capture"):
+        for data in ("adamw-tiny-lr1e-06", "adamw-tiny-lr1e-05"):
+            assert {p for e, d, p in got if (e, d) == (receiver, data)} == {
+                "dcr_default", "dcr_plain", "dcr_class_order", "skyrl", "vllm_sparse_nccl"}
+            for peer in ("dcr_default", "dcr_plain", "dcr_class_order", "skyrl"):  # they serve the new version
+                x = got[receiver, data, peer]
+                assert x["bit_exact"] and x["error"] is None and x["receiver_seconds"] > 0, (receiver, data, peer)
+            # vLLM's own sparse patch apply either serves the new version or says why it could not, here on CPU
+            x = got[receiver, data, "vllm_sparse_nccl"]
+            assert x["bit_exact"] or x["error"]
+    engines = r["vllm_engines"]
+    assert (engines["vllm/tiny"]["placement"]["path"], engines["vllm_capture/tiny"]["placement"]["path"]) == (
+        "mirror", "capture")
+    assert all(e["serving"]["tokens_per_s"] > 0 for e in engines.values())
     assert "on vLLM, dcr_default receiver CPU s" in " ".join(r["checks"])
+    assert "capture path" in " ".join(r["checks"])

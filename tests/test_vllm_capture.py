@@ -357,7 +357,7 @@ def test_the_vllm_backend_says_how_to_install_vllm_when_it_is_missing(tmp_path, 
         vb.VllmBackend(str(tmp_path))
 
 
-def test_capture_mode_is_refused_on_cpu_before_vllm_starts(tmp_path, monkeypatch):
+def test_capture_on_packed_cpu_weights_and_unknown_settings_are_refused_before_vllm_starts(tmp_path, monkeypatch):
     from dcr_ray.engines import vllm as vb
     from dcr_ray.errors import ConfigError
     from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint
@@ -366,7 +366,38 @@ def test_capture_mode_is_refused_on_cpu_before_vllm_starts(tmp_path, monkeypatch
         pytest.skip("this machine has CUDA")
     save_checkpoint(build_model(ModelSpec(arch="llama")), str(tmp_path))
     monkeypatch.setitem(sys.modules, "vllm", None)  # proves vLLM is never imported on this path
-    with pytest.raises(ConfigError, match="mode='mirror'"):
-        vb.VllmBackend(str(tmp_path), mode="capture")
+    with pytest.raises(ConfigError, match="cpu_weights='unpacked'"):
+        vb.VllmBackend(str(tmp_path), mode="capture", cpu_weights="packed")
     with pytest.raises(ConfigError, match="one of"):
         vb.VllmBackend(str(tmp_path), mode="gpu")
+    with pytest.raises(ConfigError, match="one of"):
+        vb.VllmBackend(str(tmp_path), cpu_weights="fast")
+
+
+def test_add_items_become_overwrites_read_only_at_their_positions_and_undo_puts_every_bit_back():
+    v0 = _canonical(0)
+    live = _loaded(v0)
+    cap = LoaderCapture(live)
+    for n in ("q_proj.weight", "shard.weight", "wt.weight"):
+        cap.probe(n, v0[n])
+    cap.finish()
+    before = {n: p.detach().clone() for n, p in live.named_parameters()}
+    pos = np.array([0, 5, 77, H * H - 1])
+    delta = np.array([1, 2, 0xFFFF, 3], np.uint16)  # unsigned differences: 0xFFFF is -1, wrapping
+    undo: list = []
+    n = cap.apply([DecodedItem("q_proj.weight", "add", 0, Q * H, pos, delta),
+                   DecodedItem("wt.weight", "add", 0, 2 * H * H, pos, delta),
+                   # this stand-in rank holds rows H/2.. of shard.weight: the positions it lacks are not written
+                   DecodedItem("shard.weight", "add", 0, H * H, pos, delta)], undo=undo)
+    assert n == 4 + 4 + 1  # of shard.weight, only the last position lies in the rows this rank holds
+    for name, t in (("q_proj.weight", live.qkv.weight.detach()[:Q]), ("wt.weight", live.wt.detach().t())):
+        want = int_view(v0[name]).reshape(-1).numpy().view(np.uint16).copy()
+        want[pos] += delta
+        assert np.array_equal(int_view(t.contiguous()).reshape(-1).numpy().view(np.uint16), want), name
+    want = int_view(v0["shard.weight"]).reshape(-1).numpy().view(np.uint16).copy()
+    want[pos] += delta
+    got = int_view(live.shard.detach()).reshape(-1).numpy().view(np.uint16)
+    assert np.array_equal(got, want[H * H // 2:])
+    cap.undo(undo)
+    for name, p in live.named_parameters():
+        assert _bits_equal(p, before[name]), name

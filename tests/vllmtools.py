@@ -91,11 +91,12 @@ def served_bits_equal(url: str, version: int, state: dict) -> bool:
     return True
 
 
-def start_user_engine(checkpoint: str, tp: int = 1):
+def start_user_engine(checkpoint: str, tp: int = 1, load_format: str = "auto"):
     """What a user's own code does: an ``LLM`` in a Ray actor, with the ``dcr`` weight-transfer backend.
 
     ``tp=2``: two tensor-parallel CPU workers in their own processes (vLLM's multiprocessing executor),
     each bound to one core (this machine has one NUMA node, so vLLM needs the binding given).
+    ``load_format="dcr_unpacked"``: its CPU weights unpacked (the capture path).
     """
     import ray
     from vllm import LLM
@@ -110,7 +111,7 @@ def start_user_engine(checkpoint: str, tp: int = 1):
         kw = dict(distributed_executor_backend="mp", tensor_parallel_size=tp)
     UserLLM = ray.remote(num_cpus=0, runtime_env=env)(LLM)
     return UserLLM.remote(model=checkpoint, enforce_eager=True, skip_tokenizer_init=True, seed=0,
-                          weight_transfer_config={"backend": "dcr"}, **kw)
+                          weight_transfer_config={"backend": "dcr"}, load_format=load_format, **kw)
 
 
 def serve(handle) -> list[dict]:
@@ -122,11 +123,12 @@ def serve(handle) -> list[dict]:
     return ray.get(handle.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS))
 
 
-def fresh_engine_outputs(template: str, directory: str, state: dict[str, torch.Tensor], tp: int = 1) -> list[dict]:
+def fresh_engine_outputs(template: str, directory: str, state: dict[str, torch.Tensor], tp: int = 1,
+                         load_format: str = "auto") -> list[dict]:
     """What a freshly started user engine serves with ``state`` (written as a checkpoint beside ``template``)."""
     import ray
 
-    fresh = start_user_engine(write_checkpoint(template, directory, state), tp)
+    fresh = start_user_engine(write_checkpoint(template, directory, state), tp, load_format)
     try:
         return serve(fresh)
     finally:

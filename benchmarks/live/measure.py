@@ -147,7 +147,7 @@ def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step,
                     "blocked_s": max((p["blocked_s"] for p in pauses), default=0.0)})
                 samples.append(smp)
             cases.append({"method": method, "mode": mode if method == "dcr" else "n/a", "receiver": receiver,
-                          "data": data, "size": s.vllm_size if receiver == "vllm" else s.size, "link_mbps": link,
+                          "data": data, "size": s.vllm_size if receiver.startswith("vllm") else s.size, "link_mbps": link,
                           "peer_code": skyrl.peer_code if method == "skyrl_delta" else None,
                           "bit_exact": _exact(topo), "samples": samples})
     _settle(loops, max((x["t_done"] for c in cases for x in c["samples"]), default=time.time()))

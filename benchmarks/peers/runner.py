@@ -1,8 +1,9 @@
 """The whole run: every case, every peer on the same steps, the corruption trials, the checks, the machine.
 
 Two passes: first every step of every case into the ``transformers`` engine (``receiver="hf"``), the AdamW
-steps kept on disk; then those steps into a vLLM engine per model (``receiver="vllm"``), started only now
-because vLLM binds this process's threads when it starts and would change every timing after it.
+steps kept on disk; then those steps into a vLLM engine per model and kind (``receiver="vllm"``: weights packed;
+``"vllm_capture"``: unpacked, the capture path), started only now because vLLM binds this process's threads when
+it starts and would change every timing after it.
 """
 
 from __future__ import annotations
@@ -129,44 +130,56 @@ def _load_step(path: str):
     return Step(old=old, new={n[4:]: t for n, t in got.items() if n.startswith("new/")})
 
 
-def vllm_rows(pending: list, s: Settings, code, workdir: str) -> list[dict]:
+def vllm_rows(pending: list, s: Settings, code, workdir: str) -> tuple[list[dict], dict]:
     """Pass 2: every saved AdamW step received by dcr_ray, SkyRL and ``sparse_nccl`` inside a vLLM engine of
-    its model (:mod:`.vllm_receivers`); the rows copy the ``hf`` rows' bytes and senders."""
+    its model, of each vLLM receiver kind asked for (:mod:`.vllm_receivers`); the rows copy the ``hf`` rows'
+    bytes and senders. Also returns each engine's placement and quiet decoding throughput."""
     from benchmarks.peers import vllm_receivers as vr
 
-    out = []
+    out, engines = [], {}
+    kinds = [k for k in ("vllm", "vllm_capture") if k in s.receivers]
     for size in dict.fromkeys(p["model"] for p in pending):
-        _log(f"vLLM receivers: starting a vLLM engine of the {size} model")
-        engine = vr.VllmEngine(size, s.seed, workdir)
-        try:
-            for p in (p for p in pending if p["model"] == size):
-                step = _load_step(p["path"])
-                os.remove(p["path"])
-                vers = vr.versions(step)
-                fps = engine.fingerprints(vers)
-                hf = {r["peer"]: r for r in p["rows"]}
-                got = {}
-                for coding in ("plain", "context"):
-                    _log(f"  {p['data']} step {p['step']}: dcr_ray {coding} on vLLM")
-                    got[coding] = vr.dcr(engine, step, vers, fps, coding, s.repeats)
-                _log(f"  {p['data']} step {p['step']}: skyrl, vllm_sparse_nccl on vLLM")
-                got["skyrl"] = vr.skyrl(engine, code, vers, fps, s.repeats, workdir)
-                got["vllm_sparse_nccl"] = vr.sparse(engine, step, vers, fps, s.repeats)
-                rows = []
-                for peer in ("dcr_default", "dcr_plain", "dcr_class_order", "skyrl", "vllm_sparse_nccl"):
-                    m = got[hf[peer]["coding"]] if peer.startswith("dcr") else got[peer]
-                    t = m["receiver"]
-                    rows.append({**hf[peer], "receiver": "vllm", "receiver_seconds": t.best_cpu if t.cpu else None,
-                                 "receiver_wall_seconds": t.best if t.wall else None, "bit_exact": m["bit_exact"],
-                                 "error": m["error"], "corrupt": None,
-                                 "samples": {**hf[peer]["samples"], "receiver_cpu_s": [round(x, 6) for x in t.cpu],
-                                             "receiver_wall_s": [round(x, 6) for x in t.wall]}})
-                _ratios(rows)
-                out += rows
-                del step, vers
-        finally:
-            engine.close()
-    return out
+        for kind in kinds:
+            _log(f"{kind} receivers: starting a vLLM engine of the {size} model")
+            engine = vr.VllmEngine(size, s.seed, workdir, kind)
+            try:
+                engines[f"{kind}/{size}"] = {"model": size, "receiver": kind, "placement": engine.placement,
+                                             "serving": engine.tokens_per_s()}
+                for p in (p for p in pending if p["model"] == size):
+                    out += _vllm_step(engine, p, s, code, workdir, kind)
+            finally:
+                engine.close()
+        for p in (p for p in pending if p["model"] == size):
+            os.remove(p["path"])
+    return out, engines
+
+
+def _vllm_step(engine, p: dict, s: Settings, code, workdir: str, kind: str) -> list[dict]:
+    """One saved step on one vLLM engine: every receiver's rows."""
+    from benchmarks.peers import vllm_receivers as vr
+
+    step = _load_step(p["path"])
+    vers = vr.versions(step)
+    fps = engine.fingerprints(vers)
+    hf = {r["peer"]: r for r in p["rows"]}
+    got = {}
+    for coding in ("plain", "context"):
+        _log(f"  {p['data']} step {p['step']}: dcr_ray {coding} on {kind}")
+        got[coding] = vr.dcr(engine, step, vers, fps, coding, s.repeats)
+    _log(f"  {p['data']} step {p['step']}: skyrl, vllm_sparse_nccl on {kind}")
+    got["skyrl"] = vr.skyrl(engine, code, vers, fps, s.repeats, workdir)
+    got["vllm_sparse_nccl"] = vr.sparse(engine, step, vers, fps, s.repeats)
+    rows = []
+    for peer in ("dcr_default", "dcr_plain", "dcr_class_order", "skyrl", "vllm_sparse_nccl"):
+        m = got[hf[peer]["coding"]] if peer.startswith("dcr") else got[peer]
+        t = m["receiver"]
+        rows.append({**hf[peer], "receiver": kind, "receiver_seconds": t.best_cpu if t.cpu else None,
+                     "receiver_wall_seconds": t.best if t.wall else None, "bit_exact": m["bit_exact"],
+                     "error": m["error"], "corrupt": None,
+                     "samples": {**hf[peer]["samples"], "receiver_cpu_s": [round(x, 6) for x in t.cpu],
+                                 "receiver_wall_s": [round(x, 6) for x in t.wall]}})
+    _ratios(rows)
+    return rows
 
 
 def run(s: Settings, workdir: str | None = None, skyrl_own: bool = True) -> dict:
@@ -201,7 +214,7 @@ def run(s: Settings, workdir: str | None = None, skyrl_own: bool = True) -> dict
                     "default_reason", "step_change_rates")}})
                 _log("  " + ", ".join(f"{r['peer']} {r['bytes_per_change']:.2f} B/chg {r['receiver_seconds']:.3f}s"
                                       for r in step_rows))
-                if "vllm" in s.receivers and case.source == "adamw":
+                if any(r.startswith("vllm") for r in s.receivers) and case.source == "adamw":
                     path = os.path.join(tmp, f"step-{case.name}-{k}.safetensors")
                     _save_step(step, path)
                     pending.append({"model": case.info["model"], "data": case.name, "step": k, "path": path,
@@ -210,7 +223,8 @@ def run(s: Settings, workdir: str | None = None, skyrl_own: bool = True) -> dict
             del engine
         if "hf" not in s.receivers:
             rows = []
-        rows += vllm_rows(pending, s, code, tmp)
+        vllm, engines = vllm_rows(pending, s, code, tmp)
+        rows += vllm
     finally:
         if workdir is None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -218,7 +232,8 @@ def run(s: Settings, workdir: str | None = None, skyrl_own: bool = True) -> dict
         "bench": "peers", "git": provenance.git_commit(), "mode": s.mode, "quick": s.quick,
         "skyrl": {"peer_code": code.peer_code, "note": code.note, "version": skyrl_code.VERSION,
                   "install": skyrl_code.INSTALL},
-        "peers": dict(PEER_ROWS), "cases": rows, "data": data, "targets": TARGETS, "checks": checks(rows),
+        "peers": dict(PEER_ROWS), "cases": rows, "data": data, "vllm_engines": engines, "targets": TARGETS,
+        "checks": checks(rows),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "numpy": np.__version__, "torch": torch.__version__, "zstandard": zstandard.__version__,
                     "loadavg_start": load0, "loadavg_end": provenance.loadavg()},

@@ -16,6 +16,9 @@ TARGETS = {
     # issue 43: on vLLM, receiver seconds until the engine serves the new version (through vLLM's own reload
     # for SkyRL), on the AdamW steps
     "vllm_receiver_over_skyrl_adamw_max": 0.5,
+    # issue 51: the capture path on vLLM-CPU with unpacked weights, against SkyRL's reload of the same engine,
+    # on the AdamW steps at lr 1e-6
+    "vllm_capture_receiver_over_skyrl_adamw_lr1e-6_max": 0.3,
 }
 
 #: Every peer row, in table order: (peer, what it is).
@@ -37,9 +40,11 @@ CORRUPTIONS = ("flip", "truncate")
 
 #: The optimizer steps of a run that are measured (changes shrink as Adam's second moments grow).
 STEPS = (1, 10, 50)
-#: Where the receivers finish: ``hf`` (a ``transformers`` model's parameters) and ``vllm`` (a vLLM engine on
-#: this machine's CPU, through vLLM's own reload: :mod:`benchmarks.peers.vllm_receivers`).
-RECEIVERS = ("hf", "vllm")
+#: Where the receivers finish: ``hf`` (a ``transformers`` model's parameters), ``vllm`` (a vLLM engine on this
+#: machine's CPU, its weights packed: dcr_ray's receiver through vLLM's own reload) and ``vllm_capture`` (the same
+#: with its weights unpacked: dcr_ray's receiver writes in place through the captured loader copies):
+#: :mod:`benchmarks.peers.vllm_receivers`.
+RECEIVERS = ("hf", "vllm", "vllm_capture")
 
 
 @dataclass(frozen=True)

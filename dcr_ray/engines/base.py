@@ -110,6 +110,11 @@ class EngineBackend(ABC):
         bootstrapped densely."""
         return False
 
+    def describe(self) -> dict:
+        """How this backend receives, for ``status()`` (a vLLM engine: the path its workers write through,
+        ``capture`` or ``mirror``, and how many tensors take each); empty by default."""
+        return {}
+
     def matches_digests(self, version: int, digests: Mapping[tuple, str]) -> bool | None:
         """Whether this engine already serves committed ``version``, shown by digest (optional).
 

@@ -177,8 +177,9 @@ class EngineActor:
         """Where this engine stands: its ``phase`` (:class:`~dcr_ray.actors.engine.state.Phase`: empty,
         ready, staging, open, written, dirty), its version and content id, the transfer it is in or wrote
         into, ``dirty`` (its bits match no version), ``flushed`` (every payload of the open attempt
-        applied) and ``epoch`` (this incarnation's). A resumed coordinator settles an open transfer from this (activate it if the record
-        committed it, else roll it back); an engine evicted as hung that flushed the transfer the record
+        applied), ``epoch`` (this incarnation's) and how its backend receives (``receiver``: a vLLM engine's
+        ``path``, capture or mirror). A resumed coordinator settles an open transfer from this (activate
+        it if the record committed it, else roll it back); an engine evicted as hung that flushed the transfer the record
         committed is activated instead of bootstrapped."""
         c = self._engine
         with c.lock:
@@ -187,7 +188,8 @@ class EngineActor:
             return {"engine": c.engine_id, "cluster": c.cluster, "version": st.version,
                     "version_id": st.version_id, "phase": st.phase.value, "transfer": st.transfer,
                     "target": cur.target if cur else None, "dirty": st.why is not None,
-                    "flushed": cur is not None and st.flushed == (cur.transfer, cur.attempt), "epoch": c.epoch}
+                    "flushed": cur is not None and st.flushed == (cur.transfer, cur.attempt),
+                    "receiver": c.backend.describe(), "epoch": c.epoch}
 
     def info(self) -> dict:
         """Identity, placement, start-up seconds and counters (payloads applied, duplicate, stale,

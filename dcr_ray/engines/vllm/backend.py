@@ -32,7 +32,7 @@ from dcr_ray.engines.sampling import Sampling
 from dcr_ray.engines.vllm.adopted import WeightSyncBackend
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files
 from dcr_ray.engines.vllm.compat import shutdown_llm, start_llm, will_use_cuda
-from dcr_ray.engines.vllm.plugin import BACKEND_NAME
+from dcr_ray.engines.vllm.plugin import BACKEND_NAME, UNPACKED_LOAD_FORMAT
 from dcr_ray.engines.vllm.serving import greedy, sample
 from dcr_ray.engines.vllm.sync import LocalWeightSync
 from dcr_ray.engines.vllm.worker.plan import merge_summaries, strict_check
@@ -41,21 +41,58 @@ from dcr_ray.errors import BackendError, ConfigError, TargetMismatchError
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "mirror", "capture")
+CPU_WEIGHTS = ("packed", "unpacked")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: Bytes of one dense frame :meth:`VllmBackend.load_dense` sends (a worker holds one decoded at a time).
 _DENSE_FRAME_BYTES = 16 << 20
 
 
-def _llm_kwargs(model: str, *, seed: int, cuda: bool, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+def _llm_kwargs(model: str, *, seed: int, cuda: bool, unpacked: bool,
+                extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM``: the ``dcr`` weight-transfer backend, no tokenizer when the
-    checkpoint has none, eager single-process execution on CPU; ``extra`` overrides them."""
+    checkpoint has none, eager single-process execution on CPU, and (``unpacked``) the load format that
+    keeps CPU weights unpacked; ``extra`` overrides them."""
     kw: dict[str, Any] = dict(model=model, seed=seed, weight_transfer_config={"backend": BACKEND_NAME})
     if not any(os.path.exists(os.path.join(model, f)) for f in _TOKENIZER_FILES):
         kw["skip_tokenizer_init"] = True
     if not cuda:
         kw.update(enforce_eager=True, distributed_executor_backend="uni")
+        if unpacked:
+            kw["load_format"] = UNPACKED_LOAD_FORMAT
     kw.update(extra or {})
     return kw
+
+
+def _placement(mode: str, cpu_weights: str | None, cuda: bool) -> tuple[str, str]:
+    """``(path, weights)`` the engine will run: the receiver's path (``capture`` / ``mirror``) and how its
+    weights are held (``cuda``, or on CPU ``packed`` / ``unpacked``); :class:`ConfigError` for a pair that
+    cannot run, saying which to pick."""
+    if mode not in MODES:
+        raise ConfigError(f"VllmBackend.mode must be one of {MODES}, got {mode!r}")
+    if cpu_weights is not None and cpu_weights not in CPU_WEIGHTS:
+        raise ConfigError(f"VllmBackend.cpu_weights must be one of {CPU_WEIGHTS} (or None), got {cpu_weights!r}")
+    if cuda:
+        return ("mirror" if mode == "mirror" else "capture"), "cuda"
+    weights = cpu_weights or ("unpacked" if mode == "capture" else "packed")
+    if mode == "capture" and weights == "packed":
+        raise ConfigError("VllmBackend(mode='capture') on CPU needs cpu_weights='unpacked' (vLLM-CPU packs its "
+                          "weights after loading, so writes into them would reach nothing); or use mode='mirror'")
+    if mode == "auto":
+        mode = "capture" if weights == "unpacked" else "mirror"
+    return mode, weights
+
+
+def _describe(path: str, weights: str, specs: Mapping[str, Any], mirrored: Sequence[str],
+              summary: Mapping[str, tuple[str, str]]) -> dict[str, Any]:
+    """What :attr:`VllmBackend.placement` says: the path, the weights, how many checkpoint tensors take each
+    path, and (a few) why some are mirrored on the capture path."""
+    out: dict[str, Any] = {"path": path, "weights": weights, "captured": len(specs) - len(mirrored),
+                           "mirrored": len(mirrored)}
+    if path == "capture" and mirrored:
+        why = [f"{n}: {summary[n][1]}" if n in summary and summary[n][1] else f"{n}: in a fused group with one"
+               for n in mirrored[:3]]
+        out["mirrored_because"] = why
+    return out
 
 
 class VllmBackend(WeightSyncBackend):
@@ -72,6 +109,7 @@ class VllmBackend(WeightSyncBackend):
         model: str,
         *,
         mode: str = "auto",
+        cpu_weights: str | None = None,
         version: int = 0,
         seed: int = 0,
         kv_cache_gib: int = 1,
@@ -82,8 +120,18 @@ class VllmBackend(WeightSyncBackend):
         Args:
             model: checkpoint directory (config + ``*.safetensors``), e.g. from
                 :func:`dcr_ray.testing.models.save_checkpoint`. Its tensors are the canonical names.
-            mode: ``auto`` (``capture`` when vLLM runs on CUDA, else ``mirror``), ``mirror`` or
-                ``capture`` (CUDA only).
+            mode: the receiver's path. ``capture``: frames are written in place into the parameters the
+                engine computes from, through the loader copies captured at start-up (O(changes), no
+                host mirror, no reload; tensors a layer repacks, e.g. fused-MoE experts on CPU, stay on
+                the mirror path). ``mirror``: a host mirror takes the frames and vLLM reloads the touched
+                fused groups. ``auto``: ``capture`` on CUDA and with ``cpu_weights="unpacked"``, else
+                ``mirror``. :attr:`placement` says what the engine runs.
+            cpu_weights: vLLM on CPU only (its CUDA weights are never packed). ``packed``: vLLM-CPU's
+                default, linear weights packed for oneDNN and the parameters emptied (the mirror path).
+                ``unpacked``: vLLM's own per-layer switch (``_cpu_skip_gemm_dispatch``) set on every
+                layer when the engine loads (load format ``dcr_unpacked``), so each layer computes with
+                ``F.linear`` on its parameter (the capture path; slower to serve, see BENCHMARKS.md).
+                None: ``unpacked`` for ``mode="capture"``, else ``packed``.
             version: the policy version the checkpoint holds (reported by :meth:`generate`).
             seed: vLLM's seed (greedy decoding does not use it).
             kv_cache_gib: KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``), in GiB.
@@ -92,16 +140,10 @@ class VllmBackend(WeightSyncBackend):
                 on the host-mirror path.
             llm_kwargs: extra keyword arguments for ``vllm.LLM`` (they override the defaults here).
         """
-        if mode not in MODES:
-            raise ConfigError(f"VllmBackend.mode must be one of {MODES}, got {mode!r}")
+        cuda = will_use_cuda()
+        mode, self.weights = _placement(mode, cpu_weights, cuda)
         if not os.path.isdir(model):
             raise ConfigError(f"VllmBackend.model must be a checkpoint directory, got {model!r}")
-        cuda = will_use_cuda()
-        if mode == "auto":
-            mode = "capture" if cuda else "mirror"
-        if mode == "capture" and not cuda:
-            raise ConfigError("VllmBackend(mode='capture') needs vLLM on a CUDA device (CPU vLLM repacks "
-                              "its weights, so its storage is not bit-addressable); use mode='mirror'")
         self.model_dir = model
         self.mode = mode
         self._lock = threading.RLock()
@@ -109,8 +151,8 @@ class VllmBackend(WeightSyncBackend):
         self._update: tuple[int, int] | None = None  # the update written since the last activate
         self._kept = False  # an update finished since the last activate: the workers keep its undo record
         self.last_flush: dict[str, int] = {}
-        self.llm, self._inproc = start_llm(_llm_kwargs(model, seed=seed, cuda=cuda, extra=llm_kwargs),
-                                           cuda=cuda, kv_cache_gib=kv_cache_gib)
+        kwargs = _llm_kwargs(model, seed=seed, cuda=cuda, unpacked=self.weights == "unpacked", extra=llm_kwargs)
+        self.llm, self._inproc = start_llm(kwargs, cuda=cuda, kv_cache_gib=kv_cache_gib)
         try:
             # the workers' receivers start from the checkpoint and run the start-up reload self-check
             super().__init__(LocalWeightSync(self.llm, f"{model} (in this process)"), model, version=version,
@@ -125,6 +167,12 @@ class VllmBackend(WeightSyncBackend):
         self.groups: list[list[str]] = layouts[0]["groups"]
         self.ignored: list[str] = layouts[0]["ignored"]
         self.unresolved: list[str] = layouts[0]["unresolved"]
+        self.mirrored: list[str] = sorted({n for lay in layouts for n in lay["mirrored"]})
+        self.placement = _describe(self.mode, self.weights, self.tensor_specs(), self.mirrored, self.capture_summary)
+
+    def describe(self) -> dict[str, Any]:
+        """How this engine receives (shown in ``status()``): :attr:`placement`."""
+        return {"receiver": "vLLM", **self.placement}
 
     @property
     def step_lock(self) -> threading.RLock:

@@ -1,5 +1,7 @@
 """vLLM plugin (entry point ``vllm.general_plugins`` -> ``dcr``): registers the ``dcr`` weight-transfer
-backend in every vLLM process, engine core and tensor-parallel workers included, and gives vLLM's
+backend and the ``dcr_unpacked`` load format (vLLM-CPU with its weights left unpacked,
+:mod:`~dcr_ray.engines.vllm.worker.unpacked`) in every vLLM process, engine core and tensor-parallel
+workers included, and gives vLLM's
 workers the method ``dcr_transfer_status`` that the driver reads each call's outcome with
 (``collective_rpc("dcr_transfer_status", args=(nonce,))``; see :mod:`~dcr_ray.engines.vllm.worker.transfer`).
 
@@ -43,13 +45,17 @@ log = logging.getLogger(__name__)
 
 #: The name both halves are registered under: ``weight_transfer_config={"backend": BACKEND_NAME}``.
 BACKEND_NAME = "dcr"
+#: ``LLM(load_format=UNPACKED_LOAD_FORMAT)``: vLLM-CPU keeps unquantized weights unpacked
+#: (:mod:`~dcr_ray.engines.vllm.worker.unpacked`).
+UNPACKED_LOAD_FORMAT = "dcr_unpacked"
+_unpacked_registered = False
 
 
 def register() -> None:
     """Register :class:`~dcr_ray.engines.vllm.worker.transfer.DcrWeightTransferEngine` and its trainer twin as
-    backend ``dcr``, let vLLM's HTTP client send frames, add ``dcr_transfer_status`` to vLLM's worker
-    base class, and make this process ready for a CPU engine (:func:`~dcr_ray.engines.vllm.compat.prepare_cpu_process`;
-    all idempotent). On an unsupported vLLM release: one warning, and ``dcr`` names the stand-in that refuses
+    backend ``dcr`` and the load format ``dcr_unpacked``, let vLLM's HTTP client send frames, add
+    ``dcr_transfer_status`` to vLLM's worker base class, and make this process ready for a CPU engine
+    (:func:`~dcr_ray.engines.vllm.compat.prepare_cpu_process`; all idempotent). On an unsupported vLLM release: one warning, and ``dcr`` names the stand-in that refuses
     (:func:`register_unsupported`); nothing else changes."""
     from dcr_ray.engines.vllm.compat import check_vllm_version, prepare_cpu_process
     from dcr_ray.errors import UnsupportedRuntimeError
@@ -69,6 +75,7 @@ def register() -> None:
     except ValueError:  # already registered in this process
         pass
     register_trainer()
+    register_unpacked_loader()
     try:
         from vllm.v1.worker.worker_base import WorkerBase
     except ImportError:  # a vLLM without v1 workers: the driver finds no status and says so
@@ -92,6 +99,20 @@ def register_unsupported(error: Exception) -> None:
             getattr(factory, registry).register_engine(BACKEND_NAME, "dcr_ray.engines.vllm.unsupported", cls)
         except Exception:  # already registered, or another shape: the warning is what is left
             pass
+
+
+def register_unpacked_loader() -> None:
+    """Register the load format :data:`UNPACKED_LOAD_FORMAT` (vLLM-CPU keeps its weights unpacked,
+    :class:`~dcr_ray.engines.vllm.worker.unpacked.UnpackedCpuModelLoader`). Idempotent."""
+    global _unpacked_registered
+    if _unpacked_registered:
+        return
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from dcr_ray.engines.vllm.worker.unpacked import UnpackedCpuModelLoader
+
+    register_model_loader(UNPACKED_LOAD_FORMAT)(UnpackedCpuModelLoader)
+    _unpacked_registered = True
 
 
 def register_trainer() -> None:

@@ -14,7 +14,9 @@ model given as ``--model``::
         --weight-transfer-config '{"backend": "dcr"}'
 
 Adopt it with :class:`~dcr_ray.engines.vllm.adopted.AdoptedVllmServer` (``VLLM_SERVER_DEV_MODE=1``
-is what makes vLLM serve its weight-transfer routes). On GPU hosts use ``vllm serve`` itself.
+is what makes vLLM serve its weight-transfer routes). Add ``--load-format dcr_unpacked`` to keep the
+CPU weights unpacked: the workers then write each frame in place (the capture path,
+:mod:`~dcr_ray.engines.vllm.worker.unpacked`). On GPU hosts use ``vllm serve`` itself.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Loader capture: where a model's own loader puts each checkpoint tensor, recorded once, replayed sparsely.
 
-For bit-addressable storage (CUDA). :class:`LoaderCapture` runs the model's native ``load_weights``
+For parameters the engine computes from (CUDA; vLLM-CPU with its weights unpacked,
+:mod:`~dcr_ray.engines.vllm.worker.unpacked`). :class:`LoaderCapture` runs the model's native ``load_weights``
 once per checkpoint tensor on a scratch tensor of canonical shape, under a ``TorchDispatchMode`` that
 sees each ``aten.copy_`` the loader makes into parameter storage and records its geometry (a strided
 view of the scratch -> a strided view of the parameter) *instead of* performing it. Checkpoint tensors
@@ -15,30 +16,33 @@ or — with ``VllmBackend(strict_capture=True)`` — fails closed with a
 :class:`~dcr_ray.errors.LoaderCaptureError` naming the tensors
 (:func:`~dcr_ray.engines.vllm.worker.plan.strict_check`).
 
-The capture core is plain PyTorch and device-agnostic (it is unit-tested on CPU with stand-in loaders
-and with real vLLM loaders on a never-repacked CPU model instance); the backend selects it only when the
-engine's device is CUDA. On CUDA the sparse writes use ``cuda_ext``'s scatter kernels when CuPy is
-importable, else PyTorch indexing (:func:`~dcr_ray.engines.vllm.worker.storage.scatter`).
+The capture core is plain PyTorch and device-agnostic: it is unit-tested on CPU with stand-in loaders, and
+runs end to end on vLLM-CPU engines with unpacked weights. Being probed is not proof that a write reaches
+what the engine computes with (a layer may compute from a copy made at load): the receiver's start-up check
+(:func:`~dcr_ray.engines.vllm.worker.startup.stale_captures`) proves that, and :meth:`LoaderCapture.demote`
+sends the tensors it refutes through the native loader. ``ADD`` items read the old bits only at their
+positions; class-order items read the whole tensor back (their walk needs its range), which a rank holding
+only a shard of it cannot (:meth:`LoaderCapture.readback` says so; the refit then retries). Each write can
+keep the bits it replaces (``apply(undo=...)``, :meth:`LoaderCapture.undo`). On CUDA the sparse writes use
+``cuda_ext``'s scatter kernels when CuPy is importable, else PyTorch indexing
+(:func:`~dcr_ray.engines.vllm.worker.storage.scatter`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dcr_ray.codec import Encoding
-from dcr_ray.codec.bits import np_int
+from dcr_ray.codec import DecodedItem, Encoding
+from dcr_ray.codec.bits import bits_view, np_int, np_uint, torch_int
 from dcr_ray.codec.decoding import context
 from dcr_ray.engines.vllm.worker.plan import CopyOp, Geometry, TensorPlan, map_positions
 from dcr_ray.engines.vllm.worker.storage import int_view, scatter, storage_flat, storage_key
 from dcr_ray.errors import BackendError
-
-if TYPE_CHECKING:
-    from dcr_ray.codec import DecodedItem
 
 
 class _AbortProbe(Exception):
@@ -262,17 +266,27 @@ class LoaderCapture:
 
     # -- apply -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def apply(self, items: Iterable[DecodedItem]) -> int:
-        """Write decoded frame items (:class:`~dcr_ray.codec.DecodedItem`) into live storage.
+    def apply(self, items: Iterable[DecodedItem], undo: list | None = None) -> int:
+        """Write decoded frame items into live storage: :meth:`write` of :meth:`prepare`. Returns elements
+        written."""
+        return self.write(self.prepare(items), undo)
 
-        ``encoding`` is ``XOR`` / ``OVERWRITE`` (sparse, ``positions`` absolute flat indices) or ``DENSE``
-        (``values`` for ``[lo, hi)``); ``values`` are unsigned integers of the tensor's element size.
-        Every write is computed and checked before the first one lands. Returns elements written.
+    @torch.no_grad()
+    def prepare(self, items: Iterable[DecodedItem]) -> list[tuple[str, torch.Tensor, torch.Tensor, bool]]:
+        """Decoded frame items (:class:`~dcr_ray.codec.DecodedItem`) as the writes into live storage they
+        make, every one checked and mapped through the recorded copies; nothing is written. A receiver that
+        stages frames prepares them while the engine serves, so its pause holds only :meth:`write`.
+
+        ``encoding`` is ``XOR`` / ``OVERWRITE`` (sparse, ``positions`` absolute flat indices), ``DENSE``
+        (``values`` for ``[lo, hi)``) or ``ADD`` (made an ``OVERWRITE`` against the bits live storage holds
+        now: prepare before any other write to the same tensor); ``values`` are unsigned integers of the
+        tensor's element size. Returns ``(parameter, storage positions, values, xor)`` per write; a
+        ``DENSE`` item stays ``(name, (lo, hi), values, None)`` until :meth:`write` maps it (its positions
+        would take four times its values' memory, and only a bootstrap sends whole tensors).
         """
         device = self._device()
         writes = []
-        # ADD items and class-order positions need the old canonical bits: read back, made absolute
-        items = context.absolute(items, self.readback)
+        items = self._absolute(items)
         for it in items:
             name, enc, lo, hi, positions, values = it.name, it.encoding, it.lo, it.hi, it.positions, it.values
             plan = self.plans.get(name)
@@ -290,7 +304,8 @@ class LoaderCapture:
             if enc == Encoding.DENSE:
                 if not (0 <= lo <= hi <= numel) or len(vals) != hi - lo:
                     raise BackendError(f"{name}: dense range [{lo}, {hi}) with {len(vals)} values is invalid")
-                pos = torch.arange(lo, hi, dtype=torch.int64, device=device)
+                writes.append((name, (lo, hi), torch.from_numpy(vals.view(np_int(w))), None))
+                continue
             elif enc in (Encoding.XOR, Encoding.OVERWRITE):
                 p = np.asarray(positions, dtype=np.int64)
                 if len(p) != len(vals) or (len(p) and (int(p.min()) < 0 or int(p.max()) >= numel)):
@@ -298,20 +313,94 @@ class LoaderCapture:
                 pos = torch.from_numpy(p).to(device)
             else:
                 raise BackendError(f"{name}: unknown encoding {enc!r}")
-            vt = torch.from_numpy(vals.view(np_int(w))).to(device)
-            for op in plan.ops:
-                valid, dpos = map_positions(pos, op.src, op.dst)
-                if not bool(valid.all()):
-                    dpos, v = dpos[valid], vt[valid]
-                else:
-                    v = vt
-                if dpos.numel():
-                    writes.append((op.param, dpos, v, enc == Encoding.XOR))
+            writes += self._mapped(plan, pos, torch.from_numpy(vals.view(np_int(w))).to(device), enc == Encoding.XOR)
+        return writes
+
+    @staticmethod
+    def _mapped(plan: TensorPlan, pos: torch.Tensor, vt: torch.Tensor, xor: bool) -> list:
+        """Canonical positions ``pos`` and their values, as writes through each of ``plan``'s copies."""
+        out = []
+        for op in plan.ops:
+            valid, dpos = map_positions(pos, op.src, op.dst)
+            v = vt
+            if not bool(valid.all()):
+                dpos, v = dpos[valid], vt[valid]
+            if dpos.numel():
+                out.append((op.param, dpos, v, xor))
+        return out
+
+    @torch.no_grad()
+    def write(self, writes: list[tuple[str, torch.Tensor, torch.Tensor, bool]], undo: list | None = None) -> int:
+        """Make the writes of :meth:`prepare` in live storage, in order. With ``undo`` (a list), the bits each
+        write replaces are appended to it first, so :meth:`undo` can put them back. Returns elements written."""
         n = 0
-        for pname, dpos, v, xor in writes:
-            scatter(int_view(storage_flat(self._tensors[pname])), dpos, v, xor=xor)
+        for pname, dpos, v, xor in self._expanded(writes):
+            flat = int_view(storage_flat(self._tensors[pname]))
+            if undo is not None:  # the bits this write replaces, kept before it lands
+                undo.append((pname, dpos, flat.index_select(0, dpos)))
+            scatter(flat, dpos, v, xor=xor)
             n += dpos.numel()
         return n
+
+    def _expanded(self, writes: list):
+        """The writes, each ``DENSE`` item mapped now (one at a time)."""
+        for w in writes:
+            if w[3] is not None:
+                yield w
+                continue
+            name, (lo, hi), vt, _ = w
+            pos = torch.arange(lo, hi, dtype=torch.int64, device=self._device())
+            yield from self._mapped(self.plans[name], pos, vt.to(pos.device), False)
+
+    def _absolute(self, items: Iterable[DecodedItem]) -> list[DecodedItem]:
+        """``items`` as absolute writes: class-order positions resolved against the canonical bits read back
+        (the whole tensor: the walk reads its range), every ``ADD`` item turned into the ``OVERWRITE`` of the
+        bits it gives, reading the old bits only at its positions (O(changes); a rank that holds a shard of
+        the tensor reads what it holds, and writes only that)."""
+        items = list(items)
+        full = {n: self.readback(n) for n in {it.name for it in items if it.positions is None and it.ranks is not None}}
+        context.resolve([it for it in items if it.name in full], full)
+        out = []
+        for it in items:
+            if it.encoding == Encoding.ADD:
+                old = bits_view(full[it.name])[it.positions] if it.name in full else self._gather(it.name, it.positions)
+                it = DecodedItem(it.name, Encoding.OVERWRITE, it.lo, it.hi, it.positions, old + it.values)
+            out.append(it)
+        return out
+
+    def _gather(self, name: str, positions) -> np.ndarray:
+        """The canonical bits at flat ``positions`` of ``name`` as live storage holds them (unsigned; 0 where
+        this rank holds none of them)."""
+        plan = self.plans.get(name)
+        if plan is None or plan.kind != "affine":
+            raise BackendError(f"{name} is not stored through captured copies")
+        w = torch.empty((), dtype=plan.dtype).element_size()
+        pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(self._device())
+        out = torch.zeros(len(pos), dtype=torch_int(w), device=pos.device)
+        for op in plan.ops:
+            valid, dpos = map_positions(pos, op.src, op.dst)
+            out[valid] = int_view(storage_flat(self._tensors[op.param]))[dpos[valid]]
+        return out.cpu().numpy().view(np_uint(w))
+
+    @torch.no_grad()
+    def undo(self, log: list) -> None:
+        """Put back, newest first, the bits an :meth:`apply` recorded in ``log`` (O(changes))."""
+        for pname, dpos, old in reversed(log):
+            scatter(int_view(storage_flat(self._tensors[pname])), dpos, old, xor=False)
+
+    def demote(self, names: Iterable[str], reason: str) -> None:
+        """Send ``names`` through the native loader from now on (a start-up check found their captured
+        writes do not reach what the engine computes with)."""
+        for n in names:
+            plan = self.plans.get(n)
+            if plan is not None and plan.kind == "affine":
+                plan.kind, plan.ops, plan.fills, plan.reason = "fallback", [], [], reason
+
+    def writers_of(self, tensors: Iterable[torch.Tensor]) -> set[str]:
+        """The affine checkpoint tensors whose captured copies write into the storage of any of ``tensors``."""
+        keys = {storage_key(t) for t in tensors} - {None}
+        names = {self._storages.get(k) for k in keys} - {None}
+        return {n for n, p in self.plans.items() if p.kind == "affine" and any(op.param in names for op in p.ops)}
 
     @torch.no_grad()
     def readback(self, name: str) -> torch.Tensor:

@@ -197,24 +197,29 @@ def reprocess_aliases(model: torch.nn.Module, loaded_modules: set[str]) -> list[
     return done
 
 
-def reload_groups(model: torch.nn.Module, vllm_config: Any, items: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+def reload_groups(model: torch.nn.Module, vllm_config: Any, items: Iterable[tuple[str, torch.Tensor]],
+                  names: list[str] | None = None) -> dict[str, Any]:
     """Push whole fused groups of checkpoint tensors through vLLM's in-place reload, then run the
     post-load steps a fresh load runs and the reload skips (fused experts, aliasing modules).
 
-    ``items`` must hold every checkpoint tensor of each module they touch (see :func:`fused_groups`).
+    ``items`` must hold every checkpoint tensor of each module they touch (see :func:`fused_groups`);
+    given their ``names`` beforehand, they may be a generator (read one at a time, as the loader takes them).
     Returns ``{"tensors": n, "reprocessed": [module paths]}``.
     """
     from vllm.config import set_current_vllm_config
 
     from dcr_ray.engines.vllm.compat import reload_weights
 
-    modules = reloaded_modules(model, (name for name, _ in items))
+    if names is None:
+        items = list(items)
+        names = [name for name, _ in items]
+    modules = reloaded_modules(model, names)
     with set_current_vllm_config(vllm_config):
         with quiet_partial_reload():
-            reload_weights(vllm_config, model, list(items))
+            reload_weights(vllm_config, model, items)
         experts = reprocess_moe_experts(model, modules)
         again = reprocess_aliases(model, modules)
-    return {"tensors": len(items), "reprocessed": again + experts}
+    return {"tensors": len(names), "reprocessed": again + experts}
 
 
 @contextlib.contextmanager

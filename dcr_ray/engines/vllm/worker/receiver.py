@@ -24,10 +24,12 @@ Having passed it, the mirror *is* what the worker serves (reloading it changes n
 ``finish`` keeps it so; that is why :meth:`MirrorReceiver.verify` (does this worker serve committed
 version v?) digests the mirror.
 
-With ``capture`` (bit-addressable storage: CUDA) the model's loader is probed once per tensor at
-start-up (:class:`~dcr_ray.engines.vllm.worker.capture.LoaderCapture`); tensors whose loader path is a plain
-view copy get no mirror at all: their changes are kept, decoded, until ``finish`` writes them sparsely
-into live storage through the recorded copies. Only the rest (whole fused groups) keep a host mirror.
+With ``capture`` (parameters the engine computes from: CUDA, or vLLM-CPU with its weights unpacked,
+:mod:`~dcr_ray.engines.vllm.worker.unpacked`) the model's loader is probed once per tensor at start-up
+(:class:`~dcr_ray.engines.vllm.worker.capture.LoaderCapture`); tensors whose loader path is a plain view copy
+get no mirror at all: their changes are kept, decoded, until ``finish`` writes them sparsely into live
+storage through the recorded copies. Only the rest (whole fused groups) keep a host mirror, and so do the
+groups the start-up check finds the engine does not compute from (:mod:`~dcr_ray.engines.vllm.worker.startup`).
 
 In-place undo. The bits every frame replaces in the mirror are kept while its update is open, so
 :meth:`MirrorReceiver.reset` can close a failed update. A driver that may abandon an update *after*
@@ -35,9 +37,8 @@ In-place undo. The bits every frame replaces in the mirror are kept while its up
 ``keep_undo=True``: a finished update's undo record is then kept until :meth:`MirrorReceiver.commit`
 (or the next update), later attempts of the same update reopen it and stack their own records, and
 :meth:`MirrorReceiver.rollback` takes the mirror back to ``base`` and reloads what those attempts
-reloaded, so the worker serves ``base`` again. Writes made through captured copies into live storage
-keep no undo record: an update that finished some cannot be rolled back (only a dense bootstrap
-restores the worker).
+reloaded, so the worker serves ``base`` again. Writes made through captured copies into live storage keep
+the bits they replaced too (O(changes)), and a rollback puts them back first.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from dcr_ray.codec.format import DEFAULT_MAX_RAW_BYTES
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files, checkpoint_specs, iter_checkpoint
 from dcr_ray.engines.vllm.worker.capture import LoaderCapture
 from dcr_ray.engines.vllm.worker.groups import fused_groups, reload_groups, whole_groups
-from dcr_ray.engines.vllm.worker.served import ServedSnapshot, served_fingerprint
+from dcr_ray.engines.vllm.worker.startup import check_reload, stale_captures
 from dcr_ray.engines.vllm.worker.verify_request import checked_boxes
 from dcr_ray.errors import BackendError, EngineStateError
 
@@ -78,7 +79,7 @@ class MirrorReceiver:
         self.checkpoint = checkpoint
         self.version = version
         self.keep_undo = keep_undo
-        files = checkpoint_files(checkpoint)
+        files = self._files = checkpoint_files(checkpoint)
         self.specs = checkpoint_specs(checkpoint)
         info = fused_groups(model, list(self.specs))
         if info["unresolved"] and not own_checkpoint:
@@ -100,7 +101,7 @@ class MirrorReceiver:
             mirrored = {n for n, (kind, _) in self.capture.summary().items() if kind != "affine"}
             mirrored = {m for n in mirrored if n in self.group_of for m in self.groups[self.group_of[n]]}
         self.mirror = {n: t.contiguous() for n, t in iter_checkpoint(files, mirrored)}
-        self.captured: list[DecodedItem] = []
+        self.captured: list = []  # the open update's captured writes, prepared (LoaderCapture.prepare)
         self.touched: set[str] = set()
         self._undo = UndoLog()  # the mirror bits the open update's frames replaced (reset puts them back)
         self.base: int | None = None
@@ -109,7 +110,7 @@ class MirrorReceiver:
         self.kept_update: tuple[int, int] | None = None
         self._kept: list[UndoLog] = []
         self._kept_names: set[str] = set()
-        self._kept_captured = False  # some attempt wrote captured copies into live storage: no undo
+        self._kept_captured: list[list] = []  # per finished attempt, the live bits its captured writes replaced
         #: the start-up self-check passed: the mirror holds exactly what the worker serves
         self.mirror_is_served = False
 
@@ -118,48 +119,38 @@ class MirrorReceiver:
         return self.capture.summary() if self.capture is not None else {}
 
     def check_reload_is_a_fresh_load(self) -> None:
-        """Reload the checkpoint's own bits through :meth:`finish`'s path; refuse if anything served moves.
-
-        What is served is compared by :func:`~dcr_ray.engines.vllm.worker.served.served_fingerprint` (every
-        parameter and buffer, and each linear layer's packed kernel through a probe). A refusal writes
-        nothing: the reload is preceded by a :class:`~dcr_ray.engines.vllm.worker.served.ServedSnapshot`, which
-        is put back and proven equal to the fingerprint taken before the reload, so an engine given the
+        """Prove, before the first frame, that every path a refit writes through gives what a fresh load
+        gives (:mod:`~dcr_ray.engines.vllm.worker.startup`): captured tensors whose writes do not reach what
+        the engine computes with move to the reload path (whole fused groups, mirrored from now on); then
+        the checkpoint's own bits go through the reload of every mirrored tensor, and if anything served
+        moves the start is refused. A refusal writes nothing (what was served is put back and proven
+        unchanged by :func:`~dcr_ray.engines.vllm.worker.served.served_fingerprint`), so an engine given the
         wrong checkpoint goes on serving exactly what it served."""
-        if not self.mirror:
-            self.mirror_is_served = True
-            return  # every tensor is written through captured copies: no reload path to check
-        before = served_fingerprint(self.model)
-        snapshot = ServedSnapshot(self.model)
-        try:
-            reload_groups(self.model, self.vllm_config, self._items(self.mirror))
-            after = served_fingerprint(self.model)
-        except BaseException as e:
-            self._put_back(snapshot, before, f"the reload raised {type(e).__name__}: {e}")
-            raise
-        changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
-        if changed:
-            self._put_back(snapshot, before, f"the reload changed {len(changed)} served tensor(s) or layer(s)")
-            started = getattr(getattr(self.vllm_config, "model_config", None), "model", None)
-            raise BackendError(
-                f"init refused, nothing served changed: reloading the checkpoint {self.checkpoint!r} is not a "
+        if self.capture is not None:
+            captured = [n for n in self.group_of if n not in self.mirror and
+                        self.capture.plans.get(n) is not None and self.capture.plans[n].kind == "affine"]
+            stale = stale_captures(self.model, self.vllm_config, self.capture, self._files, captured)
+            for n, why in stale.items():
+                self.capture.demote(self.groups[self.group_of[n]], why)
+            self._mirror_groups(stale)
+        if self.mirror:
+            check_reload(self.model, self.vllm_config, self._items(self.mirror), self._refused)
+        self.mirror_is_served = True
+
+    def _mirror_groups(self, names) -> None:
+        """Mirror ``names``, grown to whole fused groups, from the checkpoint (they go through the reload)."""
+        want = {m for n in names if n in self.group_of for m in self.groups[self.group_of[n]]} - set(self.mirror)
+        self.mirror.update((n, t.contiguous()) for n, t in iter_checkpoint(self._files, want))
+
+    def _refused(self, changed: list[str]) -> str:
+        started = getattr(getattr(self.vllm_config, "model_config", None), "model", None)
+        return (f"init refused, nothing served changed: reloading the checkpoint {self.checkpoint!r} is not a "
                 f"fresh load of what this worker serves: it changed {len(changed)} served tensor(s) or layer(s) "
                 f"(e.g. {changed[:4]}); the bits served before were put back and proven unchanged on integer "
                 f"views and on each linear layer's output. Either that checkpoint is not the one the engine "
                 f"serves (it was started from {started!r}: give that directory, or one holding the same bits), "
                 f"or vLLM's weight reload is not a fresh load for this model on this vLLM version and dcr_ray "
-                f"cannot refit it exactly (mode='capture' on CUDA avoids the reload path)")
-        self.mirror_is_served = True
-
-    def _put_back(self, snapshot: "ServedSnapshot", before: dict[str, str], why: str) -> None:
-        """Restore what the worker served before a refused check; :class:`BackendError` if the restored
-        worker does not fingerprint as it did (it must then be restarted)."""
-        snapshot.restore()
-        now = served_fingerprint(self.model)
-        differ = sorted(n for n in before.keys() | now.keys() if before.get(n) != now.get(n))
-        if differ:
-            raise BackendError(f"the start-up reload check failed ({why}) and putting back what this worker "
-                               f"served did not restore {len(differ)} tensor(s) or layer(s) (e.g. {differ[:4]}): "
-                               f"it no longer serves its start-up weights; restart the engine")
+                f"cannot refit it exactly (mode='capture' avoids the reload path for the tensors it captures)")
 
     def apply(self, frames: list[bytes], base: int, target: int) -> int:
         """Frames of the update ``base -> target``: the first call opens it (or reopens it, when it is the
@@ -178,6 +169,9 @@ class MirrorReceiver:
             raise EngineStateError(f"frames for {base}->{target} inside the update {self.base}->{self.target}")
         decoded = [decode_frame(open_frame(f, key=self.key), shapes=self.specs, expect_base=base,
                                 max_raw_bytes=MAX_FRAME_RAW_BYTES) for f in frames]
+        # captured items become their writes into live storage now, while the engine serves (checked, mapped)
+        captured = [] if self.capture is None else self.capture.prepare(
+            it for frame in decoded for it in frame.items if it.name not in self.mirror and not self._ignored(it.name))
         if self.target is None and not reopen:
             self._drop_kept()  # another update opens: the kept one was committed or given up
         self.base, self.target = base, target
@@ -187,8 +181,13 @@ class MirrorReceiver:
             self._undo.record(f"{base}->{target}", mirrored, self.mirror)
             self.touched.update(it.name for it in mirrored.items)
             n += apply_decoded(mirrored, self.mirror)
-            self.captured.extend(it for it in frame.items if it.name not in self.mirror)
+        self.captured.extend(captured)
         return n
+
+    def _ignored(self, name: str) -> bool:
+        """The model's loader does not store ``name`` (a reload would drop it too): its frames write nothing."""
+        plan = self.capture.plans.get(name)
+        return plan is not None and plan.kind == "ignored"
 
     def reset(self) -> None:
         """Close the update in flight after a failure: the mirror gets back the bits the open attempt's
@@ -210,10 +209,11 @@ class MirrorReceiver:
         if self.target is None:
             raise EngineStateError("finish_weight_update without a matching start")
         stats = {"reloaded_tensors": 0, "reprocessed_modules": 0, "captured_elements": 0}
-        wrote_captured = bool(self.captured)
+        keep = self.keep_undo and self.base != BOOTSTRAP_BASE
+        captured_undo: list | None = [] if keep else None  # the live bits the captured writes replace
         try:
             if self.captured:
-                stats["captured_elements"] = self.capture.apply(self.captured)
+                stats["captured_elements"] = self.capture.write(self.captured, undo=captured_undo)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 self.captured = []
@@ -225,11 +225,12 @@ class MirrorReceiver:
             self.version = None  # only a dense bootstrap restores it
             self._drop_kept()
             raise
-        if self.keep_undo and self.base != BOOTSTRAP_BASE:
+        if keep:
             self.kept_update = (self.base, self.target)
             self._kept.append(self._undo)
             self._kept_names |= self.touched
-            self._kept_captured |= wrote_captured
+            if captured_undo:
+                self._kept_captured.append(captured_undo)
             self._undo = UndoLog()
         self.touched.clear()
         self._undo.clear()
@@ -242,23 +243,18 @@ class MirrorReceiver:
 
     def rollback(self, base: int, target: int) -> dict[str, int]:
         """Undo the update ``base -> target`` in place, open or finished and kept (``keep_undo``): every
-        attempt's writes are undone in the mirror, newest first, and what finished attempts reloaded is
-        reloaded again, so the worker serves ``base``. :class:`EngineStateError` when no such update is
-        held, or when finished attempts wrote captured copies into live storage (no undo record: the
-        worker then holds no version)."""
+        attempt's writes are undone, newest first (in the mirror, and in live storage where they were
+        captured writes: the bits each replaced were kept), and what finished attempts reloaded is reloaded
+        again, so the worker serves ``base``. :class:`EngineStateError` when no such update is held."""
         held = (self.base, self.target) if self.target is not None else self.kept_update
         if held != (base, target) or base == BOOTSTRAP_BASE:
             raise EngineStateError(f"rollback of {base}->{target}: this worker holds no undo record of it "
                                    f"(it holds {'nothing open' if held is None else '%s->%s' % held})")
-        if self._kept_captured:
-            self.reset()
-            self._drop_kept()
-            self.version = None
-            raise EngineStateError(f"rollback of {base}->{target}: it wrote captured tensors into live storage, "
-                                   f"which keeps no undo record; the worker must be bootstrapped densely")
         stats = {"reloaded_tensors": 0, "reprocessed_modules": 0}
         try:
             self.reset()  # the open attempt, if any: the mirror is back at what the worker serves
+            for log in reversed(self._kept_captured):
+                self.capture.undo(log)
             writer = _MirrorWriter(self.mirror)
             for log in reversed(self._kept):
                 log.rollback(writer)
@@ -291,18 +287,23 @@ class MirrorReceiver:
         self.kept_update = None
         self._kept = []
         self._kept_names = set()
-        self._kept_captured = False
+        self._kept_captured: list[list] = []
 
     def adopt_served(self, previous: "MirrorReceiver") -> None:
         """Re-initialisation: take over from ``previous`` (the receiver the worker served through) without
         writing anything. Its mirror is what the worker serves (its self-check passed and every finish
         kept it so); this receiver's checkpoint must hold exactly those bits, else :class:`BackendError`
-        and nothing changed (the worker goes on serving ``previous.version``)."""
+        and nothing changed (the worker goes on serving ``previous.version``). Tensors ``previous`` reloads
+        are reloaded here too (its start-up check is what proved which captured writes are served)."""
         if previous.target is not None:
             raise EngineStateError(f"re-initialisation inside the open update {previous.base}->{previous.target}")
         if not previous.mirror_is_served or previous.version is None:
             raise BackendError("re-initialisation: the worker cannot show what it serves (its mirror holds no "
                                "version): restart the engine from a checkpoint")
+        if self.capture is not None:  # only what the start-up check proved may be written through captures
+            unproven = [n for n in self.group_of if n not in self.mirror and n in previous.mirror]
+            self.capture.demote(unproven, "the receiver this one took over from reloads it")
+            self._mirror_groups(unproven)
         differ = sorted(n for n, t in self.mirror.items()
                         if not torch.equal(_bits(t), _bits(previous.canonical(n))))
         if differ:

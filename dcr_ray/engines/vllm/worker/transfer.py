@@ -27,8 +27,9 @@ mirror); ``key`` the hex of the shared frame key, if refits sign frames with one
 loaded, see :mod:`~dcr_ray.engines.vllm.plugin`; a frame that is not bytes is refused with that advice).
 The trainer side of this backend, :mod:`~dcr_ray.integrations.vllm.trainer`, makes these calls for you
 (``WeightTransferTrainerFactory.trainer_init(DcrTrainerInitInfo(...), client=...)``). Every frame of one
-``update_weights`` call is validated before any is written; ``finish_weight_update`` reloads the touched
-fused groups (see :class:`~dcr_ray.engines.vllm.worker.receiver.MirrorReceiver`).
+``update_weights`` call is validated before any is written; ``finish_weight_update`` writes the captured
+changes in place and reloads the touched fused groups of the rest (see
+:class:`~dcr_ray.engines.vllm.worker.receiver.MirrorReceiver`).
 
 Failures and the status protocol. Every call is recorded: a call number ``seq``, the ``op`` (init,
 start, update, finish, shutdown), ``ok`` and the ``error``. Any failure of start/update/finish resets
@@ -84,6 +85,8 @@ from vllm.distributed.weight_transfer.base import (
 from dcr_ray.engines.vllm.compat import end_weight_update_session
 from dcr_ray.engines.vllm.worker.ranks import EngineRanks, find_worker, vllm_ranks
 from dcr_ray.engines.vllm.worker.receiver import MirrorReceiver
+from dcr_ray.engines.vllm.plugin import UNPACKED_LOAD_FORMAT
+from dcr_ray.engines.vllm.worker.unpacked import is_unpacked
 from dcr_ray.errors import BackendError, ConfigError, EngineStateError
 
 
@@ -99,9 +102,9 @@ class DcrInitInfo(WeightTransferInitInfo):
     """Reload the checkpoint's own bits once and refuse to start if any served bit changes."""
     capture: bool | None = None
     """Write changes of tensors whose loader path is a plain view copy straight into live storage (no
-    host mirror for them). ``None``: when the model lives on CUDA. Refused on CPU: CPU vLLM derives
-    packed copies from loaded weights (e.g. a tied ``lm_head`` from ``embed_tokens``) that a sparse
-    write into the source tensor would leave stale."""
+    host mirror for them). ``None``: when the engine computes from its parameters (CUDA, or vLLM-CPU
+    started with ``load_format="dcr_unpacked"``, :mod:`~dcr_ray.engines.vllm.worker.unpacked`). Refused on a
+    vLLM-CPU that packs its weights: its kernels compute from packed copies a write would not reach."""
     keep_undo: bool = False
     """Keep a finished update's undo record until it is committed, so ``rollback`` can still undo it (see
     :class:`~dcr_ray.engines.vllm.worker.receiver.MirrorReceiver`); dcr_ray's own engines set it."""
@@ -308,10 +311,12 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         if isinstance(init_info, _RefusedInfo):
             raise ConfigError(f"init_weight_transfer_engine: {init_info.error}")
         key = bytes.fromhex(init_info.key) if init_info.key else None
-        capture = init_info.capture if init_info.capture is not None else self.device.type == "cuda"
-        if capture and self.device.type != "cuda":
-            raise ConfigError("capture=True needs vLLM on CUDA: CPU vLLM repacks loaded weights into derived "
-                              "copies that sparse writes would leave stale; use capture=False (the mirror path)")
+        addressable = self.device.type == "cuda" or is_unpacked(self.model)
+        capture = init_info.capture if init_info.capture is not None else addressable
+        if capture and not addressable:
+            raise ConfigError(f"capture=True needs parameters the engine computes from: vLLM on CUDA, or vLLM-CPU "
+                              f"started with load_format={UNPACKED_LOAD_FORMAT!r} (this one packs its weights "
+                              f"after loading, so writes into them would reach nothing); or use capture=False")
         receiver = MirrorReceiver(self.model, self.vllm_config, init_info.checkpoint, key=key,
                                   version=init_info.version, capture=capture, keep_undo=init_info.keep_undo,
                                   own_checkpoint=init_info.own_checkpoint)
@@ -374,7 +379,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
 def worker_query(worker: Any, what: str, names: list[str] | None = None) -> dict[str, Any]:
     """(Run in a vLLM worker: ``llm.collective_rpc(worker_query, args=(what, names))``.) What this worker's
     ``dcr`` receiver holds, writing nothing: ``layout`` (fused groups, ignored and unresolved names, the
-    capture summary, the mirrored names), ``tensors`` (the canonical tensors ``names``, all when None, as
+    capture summary, the mirrored names, whether the model's weights are ``unpacked``, its ``device``), ``tensors`` (the canonical tensors ``names``, all when None, as
     the worker serves them: :meth:`MirrorReceiver.canonical`; in this process, the mirror's own tensors),
     ``last_finish`` (statistics of the last finish or rollback). Never raises (a raise would put a
     tensor-parallel engine's replies out of step): returns ``{"ok", "error", "result"}``."""
@@ -385,7 +390,8 @@ def worker_query(worker: Any, what: str, names: list[str] | None = None) -> dict
             raise NotInitializedError("this vLLM worker has no dcr weight-transfer engine")
         if what == "layout":
             result: Any = {"groups": r.groups, "ignored": r.ignored, "unresolved": r.unresolved,
-                           "capture": r.capture_summary(), "mirrored": sorted(r.mirror)}
+                           "capture": r.capture_summary(), "mirrored": sorted(r.mirror),
+                           "unpacked": is_unpacked(r.model), "device": engine.device.type}
         elif what == "tensors":
             result = {n: r.canonical(n) for n in (r.specs if names is None else names)}
         elif what == "last_finish":
