@@ -134,3 +134,115 @@ def test_a_vllm_engine_switches_its_running_requests_between_steps_and_new_reque
         assert _read_at(steps, long_rid, k) == ref1  # and its v1 at the step after
     finally:
         refit.shutdown()
+
+
+class FrameworkEngine:
+    """What a framework runs (PipelineRL, SkyRL's in-flight updates): vLLM's ``AsyncLLM`` in a Ray actor,
+    started with the ``dcr`` backend, its generation paused in vLLM's own keep mode around weight updates."""
+
+    def __init__(self, checkpoint: str):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=checkpoint, enforce_eager=True, skip_tokenizer_init=True, seed=0,
+            weight_transfer_config={"backend": "dcr"}))
+
+    async def generate(self, prompt: list[int], max_tokens: int, request_id: str) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), sp, request_id=request_id):
+            final = out
+        c = final.outputs[0]
+        ids = list(c.token_ids)
+        return {"token_ids": ids, "logprobs": [float(s[t].logprob) for s, t in zip(c.logprobs, ids)],
+                "weight_versions": [(w.version, w.start, w.end) for w in c.weight_versions or []]}
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self.llm.resume_generation()
+
+    # vLLM's weight-transfer calls, as a framework's engine actor exposes them to dcr_ray
+    async def init_weight_transfer_engine(self, request: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(**request))
+
+    async def start_weight_update(self) -> None:
+        await self.llm.start_weight_update()
+
+    async def update_weights(self, request: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.update_weights(WeightTransferUpdateRequest(**request))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self.llm.finish_weight_update(weight_version)
+
+    async def update_weight_version(self, weight_version: str) -> None:
+        await self.llm.update_weight_version(weight_version)
+
+    async def get_weight_version(self) -> str:
+        return await self.llm.get_weight_version()
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return bool(await self.llm.reset_prefix_cache(reset_running_requests=reset_running_requests))
+
+    async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None):
+        return await self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+
+
+def _held_requests(engine, policy: str | None = None) -> str | None:
+    """(Run in the adopted engine's proxy.) Set its ``held_requests`` (when given); what its last update did
+    to the old version's KV."""
+    if policy is not None:
+        engine.backend.held_requests = policy
+    return engine.backend.prefix_cache
+
+
+@pytest.mark.timeout(600)
+def test_an_adopted_engine_takes_a_refit_while_its_framework_holds_requests_in_vllm_keep_mode(local_ray, tmp_path):
+    from vllmtools import MAX_TOKENS, PROMPTS, start_user_engine, write_checkpoint
+
+    from dcr_ray.engines.vllm import VLLM_CPU_RUNTIME_ENV, AdoptedVllmEngine
+    from dcr_ray.engines.vllm.serving import greedy
+
+    ckpt = save_checkpoint(build_model(SPEC), str(tmp_path / "v0"))
+    trainer = ray.remote(num_cpus=0)(TinyTrainer).remote(SPEC, lr=1e-3)
+    user = ray.remote(num_cpus=0, runtime_env=VLLM_CPU_RUNTIME_ENV)(FrameworkEngine).remote(ckpt)
+    refit = dcr_ray.launch(owners=[trainer], clusters=[dcr_ray.ClusterSpec(
+        name="users", adopt=[AdoptedVllmEngine(user, checkpoint=ckpt)])])
+    try:
+        (proxy,) = refit.engines().values()
+        for step, policy in ((1, "recompute"), (2, "keep")):
+            ray.get(proxy.__ray_call__.remote(_held_requests, policy))
+            running = [user.generate.remote([3 + i, 4, 5], 400, f"held-{step}-{i}") for i in range(3)]
+            time.sleep(0.5)  # they are decoding
+            ray.get(user.pause_generation.remote("keep", False))  # vLLM's own keep mode: frozen, KV kept
+            ray.get(trainer.step.remote(seed=step))
+            assert refit.run().version == step  # vLLM refuses a plain prefix-cache reset now: the update goes on
+            assert ray.get(proxy.__ray_call__.remote(_held_requests)) == ("recomputed" if policy == "recompute"
+                                                                           else "kept")
+            ray.get(user.resume_generation.remote())
+            done = ray.get(running, timeout=240)  # every held request finishes
+            assert all(len(d["token_ids"]) == 400 for d in done)
+            # vLLM's own spans: tokens before the update under the old label, after it under the new one
+            assert any([v for v, _, _ in d["weight_versions"]][-1] == str(step) for d in done)
+            assert ray.get(user.get_weight_version.remote()) == str(step)
+        got = [ray.get(user.generate.remote(p, MAX_TOKENS, f"check-{i}")) for i, p in enumerate(PROMPTS)]
+        state = ray.get(trainer.rollout_state.remote())
+    finally:
+        refit.shutdown()
+        ray.kill(user)
+    fresh = start_user_engine(write_checkpoint(ckpt, str(tmp_path / "v2"), state))
+    try:
+        want = ray.get(fresh.__ray_call__.remote(greedy, PROMPTS, MAX_TOKENS, one_by_one=True))
+    finally:
+        ray.kill(fresh)
+    assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
+    assert [g["logprobs"] for g in got] == [w["logprobs"] for w in want]  # the served bits are the trainer's
