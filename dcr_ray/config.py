@@ -284,8 +284,8 @@ class EngineConfig:
     tokens, and no request admitted after the switch reuses a prefix cached under an older version.
     ``"drain"``: the engine stops admitting, waits until every running request has finished on the old
     version, then writes (one version per answer). With ``apply="staged"`` the decoding stops only for the
-    writes at activation; in place it stops from the refit's first write (its ``prepare``) until the
-    version is active or set aside (``hold_s``). Backends that cannot stop between steps (adopted vLLM
+    writes at activation; in place it stops from the refit's ``prepare`` until the version is active, or
+    until the engine sets its writes aside (``hold_s``) and serves the old version meanwhile. Backends that cannot stop between steps (adopted vLLM
     engines, whose framework pauses them itself; custom backends) drain."""
 
     hold_s: float | None = 0.5

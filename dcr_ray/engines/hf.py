@@ -8,7 +8,10 @@ keeps an undo record, the same pass that writes a position keeps the bits it rep
 Generation passes through the backend's step gate around every forward pass (:mod:`~dcr_ray.engines.steps`):
 greedy decoding is the model's own ``generate``, whose stopping-criteria call after each step is the step
 boundary; sampling is a decoding loop of its own. An engine's version switch therefore waits for one step,
-never for a request, and each continuation's ``versions`` names the version every step read.
+never for a request, and each continuation's ``versions`` names the version every step read. KV caches:
+each call holds its own, so a running request keeps the KV its earlier steps computed under the old version
+(as PipelineRL's in-flight updates do), and nothing is shared between requests: a new request never reads
+KV computed under an older version.
 """
 
 from __future__ import annotations
