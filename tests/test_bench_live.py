@@ -33,12 +33,13 @@ def test_the_cli_offers_bench_live_with_its_sizes_and_json():
 
     s = LiveSettings.from_args(args)
     assert (s.size, s.vllm_size, s.refits, s.data) == ("small", "small", 2, ("adamw",))
-    assert s.links == (100.0, 1000.0, 10000.0, 100000.0, None)  # 0.1 to 100 Gbit/s, and no emulated link
+    assert s.links == (100.0, 1000.0, None)  # --quick: the slowest link, 1 Gbit/s and none
     assert s.methods == ("dcr", "dense_sync", "pipelinerl_dense", "full_fetch_reload", "skyrl_delta")
     assert s.modes == ("staged", "in_place", "staged:drain")  # in flight by default, and the drain beside it
     assert (s.clients, s.long_clients, s.long_tokens) == (2, 1, 384)  # agentic-length requests beside short ones
     s = LiveSettings.from_args(build_parser().parse_args(["bench", "live", "--size", "tiny"]))
     assert (s.size, s.vllm_size) == ("tiny", "tiny")
+    assert s.links == (100.0, 1000.0, 10000.0, 100000.0, None)  # 0.1 to 100 Gbit/s, and no emulated link
     s = LiveSettings.from_args(build_parser().parse_args(["bench", "live"]))
     assert (s.size, s.vllm_size) == ("medium", "small")  # two medium vLLM CPU engines do not fit 24 GiB
 

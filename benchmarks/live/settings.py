@@ -39,6 +39,8 @@ PROMPT_TOKENS = 16
 DATA = ("adamw", "stress3")
 #: The emulated cluster link of the sweep, Mbit/s: 0.1, 1, 10 and 100 Gbit/s, and none (``None``).
 LINKS = (100.0, 1000.0, 10000.0, 100000.0, None)
+#: ``--quick``'s links: the slowest, 1 Gbit/s and none (a drain waits out long requests at every link).
+QUICK_LINKS = (100.0, 1000.0, None)
 DEFAULT_LATENCY_MS = 25.0
 
 
@@ -87,7 +89,8 @@ class LiveSettings:
                    refits=a.refits or (2 if a.quick else 3), receivers=tuple(a.receivers.split(",")),
                    modes=tuple(m for m in a.modes.split(",") if parse_mode(m)), data=tuple((a.data or ("adamw" if a.quick else
                                                                            ",".join(DATA))).split(",")),
-                   methods=tuple(a.methods.split(",")), engines=a.engines, links=parse_links(a.links),
+                   methods=tuple(a.methods.split(",")), engines=a.engines,
+                   links=parse_links(a.links) if a.links else QUICK_LINKS if a.quick else LINKS,
                    latency_s=a.latency_ms / 1e3, lr=a.lr, quiet_s=4.0 if a.quick else 8.0, tokens=a.tokens,
                    clients=a.clients, long_tokens=a.long_tokens, long_clients=a.long_clients, seed=a.seed,
                    gpus_per_engine=a.gpus_per_engine,
@@ -95,7 +98,8 @@ class LiveSettings:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="small model, adamw data only, 2 refits per case")
+    p.add_argument("--quick", action="store_true",
+                   help="small model, adamw data only, 2 refits per case, links of 0.1 and 1 Gbit/s and none")
     p.add_argument("--size", default=None, help="model preset (default: medium; --quick: small)")
     p.add_argument("--vllm-size", default=None,
                    help="model preset of vLLM engines (default: --size if given, else small). Two vLLM CPU "
@@ -110,8 +114,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help="what changes per step (adamw, stress3; default both, --quick adamw)")
     p.add_argument("--methods", default=",".join(METHODS), help=", ".join(METHODS))
     p.add_argument("--engines", type=int, default=2, help="engines in the rollout cluster")
-    p.add_argument("--links", default="100,1000,10000,100000,none",
-                   help="the emulated cluster links of the sweep, Mbit/s ('none': no emulated link)")
+    p.add_argument("--links", default=None,
+                   help="the emulated cluster links of the sweep, Mbit/s ('none': no emulated link; default "
+                        "100,1000,10000,100000,none; --quick: 100,1000,none)")
     p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS, help="one-way latency of an emulated link")
     p.add_argument("--lr", type=float, default=1e-6,
                    help="AdamW learning rate of the adamw steps (1e-6: about 1-2%% of BF16 elements change per step)")
