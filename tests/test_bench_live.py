@@ -124,3 +124,26 @@ def test_a_client_s_gaps_run_across_its_requests_and_the_longest_is_split_by_its
     parts = gap_parts(0.3, 1.6, [{"at": 1.0, "inflight_s": 0.75, "pause_s": 0.4}])
     assert {k: round(v, 6) for k, v in parts.items()} == {"drain_s": 0.7, "window_s": 0.4, "before_s": 0.0,
                                                           "after_s": 0.2}
+
+
+def test_runs_of_separate_receivers_merge_into_one_result_whose_targets_cover_both():
+    from benchmarks.live.merge import merge
+
+    def case(receiver, method, mode="n/a", switch="in_flight", gap=0.3):
+        return {"receiver": receiver, "data": "adamw", "method": method, "mode": mode, "switch": switch,
+                "link_mbps": None, "pause_seconds": 0.01, "drain_seconds": 0.02, "client_gap_seconds": gap,
+                "token_step_seconds": 0.1, "tokens_per_second_quiet": 100.0, "tokens_per_second_refit": 90.0,
+                "freshness_seconds": 1.0, "trainer_stall_seconds": 0.1, "construct_seconds": 0.1, "refit_seconds": 1.0}
+
+    def run(receiver):
+        return {"bench": "live", "settings": {"receivers": [receiver]}, "git": {"commit": "x"}, "started": 1.0,
+                "loadavg_start": [1, 1, 1], "loadavg_end": [2, 2, 2], "seconds": 10.0,
+                "cases": [case(receiver, "dcr", "staged", gap=0.2), case(receiver, "skyrl_delta", gap=0.5)]}
+
+    got = merge([run("hf"), run("vllm")])
+    assert got["settings"]["receivers"] == ["hf", "vllm"] and len(got["cases"]) == 4 and len(got["runs"]) == 2
+    names = [t["target"] for t in got["targets"]]
+    for receiver in ("hf", "vllm"):  # each receiver's targets, computed again over the merged cases
+        assert f"staged in-flight client gap <= 0.5x skyrl_delta's as shipped ({receiver}, adamw, no link)" in names
+    gap = next(t for t in got["targets"] if t["target"].startswith("staged in-flight client gap <= admission"))
+    assert gap["met"] is True and abs(gap["value"] - 0.2 / 0.21) < 1e-9  # 0.2 s against 10 ms + 2 x 100 ms

@@ -30,6 +30,7 @@ import time
 
 from benchmarks.live import engine_side, load, peers
 from benchmarks.live.settings import MAX_POSITIONS, PROMPT_TOKENS, parse_mode
+from benchmarks.refit.progress import log
 
 #: Gaps kept per refit in the JSON (the longest; the p99 is computed over all of them).
 KEPT_GAPS = 20
@@ -177,6 +178,8 @@ def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step,
                     "drain_s": max((p["inflight_s"] for p in pauses), default=0.0),
                     "blocked_s": max((p["blocked_s"] for p in pauses), default=0.0)})
                 samples.append(smp)
+                log(f"    {method} {mode} at {link or 'no'} Mbit/s: drain {smp['drain_s']:.3f}s window "
+                    f"{smp['pause_s']:.3f}s refit {smp['refit_s']:.2f}s")
             cases.append({"method": method, "mode": apply if method == "dcr" else "n/a",
                           "switch": switch if method == "dcr" else "drain" if method in DRAINING else "in_flight",
                           "receiver": receiver,
