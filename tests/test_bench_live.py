@@ -147,3 +147,14 @@ def test_runs_of_separate_receivers_merge_into_one_result_whose_targets_cover_bo
         assert f"staged in-flight client gap <= 0.5x skyrl_delta's as shipped ({receiver}, adamw, no link)" in names
     gap = next(t for t in got["targets"] if t["target"].startswith("staged in-flight client gap <= admission"))
     assert gap["met"] is True and abs(gap["value"] - 0.2 / 0.21) < 1e-9  # 0.2 s against 10 ms + 2 x 100 ms
+
+
+def test_the_gap_across_a_switch_is_the_longest_gap_that_overlaps_its_engine_s_drain_or_window():
+    from benchmarks.live.measure import switch_gap
+
+    # two clients on engine 0, one on engine 1; engine 0 drained from 0.9 and paused 1.0-1.2
+    per_client = [[(0.0, 0.5), (0.5, 1.3)], [(0.0, 0.95), (0.95, 2.5)], [(0.0, 3.0)]]
+    pauses = [{"engine": 0, "at": 1.0, "inflight_s": 0.1, "pause_s": 0.2}]
+    assert abs(switch_gap(per_client[:2], pauses, 2) - 1.55) < 1e-9  # client 1's gap 0.95-2.5 crosses the window
+    assert switch_gap(per_client, [], 2) is None  # no engine paused
+    assert abs(switch_gap([[(0.0, 0.5), (0.5, 1.3)]], pauses, 2) - 0.8) < 1e-9

@@ -229,6 +229,22 @@ def gap_parts(a: float, b: float, pauses: list[dict]) -> dict:
     return {"drain_s": drain, "window_s": window, "before_s": before, "after_s": after}
 
 
+def switch_gap(per_client: list[list[tuple[float, float]]], pauses: list[dict], clients: int) -> float | None:
+    """The longest gap a client saw across its engine's switch: of the gaps that overlap the engine's drain or
+    admission window (``[at - inflight_s, at + pause_s]``), the longest; None when no engine paused. Gaps of
+    the refit's other moments (decoding slowed by the refit's own work on the same cores) are left out.
+    ``per_client``: every client's gaps, ``clients``: clients per engine (client ``i`` is on engine ``i //
+    clients``)."""
+    out = None
+    for i, gaps in enumerate(per_client):
+        for p in (p for p in pauses if p["engine"] == i // clients):
+            lo, hi = p["at"] - p["inflight_s"], p["at"] + p["pause_s"]
+            for a, b in gaps:
+                if a < hi and b > lo and (out is None or b - a > out):
+                    out = b - a
+    return out
+
+
 def _summarise(c: dict, records: list, quiet: dict, t_q0: float, t_q1: float, clients: int, long: list) -> None:
     """The case's medians over its refits, its client gaps (all clients, and the long ones alone), its tokens
     per second and the quiet token step. ``clients``: loops per engine; ``long``: which loops are long."""
@@ -246,6 +262,7 @@ def _summarise(c: dict, records: list, quiet: dict, t_q0: float, t_q1: float, cl
         x["client_gaps_s"] = sorted(gap for gaps in per_client
                                     for gap in load.gaps_within(gaps, x["t_call"], x["t_done"]))[-KEPT_GAPS:]
         x["tokens_per_second"] = load.tokens_per_second(flat, x["t_call"], x["t_done"])
+        x["client_gap_switch_s"] = switch_gap(per_client, x["pauses"], clients)
     med = lambda k: _median(x.get(k) for x in samples)  # noqa: E731
     c.update({
         "pause_seconds": med("pause_s"), "pause_apply_seconds": med("pause_apply_s"), "drain_seconds": med("drain_s"),
@@ -257,7 +274,7 @@ def _summarise(c: dict, records: list, quiet: dict, t_q0: float, t_q1: float, cl
             load.percentile(quiet["pooled"], 99),
         "trainer_stall_seconds": med("trainer_stall_s"), "construct_seconds": med("construct_s"),
         "freshness_seconds": med("freshness_s"), "refit_seconds": med("refit_s"), "link_bytes": med("link_bytes"),
-        "client_gap_long_seconds": med("client_gap_long_s"),
+        "client_gap_long_seconds": med("client_gap_long_s"), "client_gap_switch_seconds": med("client_gap_switch_s"),
         "token_step_seconds": _median(load.token_steps(flat, t_q0, t_q1)),
         "tokens_per_second_quiet": load.tokens_per_second(flat, t_q0, t_q1),
         "tokens_per_second_refit": med("tokens_per_second")})

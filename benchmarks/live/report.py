@@ -25,16 +25,17 @@ def format_table(result: dict) -> str:
     for c in result["cases"]:
         c.setdefault("link_mbps", old_link)
     rows = ["| receiver | model | data | link | method | switch | drain before the window (ms) | admission window (ms) | "
-            "client gap, longest (ms) | long requests' (ms) | its parts: before / drain / window / after (ms) | "
+            "client gap, longest (ms) | long requests' (ms) | across the switch (ms) | its parts: before / drain / window / after (ms) | "
             "client gap p99 (ms) | trainer stall (s) | freshness (s) | refit (s) | link MB | tok/s refit / quiet | "
             "token step (ms) | bit-exact |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(result["cases"], key=lambda c: (c["receiver"], c["data"], _order(c.get("link_mbps")),
                                                     c["method"] != "dcr", c["method"], c["mode"], c.get("switch", ""))):
         rows.append(f"| {c['receiver']} | {c.get('size', '-')} | {c['data']} | {_link(c.get('link_mbps'))} | "
                     f"{name(c)} | {c.get('switch', 'drain').replace('_', ' ')} | {_ms(c.get('drain_seconds'))} | "
                     f"{_ms(c['pause_seconds'])} | {_ms(c.get('client_gap_seconds'))} | "
-                    f"{_ms(c.get('client_gap_long_seconds'))} | {_parts(c.get('client_gap_parts'))} | "
+                    f"{_ms(c.get('client_gap_long_seconds'))} | {_ms(c.get('client_gap_switch_seconds'))} | "
+                    f"{_parts(c.get('client_gap_parts'))} | "
                     f"{_ms(c.get('client_gap_p99_seconds'))} | "
                     f"{_s(c['trainer_stall_seconds'])} | {_s(c['freshness_seconds'])} | {_s(c['refit_seconds'])} | "
                     f"{(c.get('link_bytes') or 0) / 1e6:.1f} | {(c['tokens_per_second_refit'] or 0):.0f} / "

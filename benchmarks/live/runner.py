@@ -104,6 +104,10 @@ def targets(cases: list[dict]) -> list[dict]:
                 out.append({"target": f"staged in-flight client gap <= admission window + {GAP_STEPS} token steps "
                                       f"({where}; {1e3 * c['pause_seconds']:.0f} + {GAP_STEPS} x {1e3 * step:.0f} ms)",
                             "value": c["client_gap_seconds"] / bound, "met": c["client_gap_seconds"] <= bound})
+                if c.get("client_gap_switch_seconds") is not None:  # the gaps across the switch itself
+                    out.append({"target": f"(reported) staged in-flight gap across the switch / (admission window + "
+                                          f"{GAP_STEPS} token steps) ({where})",
+                                "value": c["client_gap_switch_seconds"] / bound, "met": None})
                 out.append({"target": f"staged in-flight: no request waits for another (drain <= {GAP_STEPS} token "
                                       f"steps, {GAP_STEPS * 1e3 * step:.0f} ms; {where})",
                             "value": c["drain_seconds"] / step, "met": c["drain_seconds"] <= GAP_STEPS * step})
