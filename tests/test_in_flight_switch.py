@@ -2,7 +2,9 @@
 (``EngineConfig(switch="in_flight")``, the default): a refit never waits for a request to finish, the
 request goes on under the new version, its answer names the versions that produced its tokens, and the
 weights every decoding step reads are one committed version, bit for bit the trainer's tensors of that
-version (integer views), at the step before the switch and at the step after it.
+version (integer views), at the step before the switch and at the step after it, and the request keeps the
+KV cache its earlier steps computed (a `transformers` engine shares no cache between requests, so a new
+request never reads KV of an older version).
 ``switch="drain"`` keeps one version per answer: the refit waits for the running request instead.
 
 The engine's model gets a forward pre-hook (run inside its actor) that slows every decoding step and
@@ -34,20 +36,28 @@ STEP_S = 0.05  # each decoding step of the probed engine takes at least this lon
 
 def _probe(engine, step_s: float) -> None:
     """(Run in the engine actor.) Every forward pass of the model first sleeps ``step_s``, then keeps a
-    copy of every canonical tensor it is about to read, in order."""
+    copy of every canonical tensor it is about to read and how many new positions it feeds, in order."""
     model = engine.backend.model
     engine._test_seen = seen = []
+    engine._test_fed = fed = []
 
-    def hook(_module, _args):
+    def hook(_module, args, kwargs):
         time.sleep(step_s)
         seen.append({n: t.clone() for n, t in engine.backend.tensors().items()})
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        fed.append(int(ids.shape[1]))
 
-    model.register_forward_pre_hook(hook)
+    model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _steps_seen(engine, which: list[int] | None = None):
     """(Run in the engine actor.) How many steps ran, or the tensors the steps ``which`` read."""
     return len(engine._test_seen) if which is None else [engine._test_seen[i] for i in which]
+
+
+def _positions_fed(engine) -> list[int]:
+    """(Run in the engine actor.) How many new positions each forward pass fed the model."""
+    return list(engine._test_fed)
 
 
 def _bits_equal(got: dict, want: dict) -> bool:
@@ -105,6 +115,10 @@ def test_a_refit_switches_a_running_request_between_two_steps_and_each_step_read
         assert _bits_equal(step_before, before) and not _bits_equal(step_before, after)
         assert _bits_equal(step_after, after)
         assert _bits_equal(ray.get(engine.tensors.remote()), after)
+        # the request kept the KV its v0 steps computed: after the prefill every step fed one new position,
+        # the step after the switch included (nothing was recomputed under v0+1)
+        fed = ray.get(engine.__ray_call__.remote(_positions_fed))
+        assert fed[0] == 3 and fed[1:TOKENS] == [1] * (TOKENS - 1), fed
     finally:
         refit.shutdown()
 
