@@ -88,7 +88,7 @@ class Serving:
         c = self._engine
         if switch not in (None, "in_flight", "drain"):
             raise ConfigError(f"hold(switch={switch!r}): use 'in_flight', 'drain' or None (the engine's "
-                                   f"EngineConfig.switch)")
+                              f"EngineConfig.switch)")
         drain = None if switch is None else switch == "drain"
         with c.lock:
             if c.held is not None:
