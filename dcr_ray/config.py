@@ -23,13 +23,14 @@ from dcr_ray.errors import ConfigError
 from dcr_ray.options import NAMESPACE, check_user_options
 
 __all__ = ["ApplyMode", "ClusterSpec", "CodecConfig", "Coding", "CommitConfig", "EngineConfig", "Encodings",
-           "OwnerConfig", "PlacementStrategy", "PromoteMode", "RefitConfig", "TransportConfig", "TransportKind",
-           "validate"]
+           "OwnerConfig", "PlacementStrategy", "PromoteMode", "RefitConfig", "SwitchMode", "TransportConfig",
+           "TransportKind", "validate"]
 
 TransportKind = Literal["relay", "object_store"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportKind)
 Encodings = Literal["mixed", "overwrite"]
 ApplyMode = Literal["in_place", "staged"]
+SwitchMode = Literal["in_flight", "drain"]
 RollbackMode = Literal["in_place", "dense"]
 PromoteMode = Literal["background", "inline"]
 GpuBaseline = Literal["device", "host"]
@@ -277,6 +278,18 @@ class EngineConfig:
     dropped at commit), so it keeps serving without owners; ``"dense"`` (and backends that cannot read
     their bits, such as adopted engines) marks it dirty and the coordinator re-bootstraps it densely."""
 
+    switch: SwitchMode = "in_flight"
+    """Where a version switch may fall in a running request. ``"in_flight"`` (the default): between two of
+    its decoding steps. The engine stops decoding at the next step boundary (it waits for the step in
+    progress only, never for a request to finish), writes the committed version, and the same requests
+    resume on it with the KV cache they hold; each answer's ``versions`` says which version produced which
+    tokens, and no request admitted after the switch reuses a prefix cached under an older version.
+    ``"drain"``: the engine stops admitting, waits until every running request has finished on the old
+    version, then writes (one version per answer). With ``apply="staged"`` the decoding stops only for the
+    writes at activation; in place it stops from the refit's ``prepare`` until the version is active, or
+    until the engine sets its writes aside (``hold_s``) and serves the old version meanwhile. Backends that cannot stop between steps (adopted vLLM
+    engines, whose framework pauses them itself; custom backends) drain."""
+
     hold_s: float | None = 0.5
     """How long an in-place engine holds the writes of a refit it has applied (flushed) while the refit
     waits for others (slower clusters, a retry, a lost node). Past it the engine sets its writes aside
@@ -288,6 +301,7 @@ class EngineConfig:
     def __post_init__(self):
         _choice("EngineConfig", "apply", self.apply, get_args(ApplyMode))
         _choice("EngineConfig", "rollback", self.rollback, get_args(RollbackMode))
+        _choice("EngineConfig", "switch", self.switch, get_args(SwitchMode))
         if self.hold_s is not None and (isinstance(self.hold_s, bool) or not isinstance(self.hold_s, (int, float))
                                         or not self.hold_s >= 0):
             raise ConfigError(f"EngineConfig.hold_s must be a number of seconds >= 0, or None to hold applied "

@@ -11,9 +11,15 @@ owners, take one GRPO update on exactly those samples (group-normalized advantag
 real AdamW on an FP32 master copy); then ``refit.remote()`` sends the changed BF16 bits to every engine.
 With ``--async`` the engines generate the next batch while the trainer trains on this one, with
 ``EngineConfig(apply="staged")``: they keep serving the old version while the new one arrives and pause
-only to write it, so each batch is one version stale (printed per step).
+only to write it, between two decoding steps of the requests they run (``switch="in_flight"``, the
+default), so a completion may start under one version and end under the next. Every completion says which
+version produced each of its tokens (the answer's ``versions`` spans); each step's log counts the batch's
+tokens per version, and ``--off-version`` says what the update does with tokens of a version more than
+``--max-lag`` versions behind the trainer's: ``keep`` them (default), ``drop`` them from the loss, or
+``weight`` them by ``--off-version-weight`` per version of lag.
 
-    python examples/grpo.py [--engine hf|vllm] [--async] [--steps 100] [--json out.json] [--png out.png]
+    python examples/grpo.py [--engine hf|vllm] [--async] [--off-version keep|drop|weight] [--steps 100]
+                            [--json out.json] [--png out.png]
 
 At the end every engine's weights are compared bit for bit (integer views) with the trainer's BF16 bits.
 ``--json`` writes ``reward_first`` / ``reward_last`` (mean reward of the first and last 5 steps), ``steps``,
@@ -82,9 +88,10 @@ class GrpoTrainer:
             return {n: t.to(torch.bfloat16).contiguous() for n, t in dcr_ray.checkpoint_state_dict(self.model).items()}
 
     def train(self, samples: list[dict]) -> dict:
-        """One GRPO update on ``samples`` (``prompt``, ``completion``, ``reward``, ``group``): advantages are
-        the reward minus its group's mean (times ``scale``); the loss is their weighted negative
-        log-likelihood of the sampled answers under the same constrained (digit-only) distribution."""
+        """One GRPO update on ``samples`` (``prompt``, ``completion``, ``reward``, ``group``, ``token_weights``):
+        advantages are the reward minus its group's mean (times ``scale``); the loss is their weighted negative
+        log-likelihood of the sampled answers under the same constrained (digit-only) distribution, each
+        token's log-likelihood times its weight (0 drops it)."""
         groups: dict[int, list[float]] = {}
         for s in samples:
             groups.setdefault(s["group"], []).append(s["reward"])
@@ -92,7 +99,8 @@ class GrpoTrainer:
         adv = torch.tensor([(s["reward"] - mean[s["group"]]) * self.scale for s in samples])
         x = torch.tensor([s["prompt"] + s["completion"] for s in samples])
         logits = self.model(x[:, :-1]).logits[:, -ANSWER:].float() + self.mask
-        lp = torch.log_softmax(logits, -1).gather(-1, x[:, -ANSWER:, None]).squeeze(-1).sum(1)
+        weights = torch.tensor([s.get("token_weights", [1.0] * ANSWER) for s in samples])
+        lp = (torch.log_softmax(logits, -1).gather(-1, x[:, -ANSWER:, None]).squeeze(-1) * weights).sum(1)
         loss = -(adv * lp).mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -109,21 +117,54 @@ def rollout(engines, prompts: list[list[int]], group: int, seed: int):
     return [(e.generate.remote(s, ANSWER, None, sampling), s) for e, s in zip(engines, shares) if s]
 
 
+def token_versions(spans: list, n: int) -> list[int]:
+    """The version that produced each of ``n`` tokens, from an answer's spans ``(version, first token index)``."""
+    out, k = [], 0
+    for i in range(n):
+        while k + 1 < len(spans) and spans[k + 1][1] <= i:
+            k += 1
+        out.append(spans[k][0])
+    return out
+
+
 def collect(pending, group: int, offset: int) -> tuple[list[dict], list[int]]:
-    """The samples of a submitted rollout, each tagged with its reward, group and the policy version that
-    produced it; and the versions seen."""
+    """The samples of a submitted rollout, each tagged with its reward, group, the oldest policy version that
+    produced it and the version of each of its tokens; and the versions seen."""
     samples, versions = [], set()
     g = offset
     for ref, share in pending:
         res = ray.get(ref)
-        versions.add(res["version"])
         for i, prompt in enumerate(share):
             for j in range(group):
-                out = res["outputs"][i * group + j]["token_ids"]
-                samples.append({"prompt": prompt, "completion": out, "reward": reward(prompt, out),
-                                "group": g, "version": res["version"]})
+                out = res["outputs"][i * group + j]
+                toks = out["token_ids"]
+                per_token = token_versions(out["versions"], len(toks))
+                versions.update(per_token)
+                samples.append({"prompt": prompt, "completion": toks, "reward": reward(prompt, toks),
+                                "group": g, "version": min(per_token, default=res["version"]),
+                                "token_versions": per_token})
             g += 1
     return samples, sorted(versions)
+
+
+def weigh_tokens(samples: list[dict], policy: int, mode: str, max_lag: int, weight: float) -> dict[str, int]:
+    """Set every sample's ``token_weights``: a token of a version more than ``max_lag`` behind ``policy`` (the
+    trainer's) is off-version, kept at weight 1 (``keep``), dropped (``drop``: 0) or weighted by
+    ``weight ** lag`` (``weight``); the others weigh 1. Returns the tokens per version and the off-version count."""
+    counts: dict[str, int] = {}
+    off = 0
+    for s in samples:
+        ws = []
+        for v in s["token_versions"]:
+            counts[f"v{v}"] = counts.get(f"v{v}", 0) + 1
+            lag = policy - v
+            if lag <= max_lag:
+                ws.append(1.0)
+                continue
+            off += 1
+            ws.append({"keep": 1.0, "drop": 0.0, "weight": weight ** lag}[mode])
+        s["token_weights"] = ws
+    return {**dict(sorted(counts.items())), "off_version": off}
 
 
 def main(argv=None) -> int:
@@ -137,6 +178,11 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     ap.add_argument("--engines", type=int, default=2, help="rollout engines (one cluster)")
     ap.add_argument("--dp", type=int, default=1, help="trainer ranks (each an owner of its share)")
+    ap.add_argument("--off-version", choices=["keep", "drop", "weight"], default="keep",
+                    help="tokens of a version more than --max-lag behind the trainer's: keep them, drop them from "
+                         "the loss, or weight them by --off-version-weight per version of lag")
+    ap.add_argument("--max-lag", type=int, default=0, help="versions a token may lag the trainer's and be on-version")
+    ap.add_argument("--off-version-weight", type=float, default=0.5, help="per version of lag, with --off-version weight")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the run's figures here")
     ap.add_argument("--png", default=None, help="plot reward, refit seconds and serving pause per step here")
@@ -161,7 +207,8 @@ def main(argv=None) -> int:
           f"{args.dp} trainer rank(s), {'async (staged)' if args.async_ else 'sync (in place)'}", flush=True)
 
     gen = torch.Generator().manual_seed(args.seed)
-    series: dict[str, list] = {"reward": [], "refit_s": [], "pause_s": [], "staleness": [], "version": []}
+    series: dict[str, list] = {"reward": [], "refit_s": [], "pause_s": [], "staleness": [], "version": [],
+                               "tokens_per_version": []}
     t_loop = time.perf_counter()
     pending = rollout(engines, make_prompts(gen, args.prompts), args.group, args.seed * 100_003)
     for step in range(args.steps):
@@ -169,6 +216,7 @@ def main(argv=None) -> int:
         policy = step  # the trainer's policy version before this update (v0 is the launch's)
         if args.async_ and step + 1 < args.steps:  # the next batch is generated while this one trains
             pending = rollout(engines, make_prompts(gen, args.prompts), args.group, args.seed * 100_003 + step + 1)
+        tokens = weigh_tokens(samples, policy, args.off_version, args.max_lag, args.off_version_weight)
         t_refit0 = time.time()
         ray.get([t.train.remote(samples) for t in trainers])
         report = ray.get(refit.remote())
@@ -179,9 +227,11 @@ def main(argv=None) -> int:
         mean_reward = sum(s["reward"] for s in samples) / len(samples)
         staleness = policy - min(versions)
         for k, v in (("reward", mean_reward), ("refit_s", report.seconds["total"]), ("pause_s", pause),
-                     ("staleness", staleness), ("version", report.version)):
+                     ("staleness", staleness), ("version", report.version), ("tokens_per_version", tokens)):
             series[k].append(v)
-        print(f"step {step:3d}  reward {mean_reward:.3f}  rollouts from v{versions} (staleness {staleness})  "
+        by_version = " ".join(f"{k}:{n}" for k, n in tokens.items() if k != "off_version")
+        print(f"step {step:3d}  reward {mean_reward:.3f}  rollouts from v{versions} (staleness {staleness}, "
+              f"tokens {by_version}, off-version {tokens['off_version']} {args.off_version})  "
               f"refit -> v{report.version} {report.seconds['total']:.3f}s, {report.changed:,} changed  "
               f"serving pause {1e3 * pause:.1f} ms", flush=True)
     seconds = time.perf_counter() - t_loop
@@ -196,7 +246,8 @@ def main(argv=None) -> int:
     print(f"reward {first:.3f} (first 5 steps) -> {last:.3f} (last 5) in {args.steps} steps, {seconds:.0f}s; "
           f"every engine {'bit-exact' if exact else 'NOT bit-exact'} against the trainer")
     result = {"reward_first": first, "reward_last": last, "steps": args.steps, "seconds": seconds,
-              "bit_exact": exact, "engine": args.engine, "async": args.async_, "series": series}
+              "bit_exact": exact, "engine": args.engine, "async": args.async_, "off_version": args.off_version,
+              "series": series}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

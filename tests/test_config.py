@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import dcr_ray
+from dcr_ray.engines.vllm import AdoptedVllmEngine
 from dcr_ray.errors import ConfigError
 
 BAD = [
@@ -32,6 +33,8 @@ BAD = [
     (lambda: dcr_ray.EngineConfig(hold_s=-1), r"EngineConfig.hold_s must be a number of seconds >= 0, or None"),
     (lambda: dcr_ray.EngineConfig(hold_s=True), "hold_s"),
     (lambda: dcr_ray.EngineConfig(hold_s=float("nan")), "hold_s"),
+    (lambda: dcr_ray.EngineConfig(switch="keep"), r"EngineConfig.switch must be one of \('in_flight', 'drain'\)"),
+    (lambda: AdoptedVllmEngine("http://h:1", checkpoint="/c", held_requests="drop"), r"held_requests must be one of \('recompute', 'keep'\)"),
 ]
 
 
@@ -50,6 +53,7 @@ def test_good_settings_still_pass():
     dcr_ray.CodecConfig(link_mbps={"us-east": 1000, "eu": 250.5})
     dcr_ray.EngineConfig(hold_s=None)
     dcr_ray.EngineConfig(hold_s=0)
+    assert dcr_ray.EngineConfig().switch == "in_flight" and dcr_ray.EngineConfig(switch="drain").switch == "drain"
 
 
 def test_a_link_figure_per_cluster_must_name_exactly_the_clusters():

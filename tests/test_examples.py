@@ -78,12 +78,18 @@ def test_grpo_learns_the_task_from_rollouts_the_refitted_engines_generated_and_e
 def test_grpo_in_async_mode_trains_on_batches_one_version_stale_and_ends_bit_exact(tmp_path):
     """``--async``: the engines generate the next batch while the trainer trains on this one (staged
     apply), so every batch after the first comes from the policy one version behind. Two data-parallel
-    trainer ranks, each the owner of its share, as in a veRL / OpenRLHF worker group."""
-    out = _run("grpo.py", "--async", "--steps", "8", "--dp", "2", "--json", str(tmp_path / "grpo.json"))
-    assert "2 trainer rank(s)" in out
+    trainer ranks, each the owner of its share, as in a veRL / OpenRLHF worker group. Each step counts the
+    batch's tokens per version (from the answers' spans) and weights the stale ones (``--off-version weight``)."""
+    out = _run("grpo.py", "--async", "--steps", "8", "--dp", "2", "--off-version", "weight", "--json",
+               str(tmp_path / "grpo.json"))
+    assert "2 trainer rank(s)" in out and "tokens v0:" in out
     got = json.loads((tmp_path / "grpo.json").read_text())
-    assert got["bit_exact"] is True and got["async"] is True
+    assert got["bit_exact"] is True and got["async"] is True and got["off_version"] == "weight"
     assert got["series"]["staleness"] == [0] + [1] * 7, got["series"]["staleness"]
+    per_step = got["series"]["tokens_per_version"]
+    # every token of a batch is counted under the version that produced it (32 prompts x 8 x 2 tokens)
+    assert all(sum(n for k, n in c.items() if k.startswith("v")) == 32 * 8 * 2 for c in per_step), per_step
+    assert per_step[0]["off_version"] == 0 and all(c["off_version"] > 0 for c in per_step[1:]), per_step
 
 
 @pytest.mark.vllm

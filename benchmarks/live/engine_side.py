@@ -1,6 +1,6 @@
 """What the peers' ways run inside an engine actor (``engine.__ray_call__.remote(fn, ...)``), through the
 engine's own loader, under the engine's own pause (:meth:`~dcr_ray.actors.engine.actor.EngineActor.hold` / ``release``: the
-clock that times dcr_ray's pauses).
+clock that times dcr_ray's pauses), draining or in flight as the peer pauses (:mod:`.peers`).
 
 The engine's own loader (:func:`load_tensors`):
 
@@ -57,8 +57,8 @@ def load_tensors(engine, tensors: dict) -> None:
         raise ValueError(f"the model has no parameters named {res.unexpected_keys[:5]}")
 
 
-def hold(engine, label: str) -> None:
-    engine.hold(label)
+def hold(engine, label: str, switch: str = "drain") -> None:
+    engine.hold(label, switch)
 
 
 def release(engine, label: str) -> None:
@@ -78,10 +78,10 @@ def write_checkpoint(engine, refs: list, directory: str) -> None:
 
 
 def reload_checkpoint(engine, directory: str, label: str) -> None:
-    """(Run in an engine actor.) Pause, load the local checkpoint through the engine's loader, resume."""
+    """(Run in an engine actor.) Drain, load the local checkpoint through the engine's loader, resume."""
     from safetensors.torch import load_file
 
-    hold(engine, label)
+    hold(engine, label, "drain")
     try:
         load_tensors(engine, load_file(os.path.join(directory, "model.safetensors")))
     finally:
@@ -117,11 +117,12 @@ def skyrl_fetch(engine, version: int, sync_dir: str) -> float:
 
 
 def skyrl_reload(engine, version: int, label: str = "skyrl_delta") -> None:
-    """(Run in an engine actor.) SkyRL's pause: every tensor of its local checkpoint through the loader."""
+    """(Run in an engine actor.) SkyRL's pause, in keep mode (the running requests held at a step boundary,
+    not drained): every tensor of its local checkpoint through the loader, then the same requests resume."""
     from benchmarks.peers import skyrl_vllm
 
     b = engine.backend
-    hold(engine, label)
+    hold(engine, label, "in_flight")
     try:
         if _is_vllm(b):
             with b.step_lock:
@@ -145,7 +146,7 @@ def exact(engine, refs: list) -> bool:
     if _is_vllm(b):
         from dcr_ray.engines.vllm.serving import served_digests
 
-        hold(engine, "bench_check")  # the reference load resets the prefix cache: no request may be running
+        hold(engine, "bench_check", "in_flight")  # nothing decodes while the reference loads
         try:
             with b.step_lock:
                 got = served_digests(b.llm)

@@ -75,6 +75,16 @@ def client_gaps(records: list[tuple]) -> list[tuple[float, float]]:
     return out
 
 
+def token_steps(records: list[tuple], t0: float, t1: float) -> list[float]:
+    """The gaps between consecutive tokens of one request (a decoding step as its client sees it), for the
+    requests' tokens inside ``[t0, t1]``."""
+    out = []
+    for r in records:
+        times = [t for t in r[5] if t0 <= t <= t1]
+        out += [b - a for a, b in zip(times, times[1:])]
+    return out
+
+
 def gaps_within(gaps: list[tuple[float, float]], t0: float, t1: float) -> list[float]:
     """The seconds of every gap that overlaps ``[t0, t1]`` (a client waiting through the whole window
     counts once, with all of its wait)."""

@@ -1,11 +1,12 @@
 """One topology of the live benchmark: clients stream generations from the engines while the trainer steps and
-the new policy reaches them, refit after refit, by every method at every link of the sweep. Every figure
-is measured, per refit:
+the new policy reaches them, refit after refit, by every method at every link of the sweep. Each engine
+serves short requests and long (agentic-length) ones side by side. Every figure is measured, per refit:
 
 - ``pause_s``: the longest admission-closed window of any engine, on the engine's own clock
   (:mod:`dcr_ray.actors.engine.pause`: generation could not be admitted), ``drain_s``: how long that
-  engine waited before it for the requests already running (admission closed, the old version still
-  answering them), ``apply_s``: what the pause spent writing;
+  engine waited before it for what was already running (admission closed, the old version still
+  answering): every running request to finish (a drain), or the decoding step in progress only (a switch
+  in flight), ``apply_s``: what the pause spent writing;
 - ``client_gap_s``: the longest gap any client saw between two of its tokens, over the gaps that overlap
   the refit window (:func:`~benchmarks.live.load.client_gaps`), and every such gap for the case's p99;
   ``client_gap_parts``: where that longest gap went against its engine's pauses (:func:`gap_parts`);
@@ -13,7 +14,9 @@ is measured, per refit:
   streams returned, the report's ``release``; the peers: see :mod:`.peers`); ``construct_s``;
 - ``freshness_s``: from the end of the optimizer step until the last engine serves the new bits;
 - ``refit_s``: the call's wall time; ``link_bytes``: what crossed the emulated link (its own counter);
-- tokens per second during the refit windows against the quiet window before them.
+- tokens per second during the refit windows against the quiet window before them, and ``token_step_s``,
+  the median gap between two tokens of one request in the quiet window (a decoding step as a client sees
+  it): the unit of the in-flight targets.
 
 Methods run one after another, each after one untimed refit of its own (imports, compiled kernels, first
 files) and then at every link (dcr_ray first: its owners' baseline is then what the engines hold); after
@@ -26,6 +29,8 @@ import statistics
 import time
 
 from benchmarks.live import engine_side, load, peers
+from benchmarks.live.settings import MAX_POSITIONS, PROMPT_TOKENS, parse_mode
+from benchmarks.refit.progress import log
 
 #: Gaps kept per refit in the JSON (the longest; the p99 is computed over all of them).
 KEPT_GAPS = 20
@@ -60,29 +65,52 @@ def _exact(topo) -> bool:
     return all(ray.get([e.__ray_call__.remote(engine_side.exact, refs) for e in topo.engines.values()]))
 
 
+#: Methods whose engines drain before a switch (every running request finishes first); the others hold the
+#: running requests at a step boundary (dcr_ray's own follows its topology's ``EngineConfig.switch``).
+DRAINING = ("dense_sync", "full_fetch_reload")
+
+
 def _prompt(client: int) -> list[int]:
-    return [1 + (7 * k + 13 * client) % 97 for k in range(16)]
+    """A prompt of its own per client of an engine (the vLLM token clock finds a request by its prompt)."""
+    return [1 + (7 * k + 13 * client) % 97 for k in range(PROMPT_TOKENS)]
 
 
 def _tokens(client: int, s) -> int:
-    """Tokens per request of ``client``: from 0.625x to 1.375x ``s.tokens`` across an engine's clients (mean
-    ``s.tokens``), so their requests do not start and end in lockstep."""
+    """Tokens per request of short client ``client``: from 0.625x to 1.375x ``s.tokens`` across an engine's
+    short clients (mean ``s.tokens``), so their requests do not start and end in lockstep."""
     return max(1, round(s.tokens * (0.5 + (client + 0.5) / s.clients)))
 
 
+def _long_tokens(client: int, s) -> int:
+    """Tokens per request of long client ``client``: 0.75x to 1.25x ``s.long_tokens``, within the positions."""
+    return max(1, min(MAX_POSITIONS - PROMPT_TOKENS, round(s.long_tokens * (0.75 + 0.5 * (client + 0.5) /
+                                                                              s.long_clients))))
+
+
 def _start_clients(engines, s):
+    """Every engine's clients: ``s.clients`` short closed loops and ``s.long_clients`` long ones. Returns the
+    loops (short ones first per engine), their runs, and which loops are long."""
     import ray
 
     Loop = ray.remote(num_cpus=0, max_concurrency=2)(load.GenerationLoop)
-    loops = [Loop.remote(e, _prompt(c), _tokens(c, s)) for e in engines for c in range(s.clients)]
+    loops, long = [], []
+    for e in engines:
+        for c in range(s.clients):
+            loops.append(Loop.remote(e, _prompt(c), _tokens(c, s)))
+            long.append(False)
+        for c in range(s.long_clients):
+            loops.append(Loop.remote(e, _prompt(s.clients + c), _long_tokens(c, s)))
+            long.append(True)
     running = [lp.run.remote() for lp in loops]
-    deadline = time.time() + 300
-    while time.time() < deadline and min(len(r) for r in ray.get([lp.snapshot.remote() for lp in loops])) < 2:
-        time.sleep(0.2)  # every client answered twice (an engine's first requests warm it up)
-    return loops, running
+    deadline = time.time() + 600
+    # every short client answered twice, every long one once (an engine's first requests warm it up)
+    while time.time() < deadline and not all(
+            len(r) >= (1 if is_long else 2) for r, is_long in zip(ray.get([lp.snapshot.remote() for lp in loops]), long)):
+        time.sleep(0.2)
+    return loops, running, long
 
 
-def _settle(loops, t_last: float, timeout_s: float = 120.0) -> None:
+def _settle(loops, t_last: float, timeout_s: float = 600.0) -> None:
     """Wait until every client has a request sent after ``t_last`` answered: every gap that overlaps the last
     refit window has both its ends recorded."""
     import ray
@@ -101,18 +129,22 @@ def _refit(topo, method: str, skyrl) -> dict:
         return {"t_call": t_call, "t_done": time.time(), "trainer_stall_s": report.seconds.get("release"),
                 "construct_s": report.seconds.get("construct")}
     if method == "skyrl_delta":
-        return skyrl.refit(topo)
+        return skyrl.refit(topo)  # SkyRL as it ships: keep mode, no drain
+    if method == "pipelinerl_dense":
+        return peers.dense_sync(topo, switch="in_flight", label=method)
     return {"dense_sync": peers.dense_sync, "full_fetch_reload": peers.full_fetch_reload}[method](topo)
 
 
 def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step, set_link) -> list[dict]:
-    """Measure ``methods`` at every link of ``s.links`` on one launched topology; ``step(i)`` makes the i-th
-    change (a real optimizer step or a stress change); ``set_link(mbps)`` sets the emulated link. Returns
-    one case dict per (method, link)."""
+    """Measure ``methods`` at every link of ``s.links`` on one launched topology (``mode``: its apply mode,
+    ``:drain`` for a draining switch, :func:`~benchmarks.live.settings.parse_mode`); ``step(i)`` makes the
+    i-th change (a real optimizer step or a stress change); ``set_link(mbps)`` sets the emulated link.
+    Returns one case dict per (method, link)."""
     import ray
 
+    apply, switch = parse_mode(mode)
     engines = list(topo.engines.values())
-    loops, running = _start_clients(engines, s)
+    loops, running, long = _start_clients(engines, s)
     t_q0 = time.time()
     time.sleep(s.quiet_s)
     t_q1 = time.time()
@@ -120,7 +152,7 @@ def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step,
     cases, i = [], 0
     for method in methods:
         if method != "dcr" and mode != "in_place":
-            continue  # the peers' ways do not depend on dcr_ray's apply mode: measured once per receiver
+            continue  # the peers' ways do not depend on dcr_ray's modes: measured once per receiver
         if method == "skyrl_delta":
             skyrl.start(topo)
         set_link(max(s.links, key=lambda x: float("inf") if x is None else x))  # the fastest: it costs least
@@ -146,7 +178,11 @@ def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step,
                     "drain_s": max((p["inflight_s"] for p in pauses), default=0.0),
                     "blocked_s": max((p["blocked_s"] for p in pauses), default=0.0)})
                 samples.append(smp)
-            cases.append({"method": method, "mode": mode if method == "dcr" else "n/a", "receiver": receiver,
+                log(f"    {method} {mode} at {link or 'no'} Mbit/s: drain {smp['drain_s']:.3f}s window "
+                    f"{smp['pause_s']:.3f}s refit {smp['refit_s']:.2f}s")
+            cases.append({"method": method, "mode": apply if method == "dcr" else "n/a",
+                          "switch": switch if method == "dcr" else "drain" if method in DRAINING else "in_flight",
+                          "receiver": receiver,
                           "data": data, "size": s.vllm_size if receiver.startswith("vllm") else s.size, "link_mbps": link,
                           "peer_code": skyrl.peer_code if method == "skyrl_delta" else None,
                           "bit_exact": _exact(topo), "samples": samples})
@@ -154,8 +190,9 @@ def run_case(topo, s, receiver: str, mode: str, data: str, methods: tuple, step,
     records = ray.get([lp.stop.remote() for lp in loops])
     ray.get(running)
     quiet = _gap_stats(records, [(t_q0, t_q1)])
+    per_engine = s.clients + s.long_clients
     for c in cases:
-        _summarise(c, records, quiet, t_q0, t_q1, s.clients)
+        _summarise(c, records, quiet, t_q0, t_q1, per_engine, long)
     return cases
 
 
@@ -192,19 +229,40 @@ def gap_parts(a: float, b: float, pauses: list[dict]) -> dict:
     return {"drain_s": drain, "window_s": window, "before_s": before, "after_s": after}
 
 
-def _summarise(c: dict, records: list, quiet: dict, t_q0: float, t_q1: float, clients: int) -> None:
-    """The case's medians over its refits, its client gaps and its tokens per second."""
+def switch_gap(per_client: list[list[tuple[float, float]]], pauses: list[dict], clients: int) -> float | None:
+    """The longest gap a client saw across its engine's switch: of the gaps that overlap the engine's drain or
+    admission window (``[at - inflight_s, at + pause_s]``), the longest; None when no engine paused. Gaps of
+    the refit's other moments (decoding slowed by the refit's own work on the same cores) are left out.
+    ``per_client``: every client's gaps, ``clients``: clients per engine (client ``i`` is on engine ``i //
+    clients``)."""
+    out = None
+    for i, gaps in enumerate(per_client):
+        for p in (p for p in pauses if p["engine"] == i // clients):
+            lo, hi = p["at"] - p["inflight_s"], p["at"] + p["pause_s"]
+            for a, b in gaps:
+                if a < hi and b > lo and (out is None or b - a > out):
+                    out = b - a
+    return out
+
+
+def _summarise(c: dict, records: list, quiet: dict, t_q0: float, t_q1: float, clients: int, long: list) -> None:
+    """The case's medians over its refits, its client gaps (all clients, and the long ones alone), its tokens
+    per second and the quiet token step. ``clients``: loops per engine; ``long``: which loops are long."""
     samples = c["samples"]
     g = _gap_stats(records, [(x["t_call"], x["t_done"]) for x in samples])
+    long_records = [r for r, is_long in zip(records, long) if is_long]
+    g_long = _gap_stats(long_records, [(x["t_call"], x["t_done"]) for x in samples]) if long_records else None
     per_client = [load.client_gaps(r) for r in records]
     flat = [r for recs in records for r in recs]
-    for x, longest, (client, a, b) in zip(samples, g["longest"], g["where"]):
+    for k, (x, longest, (client, a, b)) in enumerate(zip(samples, g["longest"], g["where"])):
         x["client_gap_s"] = longest
+        x["client_gap_long_s"] = g_long["longest"][k] if g_long else None
         engine = None if client is None else client // clients
         x["client_gap_parts"] = gap_parts(a, b, [p for p in x["pauses"] if p["engine"] == engine])
         x["client_gaps_s"] = sorted(gap for gaps in per_client
                                     for gap in load.gaps_within(gaps, x["t_call"], x["t_done"]))[-KEPT_GAPS:]
         x["tokens_per_second"] = load.tokens_per_second(flat, x["t_call"], x["t_done"])
+        x["client_gap_switch_s"] = switch_gap(per_client, x["pauses"], clients)
     med = lambda k: _median(x.get(k) for x in samples)  # noqa: E731
     c.update({
         "pause_seconds": med("pause_s"), "pause_apply_seconds": med("pause_apply_s"), "drain_seconds": med("drain_s"),
@@ -216,5 +274,7 @@ def _summarise(c: dict, records: list, quiet: dict, t_q0: float, t_q1: float, cl
             load.percentile(quiet["pooled"], 99),
         "trainer_stall_seconds": med("trainer_stall_s"), "construct_seconds": med("construct_s"),
         "freshness_seconds": med("freshness_s"), "refit_seconds": med("refit_s"), "link_bytes": med("link_bytes"),
+        "client_gap_long_seconds": med("client_gap_long_s"), "client_gap_switch_seconds": med("client_gap_switch_s"),
+        "token_step_seconds": _median(load.token_steps(flat, t_q0, t_q1)),
         "tokens_per_second_quiet": load.tokens_per_second(flat, t_q0, t_q1),
         "tokens_per_second_refit": med("tokens_per_second")})

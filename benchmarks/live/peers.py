@@ -3,20 +3,29 @@ the system that ships it. The trainer's full state never passes through the driv
 their tensors into the object store themselves (:func:`~benchmarks.live.trainer_side.put_state`) and the
 engines pull them from there, as a broadcast from the trainer would carry them.
 
-``dense_sync`` (OpenRLHF's and veRL's weight broadcast): every engine stops generating, the whole model
-crosses the cluster link once (as a broadcast tree carries it), every tensor goes through the engine's own
-loader, and generation resumes. The pause spans the transfer and the load.
+Each pauses its engines the way the system that ships it does, through the engine's own hold
+(:meth:`~dcr_ray.actors.engine.actor.EngineActor.hold`): ``switch="drain"`` waits for the running requests to
+finish first; ``switch="in_flight"`` holds them at their next decoding step, KV kept, and resumes the same
+requests afterwards (vLLM's ``pause_generation(mode="keep")``; on ``transformers`` engines the same step gate
+dcr_ray's in-flight switch uses).
+
+``dense_sync`` (OpenRLHF's and veRL's weight broadcast): every engine drains, the whole model crosses the
+cluster link once (as a broadcast tree carries it), every tensor goes through the engine's own loader, and
+generation resumes. The pause spans the transfer and the load. ``pipelinerl_dense`` is the same transfer
+and load as PipelineRL runs it: in flight, the running requests held with their KV
+(``pause_generation(mode="keep", clear_cache=False)``), not drained.
 
 ``full_fetch_reload`` (a full checkpoint fetched, then reloaded): while the engines serve, the whole model
 crosses the link once and is written to a local safetensors checkpoint beside each engine; then each
-engine stops, reloads that checkpoint through its own loader and resumes. The pause spans the reload only.
+engine drains, reloads that checkpoint through its own loader and resumes. The pause spans the reload only.
 
 ``skyrl_delta`` (SkyRL 0.4.0's checkpoint-delta sync, its own code where installed): the first owner runs
 SkyRL's publisher (XOR against its snapshot, zstd 1 of each changed tensor's mask, safetensors and a
 manifest); each engine's receiver downloads the version's files across the link (every engine fetches
 its own copy, as SkyRL's workers do from the sync directory), XORs them into its local checkpoint and
-re-hashes it while it serves; then the engine stops, reloads every tensor of the local checkpoint through
-its own loader (vLLM: SkyRL's ``DeltaWeightTransferEngine`` inside vLLM's layerwise reload) and resumes.
+re-hashes it while it serves; then the engine holds its running requests in keep mode (in flight, as SkyRL
+0.4.0 pauses vLLM: no drain), reloads every tensor of the local checkpoint through its own loader (vLLM:
+SkyRL's ``DeltaWeightTransferEngine`` inside vLLM's layerwise reload) and resumes them.
 
 Each returns the refit's sample: ``t_call`` / ``t_done`` (driver clock), ``trainer_stall_s`` (until the
 trainer's tensors were copied out: the object-store put, or SkyRL's publish) and ``construct_s`` (the same).
@@ -48,19 +57,19 @@ def _put(topo) -> tuple[list, int]:
     return [r for refs, _ in outs for r in refs], sum(n for _, n in outs)
 
 
-def dense_sync(topo) -> dict:
+def dense_sync(topo, switch: str = "drain", label: str = "dense_sync") -> dict:
     import ray
 
     engines, head = list(topo.engines.values()), topo.heads[0]
     t_call = time.time()
     refs, nbytes = _put(topo)
     t_copied = time.time()
-    ray.get([e.__ray_call__.remote(engine_side.hold, "dense_sync") for e in engines])
+    ray.get([e.__ray_call__.remote(engine_side.hold, label, switch) for e in engines])
     try:
         ray.get(head.__ray_call__.remote(_link_cross, nbytes))
         ray.get([e.__ray_call__.remote(engine_side.pull_and_load, refs) for e in engines])
     finally:
-        ray.get([e.__ray_call__.remote(engine_side.release, "dense_sync") for e in engines])
+        ray.get([e.__ray_call__.remote(engine_side.release, label) for e in engines])
     return {"t_call": t_call, "t_done": time.time(), "trainer_stall_s": t_copied - t_call,
             "construct_s": t_copied - t_call}
 

@@ -1,119 +1,89 @@
 """Every token's time, as a client streaming the answer would see it: the engines' generation, timed per token.
 
-:func:`install` (run in an engine actor: ``handle.__ray_call__.remote(install)``) replaces the backend's
-``generate`` with one that returns, beside each continuation, ``token_times``: the ``time.time()`` at which
-each of its tokens was produced. Admission is untouched: ``EngineActor.generate`` still admits the call
-under the engine's lock, waits while the engine is paused and names the version it read, then calls the
-backend; only what the backend does per token is observed.
+:func:`install` (run in an engine actor: ``handle.__ray_call__.remote(install)``) wraps the backend's
+``generate`` so that each continuation also carries ``token_times``: the ``time.time()`` at which each of its
+tokens was produced. Generation itself is the backend's own, untouched: ``EngineActor.generate`` admits the
+call under the engine's lock (waiting while the engine is paused), and the backend decodes through its step
+gate (a version switch falls between two steps, or waits for the call to finish, as the engine's
+``EngineConfig.switch`` says); only when each token appeared is observed.
 
-- ``transformers`` engines: the model's own ``generate`` (greedy, exactly ``max_tokens`` tokens), with a
-  streamer that stamps each token as the model emits it. Concurrent calls run in their own threads, as
-  they do without the probe.
-- vLLM engines: one continuous batch, as a server runs it. Every call adds its prompts to the engine's
-  ``LLMEngine``; one stepping thread runs ``step()`` while any request is unfinished, each step under the
-  backend's lock (the lock ``VllmBackend.flush`` and every frame forwarded to the workers take), and
-  stamps the tokens each step produced. A call returns when its requests finish. Without the probe,
-  ``VllmBackend.generate`` holds that lock for a whole call, so concurrent calls would run one after
-  another instead of batched.
+- ``transformers`` engines: a forward hook on the model stamps the end of every forward pass in the thread
+  that runs it (one prompt per call, so forward ``i`` produced token ``i``).
+- vLLM engines: the backend's continuous batch (:mod:`dcr_ray.engines.vllm.batch`) steps the ``LLMEngine``
+  in one thread; a wrapper around ``LLMEngine.step`` stamps each request's new tokens, and one around
+  ``LLMEngine.add_request`` tells which call a request id belongs to (by its prompt: every client of an
+  engine has a prompt of its own).
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 
 
-class _TokenClock:
-    """A ``transformers`` streamer that stamps every token after the prompt."""
+def _install_hf(backend) -> None:
+    local = threading.local()
 
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt = True
+    def stamp(_module, _args, _output):
+        times = getattr(local, "times", None)
+        if times is not None:
+            times.append(time.time())
 
-    def put(self, value) -> None:
-        if self._prompt:  # the first put is the prompt
-            self._prompt = False
-            return
-        now = time.time()
-        self.times.extend([now] * int(value.numel()))
+    backend.model.register_forward_hook(stamp)
+    inner = backend.generate
 
-    def end(self) -> None:
-        pass
-
-
-def _hf_generate(backend, prompt_token_ids, max_tokens: int = 8, sampling=None) -> list[dict]:
-    import torch
-
-    out = []
-    with torch.no_grad():
+    def generate(prompt_token_ids, max_tokens=8, sampling=None):
+        outs = []
         for ids in prompt_token_ids:
-            clock = _TokenClock()
-            seq = backend.model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                         do_sample=False, pad_token_id=0, streamer=clock)
-            out.append({"token_ids": seq[0, len(ids):].tolist(), "token_times": clock.times})
-    return out
+            local.times = []
+            try:
+                (out,) = inner([ids], max_tokens, sampling)
+            finally:
+                times, local.times = local.times, None
+            outs.append({**out, "token_times": times[:len(out["token_ids"])]})
+        return outs
+
+    backend.generate = generate
 
 
-class _VllmBatch:
-    """One continuous batch over a ``VllmBackend``'s ``LLMEngine`` (see the module docstring)."""
+def _install_vllm(backend) -> None:
+    lock = threading.Lock()
+    waiting: dict[tuple, list] = {}  # prompt -> its call's token times, until the request is added
+    by_request: dict[str, list] = {}  # request id -> token times
+    engine = backend.llm.llm_engine
+    add, step = engine.add_request, engine.step
 
-    def __init__(self, backend):
-        self.backend = backend
-        self._cv = threading.Condition()
-        self._queue: list[tuple[str, list[int], object]] = []
-        self._times: dict[str, list[float]] = {}
-        self._tokens: dict[str, list[int]] = {}
-        self._done: set[str] = set()
-        self._ids = itertools.count()
-        threading.Thread(target=self._run, name="bench-vllm-batch", daemon=True).start()
+    def add_request(request_id, prompt, params, *args, **kwargs):
+        with lock:
+            times = waiting.pop(tuple(prompt["prompt_token_ids"]), None)
+            if times is not None:
+                by_request[request_id] = times
+        return add(request_id, prompt, params, *args, **kwargs)
 
-    def generate(self, prompt_token_ids, max_tokens: int = 8, sampling=None) -> list[dict]:
-        from vllm import SamplingParams
-
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-        rids = []
-        with self._cv:
-            for p in prompt_token_ids:
-                rid = f"bench-{next(self._ids)}"
-                self._times[rid], self._tokens[rid] = [], []
-                self._queue.append((rid, [int(x) for x in p], sp))
-                rids.append(rid)
-            self._cv.notify_all()
-            while not all(r in self._done for r in rids):
-                self._cv.wait()
-            out = [{"token_ids": self._tokens.pop(r), "token_times": self._times.pop(r)} for r in rids]
-            self._done.difference_update(rids)
-        return out
-
-    def _run(self) -> None:
-        from vllm.inputs import TokensPrompt
-
-        engine = self.backend.llm.llm_engine
-        running: set[str] = set()
-        while True:
-            with self._cv:
-                while not self._queue and not running:
-                    self._cv.wait()
-                new, self._queue = self._queue, []
-            with self.backend.step_lock:  # what flush and every forwarded frame take: one step at a time
-                for rid, p, sp in new:
-                    engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
-                    running.add(rid)
-                outs = engine.step()
-            now = time.time()
-            with self._cv:
-                for o in outs:
-                    rid = o.request_id
-                    if rid not in self._tokens:
-                        continue
-                    ids = list(o.outputs[0].token_ids)
-                    self._times[rid].extend([now] * (len(ids) - len(self._tokens[rid])))
-                    self._tokens[rid] = ids
+    def timed_step():
+        outs = step()
+        now = time.time()
+        with lock:
+            for o in outs:
+                times = by_request.get(o.request_id)
+                if times is not None:
+                    times.extend([now] * sum(len(c.token_ids) for c in o.outputs))
                     if o.finished:
-                        running.discard(rid)
-                        self._done.add(rid)
-                self._cv.notify_all()
+                        del by_request[o.request_id]
+        return outs
+
+    engine.add_request, engine.step = add_request, timed_step
+    inner = backend.generate
+
+    def generate(prompt_token_ids, max_tokens=8, sampling=None):
+        stamps = [[] for _ in prompt_token_ids]
+        with lock:
+            for p, t in zip(prompt_token_ids, stamps):
+                waiting[tuple(int(x) for x in p)] = t
+        outs = inner(prompt_token_ids, max_tokens, sampling)
+        return [{**o, "token_times": t} for o, t in zip(outs, stamps)]
+
+    backend.generate = generate
 
 
 def install(engine) -> str:
@@ -123,9 +93,6 @@ def install(engine) -> str:
     kind = "vllm" if hasattr(backend, "llm") else "hf"
     if getattr(backend, "_bench_streaming", False):
         return kind
-    if kind == "vllm":
-        backend.generate = _VllmBatch(backend).generate
-    else:
-        backend.generate = lambda prompts, max_tokens=8, sampling=None: _hf_generate(backend, prompts, max_tokens)
+    (_install_vllm if kind == "vllm" else _install_hf)(backend)
     backend._bench_streaming = True
     return kind

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks.live import stream
+from benchmarks.live.settings import parse_mode
 from benchmarks.refit.progress import log
 
 
@@ -62,7 +63,8 @@ def launch(s, receiver: str, mode: str, data: str):
         def step(i: int) -> None:
             ray.get([h.perturb.remote(0.03, 1000 + i) for h in owners.values()])
     clusters = [dcr_ray.ClusterSpec(name="rollout", engines=s.engines, gpus_per_engine=s.gpus_per_engine)]
-    config = dcr_ray.RefitConfig(engines=dcr_ray.EngineConfig(apply=mode),
+    apply, switch = parse_mode(mode)
+    config = dcr_ray.RefitConfig(engines=dcr_ray.EngineConfig(apply=apply, switch=switch),
                                  transport=dcr_ray.TransportConfig(kind="relay"),
                                  commit=dcr_ray.CommitConfig(timeout_s=900.0))
     config = dcr_ray.config.validate(config, clusters, owners, engine)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 from dcr_ray.codec import DecodedFrame
 from dcr_ray.codec.bits import wire_name
 from dcr_ray.codec.decoding.undo import FrameUndo
+from dcr_ray.engines.steps import OPEN, StepGate
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it runs
     import torch
@@ -87,6 +88,16 @@ class EngineBackend(ABC):
     #: Whether ``apply`` takes frames with packs of small tensors (``frame.packs``, written by
     #: :func:`~dcr_ray.codec.apply_decoded`); otherwise the engine expands them into per-tensor items.
     applies_packs: bool = False
+    #: Whether ``generate`` decodes step by step through :attr:`step_gate` (:mod:`~dcr_ray.engines.steps`),
+    #: so a version switch can fall between two steps of a running request; otherwise the engine drains.
+    switches_in_flight: bool = False
+    #: What every decoding step passes through (:data:`~dcr_ray.engines.steps.OPEN` until an engine gates it).
+    step_gate: StepGate = OPEN
+
+    def gate_steps(self, gate: StepGate) -> None:
+        """From now on every decoding step of :meth:`generate` passes through ``gate`` (the engine actor's,
+        with ``EngineConfig(switch="in_flight")``); only for backends that declare ``switches_in_flight``."""
+        self.step_gate = gate
 
     @abstractmethod
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -127,8 +138,9 @@ class EngineBackend(ABC):
 
     def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8, sampling=None) -> list[dict]:
         """Continuations per prompt ``{"token_ids", "logprobs"}``: greedy by default, else as ``sampling``
-        (:class:`~dcr_ray.engines.sampling.Sampling`) says. A backend that serves overrides it; the
-        default says this one does not."""
+        (:class:`~dcr_ray.engines.sampling.Sampling`) says; a backend that ``switches_in_flight`` adds
+        ``versions``, the spans of the versions its steps read (:mod:`~dcr_ray.engines.steps`). A backend
+        that serves overrides it; the default says this one does not."""
         from dcr_ray.errors import BackendError
 
         raise BackendError(f"{type(self).__name__} does not generate")

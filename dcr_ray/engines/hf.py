@@ -4,6 +4,14 @@ Its storage *is* the canonical layout (the model's own ``state_dict`` tensors), 
 identity and frames are applied straight into parameter storage: XOR masks through integer views,
 overwrites by indexed writes, dense chunks by copy. No second copy of the model exists. While the engine
 keeps an undo record, the same pass that writes a position keeps the bits it replaced.
+
+Generation passes through the backend's step gate around every forward pass (:mod:`~dcr_ray.engines.steps`):
+greedy decoding is the model's own ``generate``, whose stopping-criteria call after each step is the step
+boundary; sampling is a decoding loop of its own. An engine's version switch therefore waits for one step,
+never for a request, and each continuation's ``versions`` names the version every step read. KV caches:
+each call holds its own, so a running request keeps the KV its earlier steps computed under the old version
+(as PipelineRL's in-flight updates do), and nothing is shared between requests: a new request never reads
+KV computed under an older version.
 """
 
 from __future__ import annotations
@@ -17,13 +25,53 @@ from dcr_ray.codec.bits import bits_view
 from dcr_ray.codec.decoding.undo import FrameUndo
 from dcr_ray.engines.base import EngineBackend, TensorBackend, canonical_state_dict
 from dcr_ray.engines.sampling import Sampling
+from dcr_ray.engines.steps import Spans, StepGate
 from dcr_ray.errors import ConfigError
+
+
+class _Passage:
+    """One decoding loop's passage through a step gate: inside from :meth:`begin` to the next boundary."""
+
+    def __init__(self, gate: StepGate):
+        self.gate = gate
+        self.version: int | None = None
+        self.inside = False
+
+    def begin(self) -> None:
+        self.version = self.gate.enter()
+        self.inside = True
+
+    def boundary(self, more: bool) -> None:
+        """A step ended: leave the gate, and enter it again for the next step when ``more`` follow."""
+        self.end()
+        if more:
+            self.begin()
+
+    def end(self) -> None:
+        if self.inside:
+            self.inside = False
+            self.gate.leave()
+
+
+def _boundary_criterion(passage: _Passage, spans: Spans, max_tokens: int):
+    """A ``transformers`` stopping criterion that never stops: called once after every decoding step of
+    ``generate``, it credits the step's token to the version it read and passes the step boundary."""
+    from transformers import StoppingCriteria
+
+    class StepBoundary(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            spans.add(passage.version)
+            passage.boundary(more=spans.tokens < max_tokens)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StepBoundary()
 
 
 class TransformersBackend(TensorBackend):
     """Wraps a ``transformers`` model (or any ``nn.Module``) built by ``model_factory()`` on CPU."""
 
     applies_packs = True  # apply_decoded writes packs straight into the parameters
+    switches_in_flight = True  # every forward pass goes through the step gate
 
     def __init__(self, model_factory: Callable[[], torch.nn.Module]):
         self.model = model_factory()
@@ -60,19 +108,29 @@ class TransformersBackend(TensorBackend):
     def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 8,
                  sampling: Sampling | dict | None = None) -> list[dict]:
         """Continuations of each prompt (see :mod:`~dcr_ray.engines.sampling`): greedy by default, one per
-        prompt ``{"token_ids": [...], "logprobs": [...]}`` (float32); with ``sampling``, ``n`` sampled
-        continuations per prompt, prompt-major."""
+        prompt ``{"token_ids": [...], "logprobs": [...], "versions": [...]}`` (float32 logprobs; ``versions``:
+        the spans of the versions its steps read, :mod:`~dcr_ray.engines.steps`); with ``sampling``, ``n``
+        sampled continuations per prompt, prompt-major."""
         sampling = Sampling.of(sampling)
         if sampling.greedy and sampling.n == 1 and sampling.allowed_token_ids is None:
             return [self._greedy_one(ids, max_tokens) for ids in prompt_token_ids]
         return self._sample(prompt_token_ids, max_tokens, sampling)
 
     def _greedy_one(self, ids: list[int], max_tokens: int) -> dict:
-        out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                                  output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+        from transformers import StoppingCriteriaList
+
+        passage, spans = _Passage(self.step_gate), Spans()
+        criteria = StoppingCriteriaList([_boundary_criterion(passage, spans, max_tokens)])
+        passage.begin()  # the prefill reads the weights too
+        try:
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                      output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+                                      stopping_criteria=criteria)
+        finally:
+            passage.end()
         toks = out.sequences[0, len(ids):].tolist()
         lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, toks)]
-        return {"token_ids": toks, "logprobs": lps}
+        return {"token_ids": toks, "logprobs": lps, "versions": spans.spans}
 
     @torch.no_grad()
     def _sample(self, prompt_token_ids: list[list[int]], max_tokens: int, sampling: Sampling) -> list[dict]:
@@ -93,9 +151,15 @@ class TransformersBackend(TensorBackend):
             by_len.setdefault(len(ids), []).append(i)
         for idx in by_len.values():
             x = torch.tensor([prompt_token_ids[i] for i in idx]).repeat_interleave(sampling.n, 0)
-            past, step_in, toks, lps = None, x, [], []
+            past, step_in, toks, lps, spans = None, x, [], [], Spans()
             for _ in range(max_tokens):
-                res = self.model(step_in, past_key_values=past, use_cache=True)
+                passage = _Passage(self.step_gate)
+                passage.begin()
+                try:
+                    res = self.model(step_in, past_key_values=past, use_cache=True)
+                finally:
+                    passage.end()
+                spans.add(passage.version)
                 past, raw = res.past_key_values, res.logits[:, -1].float()
                 logits = raw if mask is None else raw + mask
                 if sampling.greedy:
@@ -109,12 +173,13 @@ class TransformersBackend(TensorBackend):
             for k, i in enumerate(idx):
                 for j in range(sampling.n):
                     row = k * sampling.n + j
-                    out[i * sampling.n + j] = {"token_ids": toks_t[row], "logprobs": lps_t[row]}
+                    out[i * sampling.n + j] = {"token_ids": toks_t[row], "logprobs": lps_t[row],
+                                               "versions": list(spans.spans)}
         return out  # type: ignore[return-value]
 
     @torch.no_grad()
     def greedy(self, input_ids: list[list[int]], max_new_tokens: int = 8) -> list[list[int]]:
-        """Greedy continuation token ids (for examples and checks)."""
+        """Greedy continuation token ids (for examples and checks; not gated: call it while no refit runs)."""
         out = self.model.generate(torch.tensor(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
         return out[:, len(input_ids[0]):].tolist()
 

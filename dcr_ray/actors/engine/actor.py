@@ -18,9 +18,12 @@ An engine actor is composed of parts, as the coordinator is, each handed the eng
 
 Its phases are :class:`~dcr_ray.actors.engine.state.Phase` (empty, ready, staging, open, written,
 parked, dirty), every transition one method of :class:`~dcr_ray.actors.engine.state.EngineState`. With in-place
-apply (default) generation pauses from ``prepare`` to ``activate``, so no output ever mixes versions;
-with ``EngineConfig(apply="staged")`` payloads are validated and decoded while the engine keeps serving
-the old version, and written together at ``activate``, once the commit record is durable (the only pause).
+apply (default) generation pauses from ``prepare`` to ``activate``; with ``EngineConfig(apply="staged")``
+payloads are validated and decoded while the engine keeps serving the old version, and written together at
+``activate``, once the commit record is durable (the only pause). A pause stops the running requests at
+their next decoding step (``EngineConfig(switch="in_flight")``, :mod:`~dcr_ray.actors.engine.switch`: they
+resume on the new version, and their answers say which tokens came from which) or waits for them to finish
+first (``"drain"``: one version per answer).
 An in-place engine that waits past ``EngineConfig.hold_s`` after its flush sets its writes aside and
 serves meanwhile (:mod:`~dcr_ray.actors.engine.park`).
 """
@@ -37,6 +40,7 @@ from dcr_ray.actors.engine.digests import Digests
 from dcr_ray.actors.engine.peer_copy import PeerCopy
 from dcr_ray.actors.engine.receive import Receiver
 from dcr_ray.actors.engine.serving import Serving
+from dcr_ray.actors.engine.switch import EngineGate
 from dcr_ray.codec.compiled import kernels
 from dcr_ray.config import RefitConfig
 from dcr_ray.engines.base import EngineBackend, readable_tensors
@@ -73,6 +77,8 @@ class EngineActor:
                               f"implement its abstract methods)")
         self._engine = EngineContext(engine_id=engine_id, cluster=cluster, config=config, backend=backend,
                                 reader=reader, specs=backend.tensor_specs(), epoch=epoch)
+        if self._engine.in_flight:  # version switches fall between two decoding steps
+            backend.gate_steps(EngineGate(self._engine))
         self._receiver = Receiver(self._engine)
         self._serving = Serving(self._engine)
         self._digests = Digests(self._engine, self._receiver)
@@ -134,11 +140,12 @@ class EngineActor:
     def pauses(self, since: float = 0.0) -> list[dict]:
         return self._serving.pauses(since)
 
-    def hold(self, label: str) -> None:
+    def hold(self, label: str, switch: str | None = None) -> None:
         """Stop admitting generation for an operation outside the refit protocol (``label``: what it is, e.g.
-        a weight load another system makes), once the calls in flight finished; its pause is kept like a
-        refit's (mode ``label``). :meth:`release` ends it."""
-        self._serving.hold(label)
+        a weight load another system makes), once the decoding steps in progress ended (``switch="in_flight"``:
+        the running requests resume after :meth:`release`) or the calls running answered (``"drain"``);
+        default: ``EngineConfig.switch``. Its pause is kept like a refit's (mode ``label``)."""
+        self._serving.hold(label, switch)
 
     def release(self, label: str) -> None:
         """End the hold ``label``: generation is admitted again."""

@@ -12,11 +12,14 @@ takes, written once:
 - :meth:`EngineContext.mark_dirty`: its bits match no version;
 - :meth:`EngineContext.decode` and :meth:`EngineContext.write`: the one path from a validated frame into
   the backend (with the undo record of the transfer in flight);
-- :meth:`EngineContext.quiesce`: wait until no generation reads the weights, before the first write.
+- :meth:`EngineContext.quiesce`: wait until no generation reads the weights, before the first write: the
+  decoding steps in progress (``EngineConfig(switch="in_flight")``, :mod:`~dcr_ray.actors.engine.switch`),
+  or every generate call running (``"drain"``).
 
 Invariants: ``state`` changes only through :class:`~dcr_ray.actors.engine.state.EngineState`'s
-transitions, under ``lock``; ``serving`` counts the generate calls reading the weights now, and no
-write starts while it is above zero; the journal (``applied``) names the payloads of the open transfer
+transitions, under ``lock``; ``serving`` counts the generate calls running now and ``stepping`` the
+decoding steps reading the weights now; no write starts while the one its switch mode waits for is above
+zero; the journal (``applied``) names the payloads of the open transfer
 that were applied or staged, with their digests.
 """
 
@@ -80,8 +83,11 @@ class EngineContext:
     undo: UndoLog = field(default_factory=UndoLog)  #: inverse of the in-place writes of the transfer in flight
     stats: dict = field(default_factory=_counters)
     pause: PauseClock = field(default_factory=PauseClock)  #: when generation could not serve, per refit
-    serving: int = 0  #: generate calls reading the weights now (no write starts while > 0)
+    serving: int = 0  #: generate calls running now (a draining write starts only at 0)
+    stepping: int = 0  #: decoding steps reading the weights now (no write starts while > 0)
+    quiescing: bool = False  #: a write waits for the steps in progress: no new one enters
     held: str | None = None  #: generation held for an operation outside the refit protocol (its label)
+    held_drains: bool = False  #: that hold waits for the generate calls running (their steps go on meanwhile)
     cpu: CpuParts = field(default_factory=CpuParts)  #: thread CPU seconds of the payload path
     epoch: int | None = None  #: this incarnation's epoch (None: calls are not fenced)
 
@@ -94,6 +100,19 @@ class EngineContext:
     def staged(self) -> bool:
         """Whether deltas are staged while the engine serves (``EngineConfig.apply="staged"``)."""
         return self.config.engines.apply == "staged"
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a write waits only for the decoding steps in progress (``EngineConfig.switch="in_flight"``
+        and a backend that decodes through its step gate), not for the generate calls running."""
+        return self.config.engines.switch == "in_flight" and self.backend.switches_in_flight
+
+    def may_step(self) -> bool:
+        """Whether a decoding step may read the weights now: they hold the committed version (the phase
+        serves it, no hold is on) and no write is quiescing. Call with ``lock`` held."""
+        st = self.state
+        return (not st.paused and (self.held is None or self.held_drains) and not self.quiescing
+                and st.why is None and st.version is not None)
 
     def count(self, name: str, n: int = 1) -> None:
         self.stats[name] = self.stats.get(name, 0) + n
@@ -194,13 +213,20 @@ class EngineContext:
             it.ranks = ranks
         context.written([it for it, _ in renew], self.backend.tensors())
 
-    def quiesce(self) -> None:
-        """Wait until no generate call reads the weights (new ones wait while the engine is paused). Call
-        with ``lock`` held; it is released while waiting. The wait is serving (those calls answer from the old
-        bits), not pause: an open pause keeps it apart."""
-        if not self.serving:
+    def quiesce(self, drain: bool | None = None) -> None:
+        """Wait until no generation reads the weights: in flight, until the decoding steps in progress end
+        (new ones wait from here; the requests they belong to resume after the write), else (``drain``, or
+        a backend without a step gate) until every generate call running has answered (new ones wait while
+        the engine is paused). Call with ``lock`` held; it is released while waiting. The wait is serving
+        (those steps and calls read the old bits), not pause: an open pause keeps it apart."""
+        drain = not self.in_flight if drain is None else drain or not self.in_flight
+        if not (self.serving if drain else self.stepping):
             return
         t = time.perf_counter()
-        while self.serving:
-            self.lock.wait(1.0)
+        self.quiescing = not drain
+        try:
+            while self.serving if drain else self.stepping:
+                self.lock.wait(1.0)
+        finally:
+            self.quiescing = False
         self.pause.inflight(time.perf_counter() - t)

@@ -38,14 +38,17 @@ slower than with oneDNN's packed weights (BENCHMARKS.md gives tokens/s of both);
 engine you start yourself takes ``LLM(..., load_format="dcr_unpacked")`` (dcr_ray's plugin registers it) and
 the ``dcr`` backend then captures by default.
 
-Serving while payloads stage (async refits)
+Serving while payloads stage (async refits), and switching in flight
     Frames only touch the workers' host mirrors (``mirror``) or are kept decoded (``capture``), so
     the engine keeps serving version *v* while the payloads of *v+1* arrive;
-    :meth:`VllmBackend.flush` switches the runtime to *v+1* in one step under the backend's lock,
-    which :meth:`VllmBackend.generate` also takes, so no request sees a half-applied model, and the
-    prefix cache (KV computed with old weights) is reset. For an ``AsyncLLM`` deployment do the same
-    around the flush: ``await engine.pause_generation()``, flush, ``reset_prefix_cache()``,
-    ``await engine.resume_generation()``.
+    :meth:`VllmBackend.flush` switches the runtime to *v+1* under the backend's step lock, between two
+    steps of the continuous batch :meth:`VllmBackend.generate` runs (:mod:`~dcr_ray.engines.vllm.batch`):
+    no step sees a half-applied model, the running requests go on under *v+1* with their KV, every
+    answer names the versions of its tokens, and a request added after the switch never reuses a prefix
+    cached under *v* (requests are salted by version). For an ``AsyncLLM`` deployment a framework does
+    the same around the flush: ``await engine.pause_generation(mode="keep", clear_cache=False)``, the
+    update, ``await engine.resume_generation()``; an adopted engine takes the update while its requests
+    are held (``AdoptedVllmEngine(held_requests=...)`` says what happens to their KV).
 
 CPU settings the backend makes for you (only when vLLM will run on CPU; existing values win; see
 :mod:`~dcr_ray.engines.vllm.compat`): ``VLLM_CPU_KVCACHE_SPACE`` (``kv_cache_gib``),
@@ -61,7 +64,8 @@ Modules, the engine actor's side:
 
 - :mod:`~dcr_ray.engines.vllm.backend`    :class:`VllmBackend`, a ``vllm.LLM`` dcr_ray starts and drives
 - :mod:`~dcr_ray.engines.vllm.factory`    :class:`VllmEngine`, the factory engine actors call
-- :mod:`~dcr_ray.engines.vllm.serving`    greedy generation: token ids and logprobs for exact comparisons
+- :mod:`~dcr_ray.engines.vllm.batch`      the continuous batch its ``generate`` runs: gated steps, salted prefixes
+- :mod:`~dcr_ray.engines.vllm.serving`    sampling parameters; greedy generation for exact comparisons
 - :mod:`~dcr_ray.engines.vllm.checkpoint` reading the checkpoint directory
 - :mod:`~dcr_ray.engines.vllm.plugin`     the vLLM plugin that registers the ``dcr`` backend
 - :mod:`~dcr_ray.engines.vllm.compat`     what differs between vLLM releases, and what makes vLLM run here

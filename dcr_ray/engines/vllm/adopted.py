@@ -9,6 +9,7 @@ duplicate payloads) and drives the real engine with vLLM's own calls::
     prepare    -> start_weight_update()            (first frame of an attempt)
     deliver    -> update_weights({base, target, frames: [the frame's bytes]})
     flush      -> finish_weight_update(); update_weight_version(str(target)); reset_prefix_cache()
+                  (see "Requests held across an update" below)
 
 and after each of those calls it reads every worker's outcome (``collective_rpc("dcr_transfer_status")``,
 see :mod:`~dcr_ray.engines.vllm.worker.transfer`): with tensor parallelism the workers agree on a "no" and only
@@ -31,6 +32,27 @@ canonical tensors they serve, box by box, against the owners' committed digests 
 ``update_weights({"verify": ...})`` call that writes nothing. An engine started from the committed
 checkpoint joins without a single dense frame; any other is refit densely.
 
+Requests held across an update: a framework that pauses its engine around a refit in vLLM's keep mode
+(``pause_generation(mode="keep", clear_cache=False)``, as PipelineRL and SkyRL's in-flight updates do)
+holds its running requests, with their KV blocks, across the update; vLLM then refuses
+``reset_prefix_cache()``. The update itself goes through either way (the weights and the version label are
+the new version's before the reset is asked). What the proxy does with the KV computed under the old
+version is ``held_requests``:
+
+- ``"recompute"`` (the default): ``reset_prefix_cache(reset_running_requests=True)``: vLLM preempts the
+  held requests (they resume from their tokens, their KV recomputed under the new version when the
+  framework resumes generation) and drops the prefix cache. No KV of the old version survives: no request,
+  held or new, reads it. vLLM's own ``pause_generation(mode="keep")`` with ``clear_cache=True`` does the
+  same at the pause.
+- ``"keep"``: the held requests keep their KV (PipelineRL's in-flight semantics); the prefix cache, which
+  vLLM cannot drop while they hold blocks, is left, so a new request may reuse a prefix cached under the
+  old version unless the framework salts its requests by weight version (``cache_salt``, e.g. the
+  version ``get_weight_version()`` reports). Engines dcr_ray starts do exactly that themselves
+  (:mod:`~dcr_ray.engines.vllm.batch`).
+
+``prefix_cache`` says what the last update did: ``"reset"`` (nothing held a block), ``"recomputed"`` or
+``"kept"``.
+
 What the proxy cannot do is read the served weights back (it sees only vLLM's public calls): its
 ``read_back()`` is None, so the engine actor's ``tensors()`` says so; check an adopted engine by its
 outputs and ``get_weight_version()``.
@@ -39,7 +61,7 @@ outputs and ``get_weight_version()``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence, get_args
 
 from dcr_ray.codec import DecodedFrame
 from dcr_ray.engines.base import WireBackend
@@ -48,6 +70,9 @@ from dcr_ray.engines.vllm.sync import WeightSyncCalls, check_urls, make_calls
 from dcr_ray.errors import BackendError, ConfigError
 
 log = logging.getLogger(__name__)
+
+#: What the proxy does with the KV of requests a framework holds across an update (module doc).
+HeldRequests = Literal["recompute", "keep"]
 
 
 class OutOfStepError(BackendError):
@@ -68,7 +93,10 @@ class WeightSyncBackend(WireBackend):
 
     def __init__(self, calls: WeightSyncCalls | Sequence[Any], checkpoint: str, *, version: int = 0,
                  key: bytes | None = None, capture: bool | None = None, timeout_s: float = 300.0,
-                 init_extra: Mapping[str, Any] | None = None):
+                 init_extra: Mapping[str, Any] | None = None, held_requests: HeldRequests = "recompute"):
+        _check_held(held_requests)
+        self.held_requests = held_requests
+        self.prefix_cache: str | None = None  #: what the last update did to the old version's KV (module doc)
         if not hasattr(calls, "update_weights") or isinstance(calls, (list, tuple)):
             calls = make_calls(list(calls), timeout_s)  # Ray actor handles (the older signature) or URLs
         self.calls: WeightSyncCalls = calls
@@ -189,9 +217,20 @@ class WeightSyncBackend(WireBackend):
         self._reset_prefix_cache()
 
     def _reset_prefix_cache(self) -> None:
-        if not self.calls.reset_prefix_cache():
-            raise BackendError(f"{self._engine} refused to reset its prefix cache (requests still running): "
-                               f"pause its generation around refits")
+        """Drop the KV of the old version (module doc, "Requests held across an update")."""
+        if self.calls.reset_prefix_cache():
+            self.prefix_cache = "reset"
+            return
+        if self.held_requests == "keep":
+            self.prefix_cache = "kept"
+            log.info("%s: requests hold KV blocks across the update; they keep them, and so does the prefix "
+                     "cache (held_requests='keep')", self._engine)
+            return
+        if not self.calls.reset_prefix_cache(reset_running_requests=True):
+            raise BackendError(f"{self._engine} refused to reset its prefix cache even with its running requests "
+                               f"preempted (a KV transfer of a request still in flight?): the weights are the new "
+                               f"version's, and a new request may reuse an older prefix until it is reset")
+        self.prefix_cache = "recomputed"
 
     def abandon(self) -> None:
         """Close an update whose refit was abandoned without reloading anything (the engine keeps serving
@@ -247,14 +286,17 @@ class AdoptedVllmEngine:
 
     ``checkpoint``: the directory it was started from, holding ``version`` (readable by the proxy and by
     the engine's workers). ``capture``: see :class:`~dcr_ray.engines.vllm.worker.transfer.DcrInitInfo` (default:
-    on CUDA). ``timeout_s``: bound on each weight-transfer call.
+    on CUDA). ``timeout_s``: bound on each weight-transfer call. ``held_requests``: what happens to the KV
+    of requests the framework holds across an update in vLLM's keep mode, ``"recompute"`` or ``"keep"``
+    (see :mod:`~dcr_ray.engines.vllm.adopted`).
 
     When the engine joins, its workers digest the tensors they serve; if every tensor equals the owners'
     committed version it joins as it is, else it is refit densely (see :meth:`WeightSyncBackend.matches_digests`).
     """
 
     def __init__(self, handles: Any, *, checkpoint: str, version: int = 0, key: bytes | None = None,
-                 capture: bool | None = None, timeout_s: float = 300.0):
+                 capture: bool | None = None, timeout_s: float = 300.0, held_requests: HeldRequests = "recompute"):
+        _check_held(held_requests)
         targets = list(handles) if isinstance(handles, (list, tuple)) else [handles]
         urls = [t for t in targets if isinstance(t, str)]
         if urls:
@@ -276,6 +318,7 @@ class AdoptedVllmEngine:
         self.key = key
         self.capture = capture
         self.timeout_s = timeout_s
+        self.held_requests = held_requests
 
     @property
     def urls(self) -> list[str]:
@@ -284,7 +327,8 @@ class AdoptedVllmEngine:
 
     def __call__(self) -> WeightSyncBackend:
         return WeightSyncBackend(make_calls(self.handles, self.timeout_s), self.checkpoint, version=self.version,
-                                 key=self.key, capture=self.capture, timeout_s=self.timeout_s)
+                                 key=self.key, capture=self.capture, timeout_s=self.timeout_s,
+                                 held_requests=self.held_requests)
 
 
 class AdoptedVllmServer(AdoptedVllmEngine):
@@ -303,7 +347,13 @@ class AdoptedVllmServer(AdoptedVllmEngine):
     """
 
     def __init__(self, url: str | Sequence[str], *, checkpoint: str, version: int = 0, key: bytes | None = None,
-                 capture: bool | None = None, timeout_s: float = 300.0):
+                 capture: bool | None = None, timeout_s: float = 300.0, held_requests: HeldRequests = "recompute"):
         urls = [url] if isinstance(url, str) else list(url)
         super().__init__(check_urls(urls), checkpoint=checkpoint, version=version, key=key, capture=capture,
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, held_requests=held_requests)
+
+
+def _check_held(held_requests) -> None:
+    if held_requests not in get_args(HeldRequests):
+        raise ConfigError(f"held_requests must be one of {get_args(HeldRequests)} (what happens to the KV of requests "
+                          f"a framework holds across an update in vLLM's keep mode), got {held_requests!r}")

@@ -14,8 +14,11 @@ the start-up reload self-check). What only an engine dcr_ray started has on top:
 - read-back: :meth:`VllmBackend.read_back` reads the canonical tensors the workers serve (peer healing,
   digests, checks) through ``collective_rpc`` (:func:`~dcr_ray.engines.vllm.worker.transfer.worker_query`);
 - :meth:`VllmBackend.load_dense` loads named tensors densely, as dense frames of the bootstrap base;
-- :meth:`VllmBackend.generate`, under the lock :meth:`VllmBackend.flush` takes (no request sees a
-  half-switched model).
+- :meth:`VllmBackend.generate`: one continuous batch that concurrent calls join, stepped by one thread
+  under the lock :meth:`VllmBackend.flush` takes and through the engine's step gate
+  (:mod:`~dcr_ray.engines.vllm.batch`): a version switch falls between two steps of the running requests
+  (no step sees a half-switched model), requests are salted by version in the prefix cache, and every
+  continuation names the versions its tokens came from.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from dcr_ray.codec import BOOTSTRAP_BASE, DecodedFrame, FrameMeta, encode_frames
 from dcr_ray.codec.bits import wire_name
 from dcr_ray.engines.sampling import Sampling
 from dcr_ray.engines.vllm.adopted import WeightSyncBackend
+from dcr_ray.engines.vllm.batch import ContinuousBatch
 from dcr_ray.engines.vllm.checkpoint import checkpoint_files
 from dcr_ray.engines.vllm.compat import shutdown_llm, start_llm, will_use_cuda
 from dcr_ray.engines.vllm.plugin import BACKEND_NAME, UNPACKED_LOAD_FORMAT
-from dcr_ray.engines.vllm.serving import greedy, sample
+from dcr_ray.engines.vllm.serving import greedy_params, sampling_params
 from dcr_ray.engines.vllm.sync import LocalWeightSync
 from dcr_ray.engines.vllm.worker.plan import merge_summaries, strict_check
 from dcr_ray.errors import BackendError, ConfigError, TargetMismatchError
@@ -103,6 +107,7 @@ class VllmBackend(WeightSyncBackend):
     """
 
     engine_kind = "vLLM engine"
+    switches_in_flight = True  # every step of its continuous batch goes through the step gate
 
     def __init__(
         self,
@@ -164,6 +169,7 @@ class VllmBackend(WeightSyncBackend):
         except BaseException:
             self.close()
             raise
+        self._batch = ContinuousBatch(self.llm, self._lock, lambda: self.step_gate, lambda: self.version)
         self.groups: list[list[str]] = layouts[0]["groups"]
         self.ignored: list[str] = layouts[0]["ignored"]
         self.unresolved: list[str] = layouts[0]["unresolved"]
@@ -178,7 +184,8 @@ class VllmBackend(WeightSyncBackend):
     def step_lock(self) -> threading.RLock:
         """The lock each generation step, frame write, flush and reload of this engine holds: code that drives
         the ``LLM`` itself beside dcr_ray (a peer's reload in a benchmark, a user's own ``collective_rpc``)
-        takes it so that it never interleaves with them."""
+        takes it so that it never interleaves with them (it must not run ``LLM.generate`` while
+        :meth:`generate` calls are in flight: :mod:`~dcr_ray.engines.vllm.batch`)."""
         return self._lock
 
     def _query(self, what: str, names: list[str] | None = None) -> list:
@@ -236,6 +243,13 @@ class VllmBackend(WeightSyncBackend):
                 stats = self._query("last_finish")[0]
                 self._kept = self._update is not None and self._update[0] != BOOTSTRAP_BASE
             self.last_flush = stats
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the prefix cache of the old weights when vLLM allows it (no request holds blocks); while
+        requests are in flight it refuses, and the version salt of every request (:mod:`.batch`) already
+        keeps new requests off the old version's blocks."""
+        if not self.calls.reset_prefix_cache():
+            log.debug("%s: prefix cache kept while requests run (salted by version)", self._engine)
 
     def load_dense(self, tensors: Iterable[tuple[str, Any]]) -> None:
         """Replace the named tensors completely and make them visible now (bootstrap, peer healing): dense
@@ -313,6 +327,9 @@ class VllmBackend(WeightSyncBackend):
         llm = getattr(self, "llm", None)
         if llm is None:
             return
+        batch = getattr(self, "_batch", None)
+        if batch is not None:
+            batch.close()
         self.llm = None
         shutdown_llm(llm, self._inproc)
         del llm
@@ -322,16 +339,19 @@ class VllmBackend(WeightSyncBackend):
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int = 16,
                  sampling=None) -> list[dict]:
         """Continuations (EOS ignored, so exactly ``max_tokens`` tokens): greedy by default, else as
-        ``sampling`` (:class:`~dcr_ray.engines.sampling.Sampling`) says, through vLLM's own sampler.
+        ``sampling`` (:class:`~dcr_ray.engines.sampling.Sampling`) says, through vLLM's own sampler, in
+        the engine's continuous batch (:mod:`~dcr_ray.engines.vllm.batch`).
 
-        Returns ``{"token_ids": [...], "logprobs": [...], "version": v}`` per continuation (prompt-major):
-        the log-probability of each chosen token, and the policy version that produced it.
+        Returns ``{"token_ids": [...], "logprobs": [...], "versions": [(v, first token index), ...],
+        "version": v}`` per continuation (prompt-major): the log-probability of each chosen token, the
+        spans of the policy versions that produced them, and the oldest of those versions.
         """
         sampling = Sampling.of(sampling)
-        with self._lock:
-            if sampling.greedy and sampling.n == 1 and sampling.allowed_token_ids is None:
-                outs = greedy(self.llm, prompt_token_ids, max_tokens)
-            else:
-                outs = sample(self.llm, prompt_token_ids, max_tokens, sampling)
-            version = self.version
-        return [{**o, "version": version} for o in outs]
+        plain = sampling.greedy and sampling.n == 1 and sampling.allowed_token_ids is None
+        params = greedy_params(max_tokens) if plain else sampling_params(max_tokens, sampling)
+        if self.llm is None:
+            raise BackendError(f"{self._engine} is closed")
+        outs = [o for per_prompt in self._batch.generate(prompt_token_ids, params, sampling.n) for o in per_prompt]
+        for o in outs:
+            o["version"] = min((v for v, _ in o["versions"]), default=self.version)
+        return outs

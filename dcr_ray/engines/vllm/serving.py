@@ -1,4 +1,6 @@
-"""Greedy generation with a ``vllm.LLM``: token ids and their log-probabilities, for exact comparisons."""
+"""Generation with a ``vllm.LLM``: the sampling parameters every path uses, and greedy (and sampled)
+generation through ``LLM.generate``, token ids and their log-probabilities, for exact comparisons
+(engines dcr_ray starts serve through :mod:`~dcr_ray.engines.vllm.batch` instead)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,9 @@ def greedy(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int,
     """
     if one_by_one:
         return [out for p in prompt_token_ids for out in greedy(llm, [p], max_tokens)]
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
+    sp = greedy_params(max_tokens)
     prompts = [TokensPrompt(prompt_token_ids=[int(x) for x in p]) for p in prompt_token_ids]
     result = []
     for o in llm.generate(prompts, sp, use_tqdm=False):
@@ -31,16 +32,31 @@ def greedy(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int,
     return result
 
 
-def sample(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int, sampling) -> list[dict]:
-    """Sampled continuations through vLLM's own sampler (``SamplingParams``: temperature, ``n``, seed,
-    ``allowed_token_ids``; EOS ignored), prompt-major, each ``{"token_ids", "logprobs"}`` (vLLM's raw
-    log-probabilities of the chosen tokens): see :mod:`dcr_ray.engines.sampling`."""
+def greedy_params(max_tokens: int):
+    """vLLM ``SamplingParams`` of a greedy continuation: temperature 0, EOS ignored (exactly ``max_tokens``
+    tokens), each chosen token's log-probability, no detokenization."""
     from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
+
+
+def sampling_params(max_tokens: int, sampling):
+    """vLLM ``SamplingParams`` of :class:`~dcr_ray.engines.sampling.Sampling` (temperature, ``n``, seed,
+    ``allowed_token_ids``; EOS ignored; each chosen token's raw log-probability)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=sampling.temperature, n=sampling.n, seed=sampling.seed, max_tokens=max_tokens,
+                          logprobs=0, ignore_eos=True, detokenize=False,
+                          allowed_token_ids=list(sampling.allowed_token_ids) if sampling.allowed_token_ids else None)
+
+
+def sample(llm: Any, prompt_token_ids: Sequence[Sequence[int]], max_tokens: int, sampling) -> list[dict]:
+    """Sampled continuations through vLLM's own sampler (:func:`sampling_params`), prompt-major, each
+    ``{"token_ids", "logprobs"}`` (vLLM's raw log-probabilities of the chosen tokens): see
+    :mod:`dcr_ray.engines.sampling`."""
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(temperature=sampling.temperature, n=sampling.n, seed=sampling.seed, max_tokens=max_tokens,
-                        logprobs=0, ignore_eos=True, detokenize=False,
-                        allowed_token_ids=list(sampling.allowed_token_ids) if sampling.allowed_token_ids else None)
+    sp = sampling_params(max_tokens, sampling)
     prompts = [TokensPrompt(prompt_token_ids=[int(x) for x in p]) for p in prompt_token_ids]
     result = []
     for o in llm.generate(prompts, sp, use_tqdm=False):

@@ -57,8 +57,10 @@ class WeightSyncCalls(Protocol):
         """Per replica, every worker's ``dcr_transfer_status(nonce)`` (a list of dicts, one per rank; see
         :func:`~dcr_ray.engines.vllm.plugin.dcr_transfer_status`)."""
 
-    def reset_prefix_cache(self) -> bool:
-        """True when every replica dropped its prefix cache."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """True when every replica dropped its prefix cache (vLLM refuses while requests hold blocks:
+        running, or paused in keep mode). ``reset_running_requests``: preempt those requests first (their KV
+        is dropped and recomputed when they are scheduled again)."""
 
     def get_weight_version(self) -> list[str]:
         """The weight version each replica tags its outputs with."""
@@ -120,8 +122,8 @@ class RayWeightSync(_EngineMethodCalls):
             raise BackendError(f"adopted vLLM engine: collective_rpc('dcr_transfer_status') failed: "
                                f"{e.as_instanceof_cause()!r}") from e
 
-    def reset_prefix_cache(self) -> bool:
-        return all(self._call("reset_prefix_cache"))
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return all(self._call("reset_prefix_cache", *([True] if reset_running_requests else [])))
 
     def get_weight_version(self) -> list[str]:
         return self._call("get_weight_version")
@@ -144,8 +146,8 @@ class LocalWeightSync(_EngineMethodCalls):
     def transfer_status(self, nonce: str) -> list:
         return [self._call("collective_rpc", "dcr_transfer_status", None, (nonce,))]
 
-    def reset_prefix_cache(self) -> bool:
-        return bool(self._call("reset_prefix_cache"))
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return bool(self._call("reset_prefix_cache", *([True] if reset_running_requests else [])))
 
     def get_weight_version(self) -> list[str]:
         return [self._call("get_weight_version")]
@@ -224,10 +226,11 @@ class HttpWeightSync:
         return [r.get("results") if isinstance(r, dict) else r
                 for r in self._each("collective_rpc", lambda i: self._request(i, "POST", "collective_rpc", json=body))]
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        params = {"reset_running_requests": "true"} if reset_running_requests else None
         return all(bool(r.get("success", True)) if isinstance(r, dict) else True
                    for r in self._each("reset_prefix_cache",
-                                       lambda i: self._request(i, "POST", "reset_prefix_cache")))
+                                       lambda i: self._request(i, "POST", "reset_prefix_cache", params=params)))
 
     def get_weight_version(self) -> list[str]:
         return [r["weight_version"] for r in self._each("weight_info",

@@ -77,8 +77,9 @@ class DcrRolloutRayActor(_openrlhf_vllm_engine.RolloutRayActor.__ray_actor_class
     async def get_weight_version(self) -> str:
         return await self.llm.get_weight_version()
 
-    async def reset_prefix_cache(self) -> bool:
-        """OpenRLHF's call, returning whether vLLM dropped the cache (OpenRLHF's caller ignores the value).
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """OpenRLHF's call, returning whether vLLM dropped the cache (OpenRLHF's caller ignores the value);
+        ``reset_running_requests``: preempt the running requests first, as vLLM's own call does.
 
         While generation is paused (async mode's partial rollouts: ``pause_generation`` keeps requests),
         the kept requests still hold KV blocks the old weights computed, and vLLM refuses to reset then.
@@ -87,7 +88,7 @@ class DcrRolloutRayActor(_openrlhf_vllm_engine.RolloutRayActor.__ray_actor_class
         stay). No request continues on stale KV; OpenRLHF's NCCL path leaves it in place.
         """
         paused = bool(await self.llm.is_paused())
-        return bool(await self.llm.reset_prefix_cache(reset_running_requests=paused))
+        return bool(await self.llm.reset_prefix_cache(reset_running_requests=reset_running_requests or paused))
 
     async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
                              kwargs: dict | None = None) -> list:

@@ -75,8 +75,9 @@ class TrlServerCalls(HttpWeightSync):
         return [bool(r.get("is_paused")) for r in self._each("is_paused",
                                                               lambda i: self._request(i, "GET", "is_paused"))]
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every server's prefix cache, preempting requests that hold blocks (module docstring)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = True) -> bool:
+        """Drop every server's prefix cache, preempting requests that hold blocks (module docstring: always,
+        whatever ``reset_running_requests`` says)."""
         return all(bool(r.get("success", True)) if isinstance(r, dict) else True
                    for r in self._each("reset_prefix_cache", lambda i: self._request(
                        i, "POST", "reset_prefix_cache", params={"reset_running_requests": "true"})))

@@ -163,11 +163,13 @@ class ClientCalls:
         return [[{"nonce": nonce, "rank": 0, "seq": self._seq, "op": self._op, "ok": True, "error": None,
                   "session": False}]]
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         if self._side is not None:
-            return self._side.reset_prefix_cache()
+            return self._side.reset_prefix_cache(reset_running_requests)
         reset = getattr(self.client, "reset_prefix_cache", None)
-        return True if reset is None else reset() is not False
+        if reset is None:
+            return True
+        return (reset(reset_running_requests=True) if reset_running_requests else reset()) is not False
 
     def get_weight_version(self) -> list[str]:
         return self._side.get_weight_version() if self._side is not None else []
