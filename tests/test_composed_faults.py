@@ -281,3 +281,32 @@ def test_a_replacement_owner_named_with_the_wrong_id_first_takes_its_place_under
         assert_no_wrong_bits(refit, ray.get(trainers[0].rollout_state.remote()), 2)
     finally:
         refit.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_heal_from_the_owners_whose_stream_stalls_gives_the_coordinator_lock_back_within_the_stage_timeout(
+        local_ray, tmp_path):
+    """The last resort of a heal (no peer, no window: the owners send the committed version densely) holds
+    the coordinator's lock, since a refit's promote would replace the baseline under the stream; each of its
+    waits is bounded by the stage timeout (3 s here), not ``start_timeout_s`` (30 min), so a stalled owner
+    costs the refits one stage, and the heal's next round lands the trainer's bits."""
+    from dcr_ray.failpoints import remote as failpoints_remote
+
+    refit, trainer = _launch(dcr_ray.HFEngine(SPEC), [dcr_ray.ClusterSpec(name="a", engines=1)], tmp_path,
+                             timeout_s=3.0)
+    try:
+        ray.get(trainer.step.remote(seed=0))
+        refit.run(timeout=120)
+        failpoints_remote.arm_actor(trainer, "owner.bootstrap=stall(8)")  # the first dense send stalls 8 s
+        t0 = time.monotonic()
+        refit.invalidate("a/e0")  # its only copy is in doubt: nothing but the owners can hand it over
+        st = refit.wait_healed(timeout=120)
+        healed = [h for h in st["healed"] if h["engine"] == "a/e0"][-1]
+        assert healed["sources"][-1] == "owners", healed
+        # before the bound, the first round held the lock for the whole 8 s stall (and up to 30 min)
+        assert healed["lock_longest_seconds"] < 3.0 + 2.0, healed
+        assert time.monotonic() - t0 < 60
+        assert failpoints_remote.report_of(trainer, disarm=True)["fired"], "the stall never fired"
+        assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 1)
+    finally:
+        refit.shutdown()

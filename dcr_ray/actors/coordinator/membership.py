@@ -204,7 +204,7 @@ class Membership:
         try:
             if not owners:
                 raise RefitError("an owner is lost")
-            self._bootstrap.dense(dirty)
+            self._bootstrap.dense(dirty, timeout_s=s.config.commit.timeout_s)  # under the lock: one stage at most
             log.warning("dcr_ray: re-bootstrapped %s to version %d after an abandoned refit", dirty, s.version)
             return f"; {dirty} were re-bootstrapped densely to it"
         except Exception as e:  # e.g. an owner died: these engines leave until Refit.rejoin

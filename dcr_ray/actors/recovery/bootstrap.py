@@ -13,7 +13,10 @@ the version over (:mod:`~dcr_ray.actors.recovery.healing`). Protocol, one bootst
     activate       every engine holds v (its content id: the record's transfer) and joins ``required``
 
 Any failure leaves those engines holding no version (aborted final) and raises; the caller decides.
-The caller holds the coordinator's lock.
+The caller holds the coordinator's lock (the owners stream their committed baseline, which a refit's
+promote would replace under the stream). Every wait watches the nodes: an engine or owner whose node is
+gone, or a relay on such a node, fails it at once; a heal passes the stage timeout as its bound, so the
+lock is never held longer than one stage (start-up and a rejoin allow ``start_timeout_s``).
 """
 
 from __future__ import annotations
@@ -35,31 +38,32 @@ class Bootstrap:
     def __init__(self, state: CoordinatorState):
         self._shared = state
 
-    def dense(self, engine_ids: list[str]) -> int:
+    def dense(self, engine_ids: list[str], *, timeout_s: float | None = None) -> int:
         """Dense refit of ``engine_ids`` to the committed version (they join the required set); adopted
         engines that show by digest that they already serve it join as they are. Returns the payload
-        bytes the owners sent."""
+        bytes the owners sent. Each step waits at most ``timeout_s`` (default ``start_timeout_s``)."""
         s = self._shared
         engine_ids = self._join_by_digest(engine_ids)
         if not engine_ids:
             return 0
-        t = s.config.commit.start_timeout_s
+        t = s.config.commit.start_timeout_s if timeout_s is None else timeout_s
         engines, transport = s.engines, s.transport
+        by_engine, by_owner = s.lost("engine"), s.lost("owner")
         transfer = f"boot{s.version}-{uuid.uuid4().hex[:8]}"
         s.set_phase("bootstrap", transfer, 0, s.version)
         s.progress_total = s.model_bytes * len(engine_ids) if s.model_bytes else None
         try:
             failpoint("coordinator.bootstrap")
             get_all({e: engines[e].prepare.remote(transfer, 0, BOOTSTRAP_BASE, s.version, epoch=s.incarnation(e))
-                     for e in engine_ids}, t, "bootstrap prepare")
+                     for e in engine_ids}, t, "bootstrap prepare", by_engine)
             sink = transport.sink(engine_ids, sorted(s.required))
             sums = get_all({o: h.bootstrap(transfer, sink) for o, h in s.owners.items()}, t,
-                           "bootstrap stream")
+                           "bootstrap stream", by_owner, s.relays_lost)
             keys = [k for x in sums.values() for k in x["payloads"]]
             get_all({e: engines[e].flush.remote(transfer, 0, keys, t, epoch=s.incarnation(e)) for e in engine_ids}, t,
-                    "bootstrap flush")
+                    "bootstrap flush", by_engine, s.relays_lost)
             get_all({e: engines[e].activate.remote(s.version, transfer, s.last_transfer(), epoch=s.incarnation(e))
-                     for e in engine_ids}, t, "bootstrap activate")
+                     for e in engine_ids}, t, "bootstrap activate", by_engine)
         except BaseException:
             # engines a failed bootstrap wrote into hold no version until a later bootstrap succeeds
             for e in engine_ids:

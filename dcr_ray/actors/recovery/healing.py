@@ -69,7 +69,7 @@ MAX_ROUNDS = 5
 STALE_ROUNDS = 20
 HEALED_KEPT = 20  #: completed heals ``status()`` lists
 #: What a heal's record adds up over its rounds (bytes each source moved; ``steps``: versions replayed).
-TOOK = ("owner_bytes", "copy_bytes", "cross_bytes", "delta_bytes", "steps", "lock_seconds")
+TOOK = ("owner_bytes", "copy_bytes", "cross_bytes", "delta_bytes", "steps", "lock_seconds", "lock_longest_seconds")
 #: Pause before another round when a peer was busy (inside a transfer) or a copy went stale.
 RETRY_PAUSE_S = 0.5
 #: How often engines waiting for capacity, and a re-created engine still starting, are looked at again.
@@ -178,7 +178,8 @@ class Healing:
         needed); ``owner_bytes``: what the owners sent for it; ``copy_bytes``: what peers handed over
         (``cross_bytes``: the part a peer of another cluster handed over, across a cluster link);
         ``delta_bytes`` / ``steps``: the missed deltas replayed from the catch-up window;
-        ``lock_seconds``: how long it held the coordinator's lock (refits wait only for that)."""
+        ``lock_seconds``: how long it held the coordinator's lock in all (refits wait only for that),
+        ``lock_longest_seconds``: its longest single hold."""
         standings = self._shared.standings
         with self._guard:
             return {"healing": {e: {"phase": _phase(standings.of(e)),
@@ -254,6 +255,7 @@ class Healing:
                 for e in engines:
                     if e in self._table:
                         self._table[e]["lock_seconds"] += seconds
+                        self._table[e]["lock_longest_seconds"] = max(self._table[e]["lock_longest_seconds"], seconds)
         return _TimedLock(lock, add)
 
     def _took(self, e: str, source: str, **nbytes: int) -> None:
@@ -401,7 +403,10 @@ class Healing:
             peer = None  # deltas inside the cluster beat a dense copy across the link
         steps = None if peer is not None else steps
         if not steps and (peer is None or s.topology.is_adopted(e)):  # no delta, no peer can hand it over
-            return self._from_owners(e)  # (or it cannot take a copy: an adopted engine's bits are not addressable)
+            try:  # (or it cannot take a copy: an adopted engine's bits are not addressable)
+                return self._from_owners(e)
+            except Exception as err:  # an owner that stalled past the stage timeout, a lost node: another round
+                return err
         snap = None
         if not steps:  # the peer hands over only the committed version read above, settled (else it refuses)
             try:
@@ -437,7 +442,8 @@ class Healing:
         with self._holding([e], s.lock):
             self._set(e, Standing.JOINING, source="owners")
             version = s.version
-            sent = self._bootstrap.dense([e])  # joins the required set (an adopted engine by digest if it can)
+            # joins the required set (an adopted engine by digest if it can); the lock is held one stage at most
+            sent = self._bootstrap.dense([e], timeout_s=s.config.commit.timeout_s)
         self._took(e, "owners" if sent else "digest", owner_bytes=sent)
         return {"engine": e, "version": version}
 
