@@ -1,7 +1,7 @@
 """``dcr-ray chaos --enumerate``: a cell for every failpoint x action x apply mode x transport, a matrix rendered
 from the JSON alone, and CI's fixed subset run for real (multi-node Ray, real engines, real AdamW steps):
 no engine serves bits other than the trainer's, nothing hangs, and every failed operation names its fix.
-The full enumeration is a command (its committed run: docs/chaos_enumerate.json, BENCHMARKS.md)."""
+The full enumeration is a command, ``dcr-ray chaos --enumerate``; a partial one names where its JSON goes."""
 
 from __future__ import annotations
 
@@ -49,6 +49,17 @@ def test_the_matrix_renders_from_the_json_alone():
     rows = {(r["mode"], r["transport"]): r for r in summary(cells)}
     assert rows[("all", "all")]["wrong_bits"] == 1 and rows[("all", "all")]["n/a"] == 1
     assert rows[("in_place", "relay")]["ran"] == 4
+
+
+def test_a_partial_enumeration_without_a_json_path_is_refused_before_anything_starts(capsys):
+    import argparse
+
+    from benchmarks.chaos_matrix.cli import run_enumerate
+
+    args = argparse.Namespace(mode=["in_place"], transport=None, point=None, action=None, subset=None, limit_s=None,
+                              json=None, md=None)
+    assert run_enumerate(args) == 2
+    assert "needs --json PATH" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -6,8 +6,11 @@ import sys
 
 from benchmarks.chaos_matrix.scenarios import CI_COMPOSED, CI_SUBSET, MODES, TRANSPORTS
 
-#: Where the committed full run goes.
+#: Where the full run goes when ``--json`` names no path (a partial run, one filtered by an option, needs --json).
 DEFAULT_JSON = "docs/chaos_enumerate.json"
+#: Outcomes that fail the command: wrong bits, a hang, a process or check that broke, a failure that names no fix,
+#: and a cell the harness could not run.
+FAILING = ("wrong_bits", "hang", "broken", "failed_nofix", "harness_error")
 
 
 def add_arguments(p) -> None:
@@ -27,12 +30,18 @@ def add_arguments(p) -> None:
 def run_enumerate(args) -> int:
     from benchmarks.chaos_matrix import enumerate_matrix
 
+    partial = args.mode or args.transport or args.point or args.action or args.subset or args.limit_s
+    if partial and not args.json:
+        print(f"dcr-ray chaos --enumerate: a partial run (--mode, --transport, --point, --action, --subset or "
+              f"--limit-s) needs --json PATH; {DEFAULT_JSON} holds only the full run", file=sys.stderr)
+        return 2
+
     out = enumerate_matrix(modes=tuple(args.mode or MODES), transports=tuple(args.transport or TRANSPORTS),
                            points=args.point, actions=tuple(args.action) if args.action else None,
                            only=CI_SUBSET if args.subset == "ci" else None, json_path=args.json or DEFAULT_JSON,
                            md_path=args.md, progress=sys.stderr, limit_s=args.limit_s,
                            composed_names=CI_COMPOSED if args.subset == "ci" else
                            ([] if (args.point or args.action) else None))
-    bad = {k: sum(r[k] for r in out["summary"] if r["mode"] == "all") for k in ("wrong_bits", "hang")}
+    bad = {k: sum(r[k] for r in out["summary"] if r["mode"] == "all") for k in FAILING}
     print(f"{out['summary'][-1]}", file=sys.stderr)
     return 0 if not any(bad.values()) else 1
