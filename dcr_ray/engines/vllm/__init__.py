@@ -69,6 +69,8 @@ Modules, the engine actor's side:
 - :mod:`~dcr_ray.engines.vllm.checkpoint` reading the checkpoint directory
 - :mod:`~dcr_ray.engines.vllm.plugin`     the vLLM plugin that registers the ``dcr`` backend
 - :mod:`~dcr_ray.engines.vllm.compat`     what differs between vLLM releases, and what makes vLLM run here
+- :mod:`~dcr_ray.engines.vllm.unsupported` what the plugin registers on a vLLM release outside the supported
+  range: every name raises :class:`~dcr_ray.errors.UnsupportedRuntimeError`
 
 inside every vLLM worker (:mod:`~dcr_ray.engines.vllm.worker`): the ``dcr`` backend of vLLM's
 weight-transfer API (``transfer``), one worker's host mirror that takes frames and reloads fused groups
