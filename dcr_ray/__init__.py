@@ -14,6 +14,31 @@ Entry points:
 
 Toy models, a toy trainer, link emulation and fault injection for tests and examples live in
 :mod:`dcr_ray.testing`, which the library itself never imports.
+
+Modules and subpackages:
+
+- :mod:`~dcr_ray.api`          :func:`launch` and the :class:`Refit` handle
+- :mod:`~dcr_ray.config`       the settings (:class:`RefitConfig` and its groups, :class:`ClusterSpec`)
+- :mod:`~dcr_ray.report`       what a refit returns (:class:`RefitReport`)
+- :mod:`~dcr_ray.errors`       the error tree (:class:`DcrError`)
+- :mod:`~dcr_ray.status`       ``dcr-ray status``: a running topology, read from its coordinator
+- :mod:`~dcr_ray.cli`          the ``dcr-ray`` command line (``bench``, ``status``, ``chaos``)
+- :mod:`~dcr_ray.metrics`      every metric, exported through Ray's metrics agent
+- :mod:`~dcr_ray.progress`     progress bars for launch and refits on the driver's terminal
+- :mod:`~dcr_ray.refit_call`   the Ray task that answers ``refit.remote()``, also when the coordinator is gone
+- :mod:`~dcr_ray.options`      names and Ray options of every actor
+- :mod:`~dcr_ray.named_actors` a topology's actors and placement groups, found and removed by name
+- :mod:`~dcr_ray.start_clock`  where each actor's start-up time goes
+- :mod:`~dcr_ray.lazy`         packages whose names are imported on first use
+- :mod:`~dcr_ray.actors`       the Ray actors by role: coordinator, owner, engine, fleet, recovery
+- :mod:`~dcr_ray.codec`        diff, frames, apply, baselines
+- :mod:`~dcr_ray.relay`        the transports: relay trees of Ray actors, object storage
+- :mod:`~dcr_ray.engines`      engine backends: ``transformers`` and vLLM
+- :mod:`~dcr_ray.sharding`     trainer shards (DTensors, fused layouts, flat ranges) as owners, no gather
+- :mod:`~dcr_ray.failpoints`   named failpoints at every step of the protocol
+- :mod:`~dcr_ray.integrations` veRL, OpenRLHF, TRL and vLLM's trainer side
+- :mod:`~dcr_ray.prefork`      Ray workers forked from a server that imported torch once (opt-in)
+- :mod:`~dcr_ray.testing`      tools for tests, benchmarks and drills
 """
 
 import importlib

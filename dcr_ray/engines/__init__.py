@@ -5,6 +5,16 @@ engine factories ``launch(engine=...)`` takes, from one namespace:
 - :class:`VllmEngine`: a vLLM engine in each engine actor (imported on first use: importing
   ``dcr_ray.engines`` does not import vLLM); vLLM engines dcr_ray did not start join through
   ``ClusterSpec(adopt=[AdoptedVllmEngine(...)])`` (:mod:`dcr_ray.engines.vllm`).
+
+Modules:
+
+- :mod:`~dcr_ray.engines.base`     the backend contract (:class:`EngineBackend`): canonical tensors in, validated
+  frames applied, ``flush`` leaves what a dense load gives; :func:`~dcr_ray.checkpoint_state_dict`
+- :mod:`~dcr_ray.engines.hf`       the embedded default: a ``transformers`` model, frames written in place
+- :mod:`~dcr_ray.engines.sampling` how an engine samples its rollouts (one value object every backend reads)
+- :mod:`~dcr_ray.engines.steps`    decoding steps and the version each reads: the gate an in-flight switch
+  waits at, and the version spans every answer carries
+- :mod:`~dcr_ray.engines.vllm`     vLLM engines, started by dcr_ray or adopted
 """
 
 from typing import TYPE_CHECKING

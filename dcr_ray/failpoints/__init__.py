@@ -5,7 +5,8 @@ In the spirit of FoundationDB's ``BUGGIFY`` and etcd's gofail, each step of the 
     failpoint("engine.flush")                                  # this process is about to flush
     c.undo.rollback(failpoints.each(c.backend, "engine.rollback"))   # each write of a rollback
 
-The names are :data:`~dcr_ray.failpoints.catalog.POINTS` (owners, relays, engines, the coordinator). A
+The names are :data:`~dcr_ray.failpoints.catalog.POINTS` (:mod:`~dcr_ray.failpoints.catalog`: each name, the
+role whose process hits it, its step, and what makes a refit reach it; owners, relays, engines, the coordinator). A
 failpoint does nothing unless a fault plan (:mod:`~dcr_ray.failpoints.plan`) is armed in its process:
 then it counts its hits and, at the hit a term names, does what the term says (raise, stall, exit the
 process, remove its node, restart the coordinator: :mod:`~dcr_ray.failpoints.actions`). Disarmed, it is

@@ -6,6 +6,9 @@
 * :mod:`.local`     :class:`Shard` and how ``dcr_tensors()`` values resolve to shards
 * :mod:`.project`   a local changed set projected to canonical changed sets, vectorized
 * :mod:`.coverage`  per-element ownership across owners (boxes tile every tensor exactly once)
+* :mod:`.flat`      flat ranges: 1-D shards that are a contiguous run of a tensor's elements (veRL, FSDP1)
+* :mod:`.digest`    digests of canonical boxes from either side (an owner's shard, an engine's tensors)
+* :mod:`.device`    device-resident baselines: GPU shards diffed where they live, only changes cross to host
 """
 
 from typing import TYPE_CHECKING

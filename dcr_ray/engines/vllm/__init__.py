@@ -34,9 +34,10 @@ Unpacked CPU weights. ``VllmBackend(..., cpu_weights="unpacked")`` (or ``mode="c
 vLLM with the load format ``dcr_unpacked`` (:mod:`~dcr_ray.engines.vllm.worker.unpacked`), which sets vLLM's
 own per-layer switch ``_cpu_skip_gemm_dispatch`` on every unquantized linear, embedding and LM-head layer
 before the weights are processed: each layer then computes with ``F.linear`` on its parameter. Serving is
-slower than with oneDNN's packed weights (BENCHMARKS.md gives tokens/s of both); refits are O(changes). An
-engine you start yourself takes ``LLM(..., load_format="dcr_unpacked")`` (dcr_ray's plugin registers it) and
-the ``dcr`` backend then captures by default.
+slower than with oneDNN's packed weights (``dcr-ray bench live --receivers vllm,vllm_capture`` measures the
+tokens per second of both); refits are O(changes). An engine you start yourself takes
+``LLM(..., load_format="dcr_unpacked")`` (dcr_ray's plugin registers it) and the ``dcr`` backend then captures
+by default.
 
 Serving while payloads stage (async refits), and switching in flight
     Frames only touch the workers' host mirrors (``mirror``) or are kept decoded (``capture``), so
@@ -69,6 +70,8 @@ Modules, the engine actor's side:
 - :mod:`~dcr_ray.engines.vllm.checkpoint` reading the checkpoint directory
 - :mod:`~dcr_ray.engines.vllm.plugin`     the vLLM plugin that registers the ``dcr`` backend
 - :mod:`~dcr_ray.engines.vllm.compat`     what differs between vLLM releases, and what makes vLLM run here
+- :mod:`~dcr_ray.engines.vllm.unsupported` what the plugin registers on a vLLM release outside the supported
+  range: every name raises :class:`~dcr_ray.errors.UnsupportedRuntimeError`
 
 inside every vLLM worker (:mod:`~dcr_ray.engines.vllm.worker`): the ``dcr`` backend of vLLM's
 weight-transfer API (``transfer``), one worker's host mirror that takes frames and reloads fused groups

@@ -135,7 +135,8 @@ class VllmBackend(WeightSyncBackend):
                 default, linear weights packed for oneDNN and the parameters emptied (the mirror path).
                 ``unpacked``: vLLM's own per-layer switch (``_cpu_skip_gemm_dispatch``) set on every
                 layer when the engine loads (load format ``dcr_unpacked``), so each layer computes with
-                ``F.linear`` on its parameter (the capture path; slower to serve, see BENCHMARKS.md).
+                ``F.linear`` on its parameter (the capture path; slower to serve: ``dcr-ray bench live
+                --receivers vllm,vllm_capture`` measures both).
                 None: ``unpacked`` for ``mode="capture"``, else ``packed``.
             version: the policy version the checkpoint holds (reported by :meth:`generate`).
             seed: vLLM's seed (greedy decoding does not use it).

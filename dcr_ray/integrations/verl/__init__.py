@@ -25,6 +25,11 @@ rollout replica (vLLM HTTP server)     an adopted engine (:class:`~dcr_ray.engin
 ``.update_weights``                    ``refit`` per sync, returning after the joint commit
 =====================================  ===========================================================
 
+Modules: :mod:`~dcr_ray.integrations.verl.engine` (the checkpoint engine on each trainer rank and rollout
+worker), :mod:`~dcr_ray.integrations.verl.manager` (the manager: one refit per sync),
+:mod:`~dcr_ray.integrations.verl.settings` (the backend's ``engine_kwargs.dcr`` settings, checked) and
+:mod:`~dcr_ray.integrations.verl.shards` (veRL's weight exports as shards, no gather).
+
 Importing this module imports veRL (``verl.checkpoint_engine``) and registers the backend.
 """
 
