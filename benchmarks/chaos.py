@@ -420,7 +420,9 @@ def _some_tensor(engine) -> tuple[str, tuple]:
 
 
 def _check(refit, owner) -> list[str]:
-    """Required engines whose bits differ from the owners' (integer views)."""
+    """Engines whose bits differ from the trainer's (integer views): every required engine, and every other one
+    that says it holds the committed version (one healing, evicted or waiting: it must not claim bits it lacks).
+    Engines at an older version are not compared: the trainer's tensors of that version are gone."""
     import ray
     import torch
 
@@ -428,9 +430,9 @@ def _check(refit, owner) -> list[str]:
     st = refit.status()
     bad = []
     for eid, eng in refit.engines().items():
-        if eid not in st["required"]:
-            continue
         try:
+            if eid not in st["required"] and ray.get(eng.get_version.remote(), timeout=60) != st["version"]:
+                continue
             got = ray.get(eng.tensors.remote(), timeout=60)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             continue  # killed after the commit (a late fault, its node gone): the next refit re-creates it
