@@ -278,6 +278,12 @@ def _checked(clusters, engine, owners, owner_tensors, config, resume) -> tuple[R
     planned = owners if owners is not None else {f"owner{i}": StandaloneOwner for i in range(len(owner_tensors))}
     default_dir = config is None or config.commit.dir is None
     config = validate(config or RefitConfig(), clusters, planned, engine)
+    seen: dict = {}
+    for oid, h in (owners or {}).items():
+        if h in seen.values():  # actor handles compare by actor
+            other = next(o for o, x in seen.items() if x == h)
+            raise ConfigError(f"owners {other!r} and {oid!r} are the same actor: give each rank's actor once")
+        seen[oid] = h
     for oid, h in (owners or {}).items():
         check_owner(oid, h, config.commit.timeout_s)
     ns = config.namespace

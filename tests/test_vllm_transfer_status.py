@@ -57,7 +57,7 @@ def test_two_workers_that_cannot_agree_record_a_refusal_and_return_it_never_rais
 def test_a_string_device_is_accepted_and_capture_on_cpu_is_a_config_error():
     engine = _engine(1, device="cpu")
     assert engine.device.type == "cpu"
-    with pytest.raises(ConfigError, match="capture=True needs vLLM on CUDA"):
+    with pytest.raises(ConfigError, match="capture=True needs parameters the engine computes from: vLLM on CUDA"):
         engine.init_transfer_engine(DcrInitInfo(checkpoint="/nowhere", capture=True))
 
 

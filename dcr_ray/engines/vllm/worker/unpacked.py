@@ -62,8 +62,10 @@ def keep_unpacked(model: torch.nn.Module) -> int:
 
 
 def is_unpacked(model: torch.nn.Module) -> bool:
-    """Whether ``model`` was loaded unpacked (some layer carries the switch)."""
-    return any(getattr(m, SWITCH, False) for m in model.modules())
+    """Whether ``model`` was loaded unpacked (some layer carries the switch); False for anything that is not a
+    module (a worker whose model is not loaded yet)."""
+    modules = getattr(model, "modules", None)
+    return callable(modules) and any(getattr(m, SWITCH, False) for m in modules())
 
 
 class UnpackedCpuModelLoader(DefaultModelLoader):
