@@ -96,7 +96,8 @@ def test_a_node_lost_mid_refit_costs_one_retry_and_a_lost_cluster_waits_for_capa
         st = refit.status()
         assert list(st["capacity"]) == ["b"] and st["capacity"]["b"]["waiting_since"] > 0, st["capacity"]
         assert {e: r["phase"] for e, r in st["healing"].items()} == {"b/e0": "waiting for capacity",
-                                                                      "b/e1": "waiting for capacity"}
+                                                                      "b/e1": "waiting for capacity"}, (
+            st["healing"], report.warnings)
         assert sorted(st["required"]) == ["a/e0", "a/e1"]
         assert any("waiting for capacity" in w for w in report.warnings), report.warnings
         assert "cluster b is waiting for capacity since" in format_status(refit.status(detail=True))

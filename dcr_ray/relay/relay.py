@@ -52,6 +52,7 @@ class RelayActor:
         self._bytes_in: dict[str, int] = defaultdict(int)
         self._payloads_in: dict[str, set] = defaultdict(set)
         self._seen: set[tuple] = set()
+        self._routing = -1  # the generation of the routing in force
 
     def __repr__(self) -> str:  # shown by Ray (dashboard, logs, errors)
         return f"RelayActor({self.relay_id}, cluster={self.cluster}, {'head' if self.head else 'inner'})"
@@ -61,10 +62,18 @@ class RelayActor:
         benchmarks), or None."""
         return self.on_cross
 
-    def set_children(self, children: list[tuple[str, object, list[str]]]) -> None:
-        """``[(kind, handle, engine ids below it)]`` with kind ``"engine"`` or ``"relay"``."""
+    def set_children(self, children: list[tuple[str, object, list[str]]], generation: int = 0) -> bool:
+        """``[(kind, handle, engine ids below it)]`` with kind ``"engine"`` or ``"relay"``. ``generation``
+        orders the routings the coordinator sends: a relay answers calls concurrently, so a routing sent
+        before a later one (an engine re-created twice in a row) may run after it, and is then ignored:
+        children are never routed back to an engine's dead incarnation. Returns whether it took it."""
         failpoint("relay.wire")
-        self.children = [(k, h, frozenset(ids)) for k, h, ids in children]
+        with self._lock:
+            if generation < self._routing:
+                return False
+            self._routing = generation
+            self.children = [(k, h, frozenset(ids)) for k, h, ids in children]
+        return True
 
     def push(self, key: tuple, refs: list, targets: list[str] | None = None) -> int:
         """Head relay: pull a payload across the boundary once, re-own it here, fan it out."""

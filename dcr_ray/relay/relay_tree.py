@@ -8,6 +8,7 @@ ref argument that Ray resolves before ``deliver`` runs.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterable, Mapping
 
 import ray
@@ -90,6 +91,7 @@ class RelayTransport:
         #: cluster -> (its relays by id, their routing calls, the head's id, the ids created anew): trees
         #: routed but not yet taken by :meth:`install`
         self._wiring: dict[str, tuple[dict, list, str, set]] = {}
+        self._generation = 0  # the last routing sent (:meth:`_next_generation`)
 
     def reader(self, cluster: str) -> BytesReader:
         return BytesReader()
@@ -247,16 +249,23 @@ class RelayTransport:
                     name, wait_s=RELAY_NAME_RELEASE_S, namespace=self.config.namespace)
                 created.add(node.relay_id)
             wired = []
+            generation = self._next_generation()
             for node in tree.walk():
                 kids = [("engine", engines[e], [e]) for e in node.engines]
                 kids += [("relay", made[s.relay_id], s.all_engines()) for s in node.subrelays]
-                wired.append(made[node.relay_id].set_children.remote(kids))
+                wired.append(made[node.relay_id].set_children.remote(kids, generation))
             for rid in pending[3] - set(made):  # created for a tree that is planned otherwise now
                 try:
                     ray.kill(pending[0][rid], no_restart=True)
                 except Exception:
                     pass
             self._wiring[c.name] = (made, wired, tree.relay_id, created)
+
+    def _next_generation(self) -> int:
+        """A routing's generation: later than every routing this transport sent, and than a restarted
+        coordinator's predecessor's (wall-clock nanoseconds, kept increasing within this process)."""
+        self._generation = max(time.time_ns(), self._generation + 1)
+        return self._generation
 
     def sink(self, targets: list[str] | None, required: list[str], *, every_cluster: bool = False) -> RelaySink:
         every = targets is None or every_cluster
