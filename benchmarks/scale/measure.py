@@ -17,7 +17,7 @@ Per measured refit (after the warm-ups), each owner changes a uniform 1% of its 
 - memory: every role process's RSS sampled every 20 ms (``MemorySampler``) with ``VmHWM`` reset through
   ``clear_refs`` before the refit; *above start* is the peak minus the RSS at the process's start
   (:mod:`.probes`), *added by the refit* the peak minus the RSS as the refit began;
-- object store: bytes in use sampled every 50 ms (peak, and peak above the level before the refit) and bytes
+- object store: bytes in use sampled every 100 ms (peak, and peak above the level before the refit) and bytes
   created during the refit (Ray's cumulative counter);
 - links: bytes into each cluster across its boundary (the head relay's emulated link), into each relay, and
   the payload bytes each engine received.
@@ -48,7 +48,7 @@ EXIT_WAIT_S = 60.0
 class StoreSampler:
     """Samples Ray's object store (bytes in use) every ``interval_s`` on a thread, between ``with`` and its end."""
 
-    def __init__(self, interval_s: float = 0.05):
+    def __init__(self, interval_s: float = 0.1):
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -97,7 +97,8 @@ def launch(point: plan.Point, seed: int = 0, link_mbps: float | None = None, lat
     for r in range(plan.OWNERS):
         mine = {n: shapes[n] for n in owned_names(names, r, plan.OWNERS)}
         share = max(share, 2 * sum(math.prod(v) for v in mine.values()))
-        owners[f"owner{r}"] = Owner.options(**actor_options("owner", f"dcr_scale_owner{r}")).remote(mine, seed)
+        name = f"dcr_scale_owner{r}_{point.key.replace('/', '_')}"  # a name of its own: the last point's may linger
+        owners[f"owner{r}"] = Owner.options(**actor_options("owner", name)).remote(mine, seed)
     clusters = [dcr_ray.ClusterSpec(name=f"c{i}", engines=point.engines) for i in range(point.clusters)]
     config = RefitConfig(transport=TransportConfig(kind="relay"), commit=CommitConfig(timeout_s=900.0))
     engine = probes.ScaleEngine(shapes)
@@ -162,11 +163,9 @@ def run_point(point: plan.Point, *, quick: bool, idle: dict, seed: int = 0, link
         for _ in range(QUICK_MEASURED_REFITS if quick else MEASURED_REFITS):
             perturb()
             refits.append(measure_refit(topo, roles))
-        from benchmarks.refit.measure import check_exact
-
         out.update(_summarise(refits, roles, start, children, topo))
         out["warmup_s"] = warm
-        out["bit_exact"] = bool(check_exact(topo))
+        out["bit_exact"] = check_exact(topo)
         out["ok"] = out["bit_exact"]
         if not out["ok"]:
             out["error"] = "an engine's tensors differ from the owners' after the last refit"
@@ -215,6 +214,17 @@ def measure_refit(topo, roles: dict) -> dict:
         "engine_bytes": {e: s.get("bytes", 0) for e, s in received.items()},
         "relay_in": relay_in,
     }
+
+
+def check_exact(topo) -> bool:
+    """Every engine's SHA-256 of every tensor's integer view equals the owners' (:mod:`.probes`)."""
+    import ray
+
+    want = {}
+    for d in ray.get([h.bench_digests.remote() for h in topo.owners.values()]):
+        want.update(d)
+    got = ray.get([e.__ray_call__.remote(probes.engine_digests) for e in topo.engines.values()])
+    return bool(want) and all(g == want for g in got)
 
 
 def _relay_in(topo, transfer: str) -> dict:
@@ -280,7 +290,8 @@ def _summarise(refits: list[dict], roles: dict, start: dict, children: dict, top
         "wire_bytes": _med([r["wire_bytes"] for r in refits]), "payloads": _med([r["payloads"] for r in refits]),
         "refit_s": _med([r["refit_s"] for r in refits]), "refit_s_each": [r["refit_s"] for r in refits],
         "driver_s": _med([r["driver_s"] for r in refits]), "ready_s": _med([r["ready_s"] for r in refits]),
-        "phases": {k: _med([r["phases"][k] for r in refits]) for k in refits[0]["phases"]},
+        "phases": {k: _med([r["phases"][k] for r in refits]) for k in refits[0]["phases"]
+                   if all(k in r["phases"] for r in refits)},
         "cpu_s": {**cpu, "ray": {"sum": _med([r["ray_cpu"] for r in refits])}},
         "memory": memory, "store": store,
         "links": {"boundary": {k: _med([r["boundary"][k] for r in refits]) for k in refits[0]["boundary"]},

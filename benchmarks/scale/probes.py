@@ -78,7 +78,8 @@ class ScaleEngine(SyntheticEngine):
 
 def idle_rss(module: str) -> int:
     """RSS of a fresh Ray worker that imported ``module`` and nothing else: the start of a role whose
-    process dcr_ray creates (relay, coordinator)."""
+    process dcr_ray creates (relay, coordinator). The probe is self-contained (pickled by value): importing
+    this benchmark's modules in it would count their imports (torch) as the role's start."""
     import ray
 
     @ray.remote(num_cpus=0)
@@ -91,7 +92,12 @@ def idle_rss(module: str) -> int:
             gc.collect()
 
         def rss(self):
-            return rss()
+            got = 0
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(("RssAnon:", "RssFile:")):
+                        got += int(line.split()[1]) * 1024
+            return got
 
     a = Idle.remote(module)
     try:
@@ -100,12 +106,25 @@ def idle_rss(module: str) -> int:
         ray.kill(a)
 
 
-def store_stats() -> dict:
-    """Ray's object-store counters of this node: bytes in use, and cumulative bytes created."""
-    import ray
-    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+#: The raylet's gRPC stub, made once per Ray session (a channel per sample would cost more than the sample).
+_STORE_STUB: dict = {}
 
-    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+
+def store_stats() -> dict:
+    """Ray's object-store counters of this node (one RPC to the raylet, as ``ray memory --stats-only``
+    makes): bytes in use, cumulative bytes created, bytes spilled."""
+    import ray
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+    gcs = ray.get_runtime_context().gcs_address
+    stub = _STORE_STUB.get(gcs)
+    if stub is None:
+        node = next(n for n in ray.nodes() if n["Alive"])
+        channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+        stub = _STORE_STUB[gcs] = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+    reply = stub.FormatGlobalMemoryInfo(node_manager_pb2.FormatGlobalMemoryInfoRequest(include_memory_info=False),
+                                        timeout=30.0)
     s = reply.store_stats
     return {"used": int(s.object_store_bytes_used), "created": int(s.cumulative_created_bytes),
             "spilled": int(s.spilled_bytes_total)}
@@ -151,3 +170,17 @@ def mem_available() -> int:
 def relay_children(actor_self) -> int:
     """(Run in a relay.) How many children (engines or sub-relays) it forwards to."""
     return len(actor_self.children)
+
+
+def engine_digests(actor_self) -> dict[str, str]:
+    """(Run in an engine.) SHA-256 of each tensor's integer view, one tensor copied at a time (the refit
+    benchmark's probe copies the whole model at once: a second 2.4 GB at 1.2 B elements)."""
+    import hashlib
+
+    from dcr_ray.codec.bits import bits_view
+
+    out = {}
+    for name in actor_self.tensor_specs():
+        t = actor_self.tensors([name])[name]
+        out[name] = hashlib.sha256(memoryview(bits_view(t))).hexdigest()
+    return out
