@@ -44,6 +44,7 @@ def _point(size, clusters=1, engines=1, *, s_per_changed_gb=2.0, fixed_s=0.1, ow
                   "relay": {"sum": 0.01 * e, "max": 0.01 + 0.1 * 2 * changed / GB},
                   "coordinator": {"sum": 0.02, "max": 0.02},
                   "engine": {"sum": e * 3 * 2 * changed / GB, "max": 0.01 + 3 * 2 * changed / GB}, "ray": {"sum": 0.1}},
+        "derived_streamed_s": 0.5 * share / GB + owner_cpu_per_engine * engines,
         "memory": {"owner": role(int(owner_extra_per_share * share) + 50 * MiB, 2),
                    "relay": role(relay_extra, relays, children=relay_children or min(engines, 4)),
                    "coordinator": role(coord_extra), "engine": role(model + engine_extra, e)},
@@ -75,7 +76,8 @@ def test_a_straight_line_is_fitted_with_its_slope_intercept_and_an_r2_of_one():
 def test_r2_is_the_share_of_the_spread_the_line_explains():
     f = fit.linear([1, 2, 3, 4], [1, 3, 2, 4])
     assert f["slope"] == pytest.approx(0.8) and f["r2"] == pytest.approx(0.64)
-    assert fit.linear([1, 2, 3], [5, 5, 5])["r2"] == 1.0  # a constant the line hits exactly
+    flat = fit.linear([1, 2, 3], [5, 5, 5])  # nothing varies, nothing to explain: the slope says it is flat
+    assert flat["slope"] == pytest.approx(0, abs=1e-12) and flat["r2"] is None
 
 
 def test_fewer_than_two_distinct_x_give_no_line_and_no_exponent():
@@ -142,6 +144,8 @@ def test_engines_that_cost_the_refit_and_the_owners_miss_the_per_engine_targets(
     assert t["engine_added_cost"]["met"] is False and t["engine_added_cost"]["value"] > 0.1
     assert t["engine_added_cost"]["s_per_engine"] == pytest.approx(0.5)
     assert t["owners_flat_in_engines"]["met"] is False
+    # with a core per actor the owners are the busiest actors, and they pay per engine here
+    assert t["engine_added_cost_derived"]["met"] is False
 
 
 def test_a_target_whose_sweep_did_not_run_is_reported_as_not_measured():
@@ -151,6 +155,7 @@ def test_a_target_whose_sweep_did_not_run_is_reported_as_not_measured():
 
     t = derive(r)["targets"]
     assert t["engine_added_cost"]["met"] is None and t["owners_flat_in_engines"]["met"] is None
+    assert t["engine_added_cost_derived"]["met"] is None
     assert t["owner_memory"]["met"] is True  # the other targets stand
 
 
@@ -255,7 +260,8 @@ def test_the_quick_sweep_measures_every_role_at_every_point_bit_exactly(tmp_path
         assert len(p["links"]["engines"]) == p["engines"] and p["store"]["created_bytes"] > 0
     assert r["fits"]["refit_s_per_changed_gb"]["fit"] is not None and r["projection"]["rows"]
     assert set(r["targets"]) >= {"owner_memory", "engine_memory", "relay_memory", "coordinator_memory",
-                                 "refit_time_linear", "engine_added_cost", "owners_flat_in_engines"}
+                                 "refit_time_linear", "engine_added_cost", "engine_added_cost_derived",
+                                 "owners_flat_in_engines"}
     assert (tmp_path / "scale.png").stat().st_size > 0
 
 

@@ -14,7 +14,7 @@ def _mib(v):
 
 def point_rows(r: dict) -> list[str]:
     """One row per measured point: time, CPU and memory per role, object store and link bytes."""
-    cols = [("point", 16, "{}"), ("sweeps", 14, "{}"), ("changed MB", 10, "{:.1f}"), ("wire MB", 8, "{:.1f}"),
+    cols = [("point", 16, "{}"), ("sweeps", 16, "{}"), ("changed MB", 10, "{:.1f}"), ("wire MB", 8, "{:.1f}"),
             ("refit s", 7, "{:.2f}"), ("ready s", 7, "{:.2f}"),
             *[(f"{role[:5]} CPU s", 11, "{:.2f}") for role in ROLES],
             *[(f"{role[:5]} +MiB", 10, "{:.0f}") for role in ROLES],
@@ -126,14 +126,19 @@ def plot(r: dict, path: str) -> None:
     s = fits.get("refit_s_per_changed_gb")
     line(ax, s, "refit s", "C0")
     if s and s.get("fit"):
-        ax.set_title(f"refit time vs changed bytes: {s['fit']['slope']:.2f} s/GB, R² {s['fit']['r2']:.3f}")
+        r2 = s["fit"]["r2"]
+        ax.set_title(f"refit time vs changed bytes: {s['fit']['slope']:.2f} s/GB, R² "
+                     + ("-" if r2 is None else f"{r2:.3f}"))
     ax.set_xlabel("changed GB (1% of the model)")
     ax.set_ylabel("refit s (coordinator: arrival -> activate)")
     for i, role in enumerate(("owner", "relay", "coordinator", "engine")):
         key = "owner_memory_per_share_gb" if role == "owner" else f"{role}_memory_per_model_gb"
         ss = fits.get(key)
-        if ss and role == "owner":  # on the model axis like the others: two owners share the model
-            ss = {**ss, "xs": [x * r["settings"]["owners"] for x in ss["xs"]], "fit": None}
+        if ss and role == "owner":  # on the model axis like the others: the owners share the model
+            k = r["settings"]["owners"]
+            f = ss.get("fit")
+            ss = {**ss, "xs": [x * k for x in ss["xs"]],
+                  "fit": f and {**f, "slope": f["slope"] / k}}
         line(bx, ss, role, f"C{i}", 1 / 2**30)
     bx.set_xlabel("model GB (BF16)")
     bx.set_ylabel("peak RSS above the process's start, GiB (largest of the role)")
