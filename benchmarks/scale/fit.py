@@ -69,7 +69,8 @@ def exponent(xs, ys) -> float | None:
 
 def series(name: str, xs, ys, *, x: str, y: str, floor: float) -> dict:
     """One fitted series: its points, line, exponent and whether it grows faster than linear."""
-    xs, ys = [float(v) for v in xs], [float(v) for v in ys]
+    pairs = [(float(a), float(b)) for a, b in zip(xs, ys) if b is not None]  # a figure not read is left out
+    xs, ys = [a for a, _ in pairs], [b for _, b in pairs]
     fit = linear(xs, ys)
     k = exponent(xs, ys)
     top = [(a, b) for a, b in zip(xs, ys) if xs and a >= max(xs) / TOP_RANGE]

@@ -69,14 +69,31 @@ class StoreSampler:
                 pass
 
     def __enter__(self) -> "StoreSampler":
-        self.before = self._sample()
+        try:
+            self.before = self._sample()
+        except Exception as e:  # noqa: BLE001 - no store figures for this refit, the rest is measured
+            self.before, self.error = None, f"{type(e).__name__}: {e}"
+            log(f"  object-store counters unavailable: {self.error}")
+            return self
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.before is None:
+            self.after = None
+            return
         self._stop.set()
         self._thread.join()
         self.after = self._sample()
+
+    def figures(self) -> dict | None:
+        """Bytes in use before and at the peak, created and spilled between ``with`` and its end (None when
+        Ray's counters could not be read)."""
+        if self.before is None:
+            return None
+        return {"before": self.before["used"], "peak": max(self.peak, self.after["used"]),
+                "created": self.after["created"] - self.before["created"],
+                "spilled": self.after["spilled"] - self.before["spilled"]}
 
 
 def launch(point: plan.Point, seed: int = 0, link_mbps: float | None = None, latency_s: float = 0.0):
@@ -112,15 +129,21 @@ def launch(point: plan.Point, seed: int = 0, link_mbps: float | None = None, lat
         for h in owners.values():
             ray.kill(h)
         raise
-    handles = ray.get(refit.actor.handles.remote())
-    engines = refit.engines()
-    heads = [h for rid, h in handles["relays"].items() if rid.endswith("/head")]
+    try:
+        handles = ray.get(refit.actor.handles.remote())
+        engines = refit.engines()
+        heads = [h for rid, h in handles["relays"].items() if rid.endswith("/head")]
 
-    def pids(hs):
-        return dict(zip(hs, ray.get([h.__ray_call__.remote(probes.pid_of) for h in hs.values()])))
+        def pids(hs):
+            return dict(zip(hs, ray.get([h.__ray_call__.remote(probes.pid_of) for h in hs.values()])))
 
-    op, ep, rp = pids(owners), pids(engines), pids(handles["relays"])
-    cp = ray.get(refit.actor.__ray_call__.remote(probes.pid_of))
+        op, ep, rp = pids(owners), pids(engines), pids(handles["relays"])
+        cp = ray.get(refit.actor.__ray_call__.remote(probes.pid_of))
+    except BaseException:  # up, but not measurable: take it down before the next point
+        refit.shutdown()
+        for h in owners.values():
+            ray.kill(h)
+        raise
     topo = Topology("stress", "relay", refit, owners, engines, heads, list(op.values()), list(ep.values()), 2 * numel,
                     numel, point.size, owner_share_bytes=share)
     topo.tensors = len(shapes)
@@ -209,9 +232,7 @@ def measure_refit(topo, roles: dict) -> dict:
         "peak": {f"{role}/{a}": mem.peak[pid] for (role, a), pid in every.items()},
         "before": {f"{role}/{a}": mem.start[pid] for (role, a), pid in every.items()},
         "hwm": {f"{role}/{a}": mem.hwm.get(pid, 0) for (role, a), pid in every.items()},
-        "store": {"before": store.before["used"], "peak": max(store.peak, store.after["used"]),
-                  "created": store.after["created"] - store.before["created"],
-                  "spilled": store.after["spilled"] - store.before["spilled"]},
+        "store": store.figures(),
         "boundary": {k: links1[k][1] - links0[k][1] for k in links1},
         "engine_bytes": {e: s.get("bytes", 0) for e, s in received.items()},
         "relay_in": relay_in,
@@ -281,11 +302,12 @@ def _summarise(refits: list[dict], roles: dict, start: dict, children: dict, top
                                                      if v["peak_above_start"] is not None), default=None),
                         "added_by_refit_max": max(v["added_by_refit"] for v in each.values())}
     changed = _med([r["changed"] for r in refits])
-    store = {"before_bytes": _med([r["store"]["before"] for r in refits]),
-             "peak_bytes": max(r["store"]["peak"] for r in refits),
-             "peak_above_before_bytes": max(r["store"]["peak"] - r["store"]["before"] for r in refits),
-             "created_bytes": _med([r["store"]["created"] for r in refits]),
-             "spilled_bytes": max(r["store"]["spilled"] for r in refits)}
+    st = [r["store"] for r in refits if r["store"] is not None]
+    store = {"before_bytes": _med([x["before"] for x in st]),
+             "peak_bytes": max((x["peak"] for x in st), default=None),
+             "peak_above_before_bytes": max((x["peak"] - x["before"] for x in st), default=None),
+             "created_bytes": _med([x["created"] for x in st]),
+             "spilled_bytes": max((x["spilled"] for x in st), default=None), "refits_read": len(st)}
     return {
         "numel": topo.numel, "model_bytes": 2 * topo.numel, "owner_share_bytes": topo.owner_share_bytes,
         "changed": changed, "changed_bytes": 2 * changed, "change_rate": changed / topo.numel,

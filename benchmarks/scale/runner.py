@@ -100,7 +100,7 @@ def _peaks(points: dict) -> dict:
         if not rec.get("ok"):
             continue
         procs = sum(v["peak"] for role in rec["memory"].values() for v in role["each"].values())
-        out[(rec["size"], rec["clusters"], rec["engines_per_cluster"])] = procs + rec["store"]["peak_bytes"]
+        out[(rec["size"], rec["clusters"], rec["engines_per_cluster"])] = procs + (rec["store"]["peak_bytes"] or 0)
     return out
 
 
@@ -109,9 +109,10 @@ def _short(r: dict) -> str:
     return (f"refit {r['refit_s']:.2f}s (changed {r['changed_bytes'] / 1e6:.1f} MB, "
             f"wire {r['wire_bytes'] / 1e6:.1f} MB); "
             f"CPU s owner {c['owner']['max']:.2f} relay {c['relay']['max']:.2f} coord {c['coordinator']['max']:.2f} "
-            f"engine {c['engine']['max']:.2f}; above start MB owner {_mb(m['owner']['peak_above_start_max'])} relay "
+            f"engine {c['engine']['max']:.2f}; above start MiB owner {_mb(m['owner']['peak_above_start_max'])} relay "
             f"{_mb(m['relay']['peak_above_start_max'])} coord {_mb(m['coordinator']['peak_above_start_max'])} engine "
-            f"{_mb(m['engine']['peak_above_start_max'])}; store peak +{_mb(r['store']['peak_above_before_bytes'])} MB; "
+            f"{_mb(m['engine']['peak_above_start_max'])}; "
+            f"store peak +{_mb(r['store']['peak_above_before_bytes'])} MiB; "
             f"exact={r['bit_exact']}")
 
 
