@@ -159,6 +159,42 @@ def test_a_target_whose_sweep_did_not_run_is_reported_as_not_measured():
     assert t["owner_memory"]["met"] is True  # the other targets stand
 
 
+def test_a_points_figures_are_the_median_time_and_cpu_of_its_refits_and_their_largest_memory():
+    import types
+
+    from benchmarks.scale import measure
+
+    roles = {"owner": {"owner0": (1, None), "owner1": (2, None)}, "relay": {"c0/head": (3, None)},
+             "coordinator": {"coordinator": (4, None)}, "engine": {"c0/e0": (5, None)}}
+    ids = ["owner/owner0", "owner/owner1", "relay/c0/head", "coordinator/coordinator", "engine/c0/e0"]
+
+    def refit(k, store=True):
+        return {"refit_s": 1.0 + k, "driver_s": 1.1 + k, "ready_s": 1.2 + k,
+                "phases": {"total": 1.0 + k, "prepare": 0.01, "commit": 0.1, **({"release": 0.5} if k else {})},
+                "changed": 100, "numel": 10000, "wire_bytes": 120 + k, "payloads": 2,
+                "cpu": {i: 0.1 * (j + 1) + k for j, i in enumerate(ids)}, "ray_cpu": 0.05,
+                "peak": {i: 1000 + 100 * k for i in ids}, "before": {i: 900 for i in ids},
+                "hwm": {i: 1100 for i in ids},
+                "store": {"before": 10, "peak": 50 + k, "created": 40, "spilled": 0} if store else None,
+                "boundary": {"head0": 120 + k}, "engine_bytes": {"c0/e0": 120 + k}, "relay_in": {"c0/head": 120 + k}}
+
+    topo = types.SimpleNamespace(numel=10000, owner_share_bytes=12000)
+    got = measure._summarise([refit(0), refit(2), refit(1, store=False)], roles, {i: 500 for i in ids},
+                             {"c0/head": 1}, topo, {"owner/owner0": 5000})
+    assert got["refit_s"] == 2.0 and got["wire_bytes"] == 121 and got["changed_bytes"] == 200
+    assert got["cpu_s"]["owner"] == {"sum": pytest.approx(2.3), "max": pytest.approx(1.2),
+                                     "each": {"owner0": pytest.approx(1.1), "owner1": pytest.approx(1.2)}}
+    assert got["cpu_s"]["engine"]["max"] == pytest.approx(1.5) and got["derived_streamed_s"] == pytest.approx(1.5)
+    eng = got["memory"]["engine"]["each"]["c0/e0"]  # the largest peak of the three, against the start
+    assert (eng["peak"], eng["peak_above_start"], eng["added_by_refit"]) == (1200, 700, 300)
+    assert got["memory"]["owner"]["each"]["owner0"]["launch_hwm"] == 5000
+    assert got["memory"]["relay"]["each"]["c0/head"]["children"] == 1
+    # a refit whose store counters could not be read is left out of the store's figures, and a phase that
+    # not every refit reported is left out of the phases
+    assert got["store"]["refits_read"] == 2 and got["store"]["peak_above_before_bytes"] == 42
+    assert "release" not in got["phases"] and got["links"]["boundary"] == {"head0": 121}
+
+
 def test_the_sweeps_share_their_points_and_the_largest_model_runs_last():
     p = plan.Plan.of(quick=False)
     pts = p.points()

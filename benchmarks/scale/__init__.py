@@ -60,13 +60,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``scale`` to the ``bench`` subcommands."""
     p = subparsers.add_parser(
         "scale", help="how refit time, CPU and memory per role grow with model size, engines and clusters",
-        description="Sweeps model size (10M-1.2B elements, 1%% change), engines per cluster (1-8) and clusters "
+        description="Sweeps model size (10M-1.2B elements, 1% change), engines per cluster (1-8) and clusters "
                     "(1-4) on synthetic owners and light engines; per role (owner, relay, coordinator, engine): "
                     "refit wall time, CPU seconds, peak RSS above the process's start, object-store bytes, link "
                     "bytes; least-squares slopes with R², faster-than-linear flags, the issue's targets and the "
                     "30B-1T projection from the slopes. The full sweep is 10 topologies (~15-25 min on 2 cores); "
                     "the 1.2B point needs ~15-20 GiB and is skipped, with the reason in the JSON, when its "
-                    "estimated peak exceeds 90%% of MemAvailable (--no-memory-guard runs it anyway). "
+                    "estimated peak exceeds 90% of MemAvailable (--no-memory-guard runs it anyway). "
                     "Table on stdout, progress on stderr.")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: sizes 10M,40M; engines 1,2; clusters 1,2 (of 1 engine) at 10M; fewer refits")

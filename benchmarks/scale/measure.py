@@ -16,7 +16,8 @@ Per measured refit (after the warm-ups), each owner changes a uniform 1% of its 
   user + system from ``/proc`` (psutil), before and after;
 - memory: every role process's RSS sampled every 20 ms (``MemorySampler``) with ``VmHWM`` reset through
   ``clear_refs`` before the refit; *above start* is the peak minus the RSS at the process's start
-  (:mod:`.probes`), *added by the refit* the peak minus the RSS as the refit began;
+  (:mod:`.probes`), *added by the refit* the peak minus the RSS as the refit began; ``launch_hwm`` is each
+  process's ``VmHWM`` read once the topology is up (its build and the dense bootstrap, before any reset);
 - object store: bytes in use sampled every 100 ms (peak, and peak above the level before the refit) and bytes
   created during the refit (Ray's cumulative counter);
 - links: bytes into each cluster across its boundary (the head relay's emulated link), into each relay, and
@@ -171,6 +172,8 @@ def run_point(point: plan.Point, *, quick: bool, idle: dict, seed: int = 0, link
         log(f"  {point.key}: up in {out['launch_s']:.1f}s ({topo.numel / 1e6:.0f} M elements, "
             f"{len(roles['relay'])} relays)")
         start = _starts(roles, idle)
+        # the peak of each process through its build and the dense bootstrap, before the refits reset it
+        launch_hwm = {f"{role}/{a}": probes.hwm(pid) for role, acts in roles.items() for a, (pid, _) in acts.items()}
         children = dict(zip(roles["relay"], ray.get([h.__ray_call__.remote(probes.relay_children)
                                                      for _, h in roles["relay"].values()])))
         step = [seed * 1000]
@@ -188,7 +191,7 @@ def run_point(point: plan.Point, *, quick: bool, idle: dict, seed: int = 0, link
         for _ in range(QUICK_MEASURED_REFITS if quick else MEASURED_REFITS):
             perturb()
             refits.append(measure_refit(topo, roles))
-        out.update(_summarise(refits, roles, start, children, topo))
+        out.update(_summarise(refits, roles, start, children, topo, launch_hwm))
         out["warmup_s"] = warm
         out["bit_exact"] = check_exact(topo)
         out["ok"] = out["bit_exact"]
@@ -276,7 +279,7 @@ def _med(xs):
     return statistics.median(xs) if xs else None
 
 
-def _summarise(refits: list[dict], roles: dict, start: dict, children: dict, topo) -> dict:
+def _summarise(refits: list[dict], roles: dict, start: dict, children: dict, topo, launch_hwm: dict) -> dict:
     """A point's figures from its measured refits: medians of time, CPU and bytes, the largest memory."""
     cpu = {}
     memory = {}
@@ -292,7 +295,7 @@ def _summarise(refits: list[dict], roles: dict, start: dict, children: dict, top
             peak = max(r["peak"][i] for r in refits)
             s = start.get(i)
             each[a] = {"start": s, "before_refit": min(r["before"][i] for r in refits), "peak": peak,
-                       "hwm": max(r["hwm"][i] for r in refits),
+                       "hwm": max(r["hwm"][i] for r in refits), "launch_hwm": launch_hwm.get(i),
                        "peak_above_start": None if s is None else peak - s,
                        "added_by_refit": max(r["peak"][i] - r["before"][i] for r in refits)}
             if role == "relay":

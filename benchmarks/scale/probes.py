@@ -39,6 +39,19 @@ def rss(pid: int | str = "self") -> int:
     return got
 
 
+def hwm(pid: int | str = "self") -> int:
+    """``VmHWM`` of a process in bytes: its peak RSS since it started or since ``clear_refs`` reset it (shared
+    pages included, the object store's it mapped among them); 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _note_start() -> None:
     """Read this process's RSS once, torch imported first (its import is part of the start, not of what the
     process holds)."""

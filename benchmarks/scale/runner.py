@@ -94,12 +94,14 @@ def derive(result: dict, bytes_per_change: dict | None = None) -> dict:
 
 
 def _peaks(points: dict) -> dict:
-    """``{(size, clusters, engines): peak bytes}``: every process's peak RSS plus the object store's peak."""
+    """``{(size, clusters, engines): peak bytes}``: every process's peak (during the refits, or through its launch
+    where that was higher) plus the object store's peak: what the next size's estimate scales."""
     out = {}
     for rec in points.values():
         if not rec.get("ok"):
             continue
-        procs = sum(v["peak"] for role in rec["memory"].values() for v in role["each"].values())
+        procs = sum(max(v["peak"], v.get("launch_hwm") or 0) for role in rec["memory"].values()
+                    for v in role["each"].values())
         out[(rec["size"], rec["clusters"], rec["engines_per_cluster"])] = procs + (rec["store"]["peak_bytes"] or 0)
     return out
 
