@@ -228,7 +228,8 @@ def test_the_projection_is_recomputed_from_the_slopes_and_takes_gpu_rates_in_pla
     from benchmarks.refit.large_models import GPU_INPUTS, PROJECTION_MODELS, projection_from_scale
 
     r = _run()
-    pr = projection_from_scale(r, bytes_per_change={0.03: 1.25})
+    # a refit run's bytes per change at 3% join the sweep's own 1% (its 1% and 0.01% do not replace them)
+    pr = projection_from_scale(r, bytes_per_change={0.03: 1.25, 0.01: 9.9, 0.0001: 3.4})
     assert pr["label"].startswith("PROJECTION") and set(pr["gpu_inputs"]) == set(GPU_INPUTS)
     assert {(x["model"], x["change_rate"]) for x in pr["rows"]} == {
         (m, rate) for m in PROJECTION_MODELS for rate in (0.01, 0.03)}

@@ -83,6 +83,8 @@ def projection(cases: list[dict]) -> dict | None:
             "finalize_s_per_changed_per_owner": f1, "rows": rows}
 
 
+#: Change rates the projection reports beside the scale sweep's own (1%), as :func:`projection` does.
+PROJECTION_RATES = (0.03, 0.05)
 #: What a GPU deployment changes among the projection's inputs: the two CPU rates measured here. The link,
 #: the wire bytes per change (the codec's output does not depend on where it runs) and the coordinator's
 #: fixed costs stay.
@@ -120,7 +122,7 @@ def projection_from_scale(scale: dict, *, bytes_per_change: dict | None = None,
     - ``r``   = slowest relay's CPU seconds per changed GB: the head relay's pull and re-put, a stage of its own;
     - ``b``   = wire bytes per changed GB, per changed element, at the sweep's change rate (1%); other rates
       take ``bytes_per_change`` (``{rate: bytes per changed element}``, e.g. :func:`bytes_per_change_of_refit`
-      of a refit run), since bytes per change depend on the rate;
+      of a refit run; those at :data:`PROJECTION_RATES` are used), since bytes per change depend on the rate;
     - ``f0 + f1 * changed_per_owner``: prepare + commit against changed elements per owner over the size points.
 
     With :data:`PROJECTION_OWNERS` owners, :data:`PROJECTION_APPLIERS` appliers per rollout replica and one
@@ -147,7 +149,9 @@ def projection_from_scale(scale: dict, *, bytes_per_change: dict | None = None,
     a = apply_s_per_changed if apply_s_per_changed is not None else engine * 2 / 1e9
     r = (relay or 0.0) / 1e9
     rate0 = scale.get("change_rate", 0.01)
-    bpc = {round(rate0, 6): wire * 2 / 1e9, **{round(k, 6): v for k, v in (bytes_per_change or {}).items()}}
+    # this run's own bytes per change at its rate; the given ones at the rates the refit projection reports
+    bpc = {**{round(k, 6): v for k, v in (bytes_per_change or {}).items() if round(k, 6) in PROJECTION_RATES},
+           round(rate0, 6): wire * 2 / 1e9}
     size = [scale["points"][k] for k in scale.get("sweeps", {}).get("size", [])
             if scale["points"].get(k, {}).get("ok")]
     xs = [p["changed"] / p["owners"] for p in size]
