@@ -269,6 +269,16 @@ def test_the_table_names_every_point_series_target_and_skipped_point():
     json.dumps(r)  # the result is JSON as it stands
 
 
+def test_a_scale_runs_markdown_tables_are_rendered_from_its_json_alone():
+    from benchmarks.markdown import render
+
+    r = json.loads(json.dumps(_run(engine_extra=900 * MiB)))  # as read back from the file
+    md = render(r, "scale.json")
+    assert md.count("| 200M/c1/e8 |") == 1 and "| refit_s_per_changed_gb | changed GB | 2 |" in md
+    assert "- NOT MET      engine_memory" in md and "- met          owner_memory" in md
+    assert "PROJECTION" in md and "dcr-ray bench markdown scale.json" in md
+
+
 def test_the_scale_bench_is_a_bench_subcommand_with_its_options():
     from dcr_ray.cli import build_parser
 

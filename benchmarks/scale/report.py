@@ -159,3 +159,57 @@ def plot(r: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _md(cols: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
+            *["| " + " | ".join("-" if v is None else str(v) for v in row) + " |" for row in rows]]
+
+
+def _f(v, fmt="{:.2f}"):
+    return None if v is None else fmt.format(v)
+
+
+def markdown(r: dict) -> str:
+    """The run's tables in Markdown (``dcr-ray bench markdown``, for BENCHMARKS.md): points, fitted series,
+    targets, projection."""
+    out = []
+    rows = []
+    for key in r.get("order", r["points"]):
+        p = r["points"].get(key)
+        if p is None or "memory" not in p:
+            rows.append([key, "skipped" if p is None else "FAILED", *[None] * 14])
+            continue
+        m, c = p["memory"], p["cpu_s"]
+        rows.append([key, "yes" if p.get("bit_exact") else "NO", _f(p["changed_bytes"] / 1e6, "{:.1f}"),
+                     _f(p["wire_bytes"] / 1e6, "{:.1f}"), _f(p["refit_s"]),
+                     *[_f(c[role]["max"]) for role in ROLES],
+                     *[_f(_mib(m[role]["peak_above_start_max"]), "{:.0f}") for role in ROLES],
+                     _f(_mib(m["engine"]["added_by_refit_max"]), "{:.0f}"),
+                     _f(_mib(p["store"]["peak_above_before_bytes"]), "{:.0f}"),
+                     _f(sum(p["links"]["boundary"].values()) / 1e6, "{:.1f}"),
+                     _f(p.get("derived_streamed_s"))])
+    out += _md(["point (size/clusters/engines per cluster)", "exact", "changed MB", "wire MB", "refit s",
+                *[f"{role} CPU s" for role in ROLES], *[f"{role} +MiB" for role in ROLES], "engine added by refit MiB",
+                "store +MiB", "boundary MB", "busiest actor CPU s (derived)"], rows)
+    out.append("")
+    out += _md(["series", "x", "slope", "intercept", "R²", "exponent (all / top)", "faster than linear"],
+               [[name, s["x"], _f((s.get("fit") or {}).get("slope"), "{:.4g}"),
+                 _f((s.get("fit") or {}).get("intercept"), "{:.4g}"), _f((s.get("fit") or {}).get("r2"), "{:.3f}"),
+                 f"{_f(s.get('exponent')) or '-'} / {_f(s.get('exponent_top')) or '-'}",
+                 "**yes**" if s.get("superlinear") else "no"] for name, s in r.get("fits", {}).items()])
+    out.append("")
+    out += [f"- {line.strip()}" for line in target_rows(r)]
+    for key, why in r.get("skipped", {}).items():
+        out.append(f"- skipped `{key}`: {why}")
+    pr = r.get("projection")
+    if pr:
+        out += ["", f"*{pr['label']}*: {pr['owners']} owners, {pr['appliers']} appliers per replica, "
+                    f"{pr['link_mbps']:g} Mbit/s; inputs a GPU changes: {', '.join(pr['gpu_inputs'])} "
+                    f"({', '.join(f'{k}: {v}' for k, v in pr['inputs_from'].items())}).", ""]
+        out += _md(["model", "rate", "construct s", "link s", "relay s", "apply s", "finalize s", "refit s",
+                    "reference s", "speedup", "bound"],
+                   [[x["model"], f"{x['change_rate']:.0%}", _f(x["construct_s"]), _f(x["link_s"]), _f(x["relay_s"]),
+                     _f(x["apply_s"]), _f(x["finalize_s"]), _f(x["refit_s"]), _f(x["reference_s"], "{:.1f}"),
+                     _f(x["speedup"], "{:.1f}x"), x["bound"]] for x in pr["rows"]])
+    return "\n".join(out) + "\n"
