@@ -279,6 +279,20 @@ def test_a_scale_runs_markdown_tables_are_rendered_from_its_json_alone():
     assert "PROJECTION" in md and "dcr-ray bench markdown scale.json" in md
 
 
+def test_an_earlier_runs_json_is_rederived_from_its_points_without_measuring(tmp_path, capsys):
+    from dcr_ray.cli import main
+
+    r = _run()
+    for key in ("fits", "targets", "projection", "superlinear"):
+        r.pop(key)
+    src, out = tmp_path / "run.json", tmp_path / "again.json"
+    src.write_text(json.dumps(r))
+    assert main(["bench", "scale", "--from", str(src), "--json", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert again["targets"]["refit_time_linear"]["met"] is True and again["projection"]["rows"]
+    assert "fitted series:" in capsys.readouterr().out and (tmp_path / "again.png").stat().st_size > 0
+
+
 def test_the_scale_bench_is_a_bench_subcommand_with_its_options():
     from dcr_ray.cli import build_parser
 

@@ -88,6 +88,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="a `dcr-ray bench refit` JSON whose relay stress cases give the projection's bytes per "
                         "change at their rates (default docs/bench_refit_memory.json when present)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--from", dest="from_json", metavar="JSON", default=None,
+                   help="measure nothing: recompute the fits, targets and projection of an earlier run's JSON from "
+                        "its points, print its table (and write --json)")
     p.set_defaults(func=_run_from_args)
     return p
 
@@ -114,8 +117,6 @@ def run(args: argparse.Namespace) -> dict:
     from benchmarks.scale.report import plot
     from benchmarks.scale.runner import run_sweep
 
-    p = Plan.of(args.quick, sizes=_sizes(args.sizes), engines=_ints(args.engines), clusters=_ints(args.clusters),
-                fanout_size=args.at)
     refit_json = args.refit_json or (DEFAULT_REFIT_JSON if os.path.exists(DEFAULT_REFIT_JSON) else None)
     bpc = None
     if refit_json:
@@ -127,6 +128,15 @@ def run(args: argparse.Namespace) -> dict:
         if args.json:
             write_json_and_plot(result, args.json, plot)
 
+    if getattr(args, "from_json", None):
+        from benchmarks.scale.runner import derive
+
+        with open(args.from_json) as f:
+            result = derive(json.load(f), bpc)
+        checkpoint(result)
+        return result
+    p = Plan.of(args.quick, sizes=_sizes(args.sizes), engines=_ints(args.engines), clusters=_ints(args.clusters),
+                fanout_size=args.at)
     result = run_sweep(p, quick=args.quick, seed=args.seed, link_mbps=args.link_mbps,
                        memory_guard=not args.no_memory_guard, bytes_per_change=bpc, checkpoint=checkpoint)
     checkpoint(result)
