@@ -217,10 +217,10 @@ def test_the_models_have_the_element_counts_they_are_named_after():
         plan.shapes("7B")
 
 
-def test_the_memory_estimate_scales_a_measured_point_linearly_in_elements():
+def test_the_memory_estimate_scales_what_a_measured_point_held_above_its_starts_linearly_in_elements():
     big = plan.Point("1.2B", 1, 1)
-    got = plan.estimate_bytes(big, {"600M": 10 * GB, "10M": 1 * GB})
-    assert got == pytest.approx(10 * GB * plan.numel("1.2B") / plan.numel("600M"))
+    got = plan.estimate_bytes(big, {"600M": (10 * GB, 2 * GB), "10M": (3 * GB, 2 * GB)})
+    assert got == pytest.approx(2 * GB + 8 * GB * plan.numel("1.2B") / plan.numel("600M"))
     assert plan.estimate_bytes(big) > 4 * 2 * plan.numel("1.2B")  # before any point: per-byte constants
 
 

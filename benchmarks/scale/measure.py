@@ -183,6 +183,7 @@ def run_point(point: plan.Point, *, quick: bool, idle: dict, seed: int = 0, link
             r = ray.get([h.perturb.remote(plan.CHANGE_RATE, step[0]) for h in topo.owners.values()])
             return sum(x["changed"] for x in r)
 
+        t_refits = time.perf_counter()
         warm = []
         for _ in range(QUICK_WARMUP_REFITS if quick else WARMUP_REFITS):
             perturb()
@@ -193,7 +194,10 @@ def run_point(point: plan.Point, *, quick: bool, idle: dict, seed: int = 0, link
             refits.append(measure_refit(topo, roles))
         out.update(_summarise(refits, roles, start, children, topo, launch_hwm))
         out["warmup_s"] = warm
+        t_check = time.perf_counter()
+        out["refits_phase_s"] = t_check - t_refits  # perturbs, warm-ups and measured refits
         out["bit_exact"] = check_exact(topo)
+        out["check_s"] = time.perf_counter() - t_check
         out["ok"] = out["bit_exact"]
         if not out["ok"]:
             out["error"] = "an engine's tensors differ from the owners' after the last refit"
@@ -202,8 +206,10 @@ def run_point(point: plan.Point, *, quick: bool, idle: dict, seed: int = 0, link
         log(f"  {point.key}: FAILED: {out['error']}")
     finally:
         if topo is not None:
+            t_down = time.perf_counter()
             _take_down(topo, roles)
-    out["seconds"] = time.perf_counter() - t0
+            out["take_down_s"] = time.perf_counter() - t_down
+    out["seconds"] = time.perf_counter() - t0  # the whole point: launch, refits, check, take-down
     return out
 
 

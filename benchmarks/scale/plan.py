@@ -139,15 +139,17 @@ STORE_PER_MODEL = 1.0
 
 
 def estimate_bytes(point: Point, measured: dict | None = None) -> int:
-    """Memory ``point`` is expected to need at its peak. ``measured``: ``{size: peak bytes}`` of points already
-    run with the same clusters and engines: the largest of them, scaled linearly by the model's elements
-    (what the sweep measures is how memory grows, so the estimate for an unmeasured size is linear); else the
-    per-byte constants above."""
+    """Memory ``point`` is expected to need at its peak. ``measured``: ``{size: (peak bytes, start bytes)}`` of
+    points already run with the same clusters and engines (every process's peak and start summed, the object
+    store's peak in the peak): the processes' starts of the largest of them, plus what they held above their
+    starts scaled linearly by the model's elements (how memory grows is what the sweep measures, so the estimate
+    for an unmeasured size is linear); else the per-byte constants above."""
     n = numel(point.size)
-    same = {s: b for s, b in (measured or {}).items() if b}
+    same = {s: v for s, v in (measured or {}).items() if v and v[0]}
     if same:
         ref = max(same, key=numel)
-        return int(same[ref] * n / numel(ref))
+        peak, start = same[ref]
+        return int(start + max(0, peak - start) * n / numel(ref))
     model = 2 * n
     engines = point.clusters * point.engines
     return int(OWNER_PER_SHARE * model + ENGINE_PER_MODEL * model * engines + STORE_PER_MODEL * model

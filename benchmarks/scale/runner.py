@@ -94,15 +94,18 @@ def derive(result: dict, bytes_per_change: dict | None = None) -> dict:
 
 
 def _peaks(points: dict) -> dict:
-    """``{(size, clusters, engines): peak bytes}``: every process's peak (during the refits, or through its launch
-    where that was higher) plus the object store's peak: what the next size's estimate scales."""
+    """``{(size, clusters, engines): (peak bytes, start bytes)}``: every process's peak (during the refits, or
+    through its launch where that was higher) plus the object store's peak, and every process's start: what the
+    next size's estimate scales (:func:`benchmarks.scale.plan.estimate_bytes`)."""
     out = {}
     for rec in points.values():
         if not rec.get("ok"):
             continue
-        procs = sum(max(v["peak"], v.get("launch_hwm") or 0) for role in rec["memory"].values()
-                    for v in role["each"].values())
-        out[(rec["size"], rec["clusters"], rec["engines_per_cluster"])] = procs + (rec["store"]["peak_bytes"] or 0)
+        each = [v for role in rec["memory"].values() for v in role["each"].values()]
+        procs = sum(max(v["peak"], v.get("launch_hwm") or 0) for v in each)
+        start = sum(v.get("start") or 0 for v in each)
+        out[(rec["size"], rec["clusters"], rec["engines_per_cluster"])] = (
+            procs + (rec["store"]["peak_bytes"] or 0), start)
     return out
 
 
