@@ -12,7 +12,12 @@ with the undo record a ``transformers`` engine keeps), one topology per *point*,
 - **clusters**: 1, 2 and 4 clusters of 2 engines at 200 M elements.
 
 ``--quick`` (a smoke run of a few minutes): sizes 10 M and 40 M, engines 1 and 2, clusters 1 and 2 (of one
-engine), at 10 M elements; one warm-up and two measured refits per point instead of two and three.
+engine), at 10 M elements; two measured refits per point instead of three (after two warm-ups, as in full).
+
+Before the warm-up refits every owner and engine loads the codec's compiled kernels (they otherwise load on a
+background thread at start-up, whose CPU a measured refit would pay). Each point records which of torch,
+transformers, numba and vLLM each role's processes imported, and the JSON whether the workers were forked from a
+prefork server (the test suite's: every role then starts with them imported, which moves each start).
 
 Per role (owner, relay, coordinator, engine) and point (:mod:`.measure`): wall seconds of the refit, CPU
 seconds of each role's processes, peak RSS above the process's start (and what the refit itself added),

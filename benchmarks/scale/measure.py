@@ -39,9 +39,9 @@ import time
 from benchmarks.refit.progress import log
 from benchmarks.scale import plan, probes
 
-#: Refits before the measured ones: the first loads the engines' kernels, the next fault in working memory.
+#: Refits before the measured ones (the kernels are loaded before them): the first ones fault in working memory.
 WARMUP_REFITS = 2
-QUICK_WARMUP_REFITS = 1
+QUICK_WARMUP_REFITS = 2
 MEASURED_REFITS = 3
 QUICK_MEASURED_REFITS = 2
 #: How long to wait for a taken-down topology's processes to exit (their memory is the next point's).
@@ -176,6 +176,7 @@ def run_point(point: plan.Point, *, quick: bool, idle: dict, seed: int = 0, link
         launch_hwm = {f"{role}/{a}": probes.hwm(pid) for role, acts in roles.items() for a, (pid, _) in acts.items()}
         children = dict(zip(roles["relay"], ray.get([h.__ray_call__.remote(probes.relay_children)
                                                      for _, h in roles["relay"].values()])))
+        _ready(topo, out)
         step = [seed * 1000]
 
         def perturb():
@@ -193,6 +194,7 @@ def run_point(point: plan.Point, *, quick: bool, idle: dict, seed: int = 0, link
             perturb()
             refits.append(measure_refit(topo, roles))
         out.update(_summarise(refits, roles, start, children, topo, launch_hwm))
+        out["loaded"] = _loaded(roles)
         out["warmup_s"] = warm
         t_check = time.perf_counter()
         out["refits_phase_s"] = t_check - t_refits  # perturbs, warm-ups and measured refits
@@ -211,6 +213,30 @@ def run_point(point: plan.Point, *, quick: bool, idle: dict, seed: int = 0, link
             out["take_down_s"] = time.perf_counter() - t_down
     out["seconds"] = time.perf_counter() - t0  # the whole point: launch, refits, check, take-down
     return out
+
+
+def _ready(topo, out: dict) -> None:
+    """Every owner and engine with its codec kernels loaded before the first refit (a failure is noted, not
+    fatal: the warm-up refits load them too, at the first refits' cost)."""
+    import ray
+
+    try:
+        ray.get([h.__ray_call__.remote(probes.load_kernels)
+                 for h in (*topo.owners.values(), *topo.engines.values())])
+    except Exception as e:  # noqa: BLE001
+        out["kernels_error"] = f"{type(e).__name__}: {e}"
+        log(f"  loading the kernels up front failed ({out['kernels_error']}); the warm-up refits load them")
+
+
+def _loaded(roles: dict) -> dict | None:
+    """``{role: which of probes.HEAVY its processes imported}`` after the refits (None when not readable)."""
+    import ray
+
+    try:
+        return {role: sorted({m for got in ray.get([h.__ray_call__.remote(probes.loaded) for _, h in acts.values()])
+                              for m in got}, key=probes.HEAVY.index) for role, acts in roles.items()}
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return None
 
 
 def measure_refit(topo, roles: dict) -> dict:

@@ -89,10 +89,11 @@ class ScaleEngine(SyntheticEngine):
         return super().__call__()
 
 
-def idle_rss(module: str) -> int:
-    """RSS of a fresh Ray worker that imported ``module`` and nothing else: the start of a role whose
-    process dcr_ray creates (relay, coordinator). The probe is self-contained (pickled by value): importing
-    this benchmark's modules in it would count their imports (torch) as the role's start."""
+def idle_rss(module: str) -> dict:
+    """``{"rss", "loaded"}`` of a fresh Ray worker that imported ``module`` and nothing else: the start of a
+    role whose process dcr_ray creates (relay, coordinator), and which of :data:`HEAVY` that start imported.
+    The probe is self-contained (pickled by value): importing this benchmark's modules in it would count their
+    imports (torch) as the role's start."""
     import ray
 
     @ray.remote(num_cpus=0)
@@ -104,6 +105,11 @@ def idle_rss(module: str) -> int:
             importlib.import_module(mod)
             gc.collect()
 
+        def loaded(self):
+            import sys
+
+            return [m for m in ("torch", "transformers", "numba", "vllm") if m in sys.modules]
+
         def rss(self):
             got = 0
             with open("/proc/self/status") as f:
@@ -114,7 +120,7 @@ def idle_rss(module: str) -> int:
 
     a = Idle.remote(module)
     try:
-        return int(ray.get(a.rss.remote()))
+        return {"rss": int(ray.get(a.rss.remote())), "loaded": ray.get(a.loaded.remote())}
     finally:
         ray.kill(a)
 
@@ -197,3 +203,30 @@ def engine_digests(actor_self) -> dict[str, str]:
         t = actor_self.tensors([name])[name]
         out[name] = hashlib.sha256(memoryview(bits_view(t))).hexdigest()
     return out
+
+
+#: Modules whose presence in a process says what its memory paid for (as ``dcr-ray bench startup`` reports).
+HEAVY = ("torch", "transformers", "numba", "vllm")
+
+
+def loaded(_actor=None) -> list[str]:
+    """(Run in any actor.) Which of :data:`HEAVY` its process has imported."""
+    import sys
+
+    return [m for m in HEAVY if m in sys.modules]
+
+
+def load_kernels(_actor=None) -> None:
+    """(Run in an owner or engine.) Load the codec's compiled kernels now, on the calling thread: they load on
+    a background thread at start-up, and a refit measured while that thread still runs pays for it."""
+    from dcr_ray.codec.compiled.kernels import warm_up
+
+    warm_up(background=False)
+
+
+def prefork_workers() -> bool:
+    """Whether this driver's Ray workers are forked from a :mod:`dcr_ray.prefork` server (the test suite's):
+    their processes then start with torch and the kernels imported, which moves every role's start."""
+    import dcr_ray.prefork
+
+    return os.environ.get("RAY_RUNTIME_ENV_HOOK") == dcr_ray.prefork.HOOK

@@ -49,7 +49,10 @@ def run_sweep(p: plan.Plan, *, quick: bool, seed: int = 0, link_mbps: float | No
                           "ray": ray.__version__, "loadavg_start": provenance.loadavg()}}
     log(f"dcr-ray bench scale ({'quick' if quick else 'full'}): {len(points)} topologies, "
         f"{', '.join(pt.key for pt in points)}")
-    result["idle_rss"] = {role: probes.idle_rss(mod) for role, mod in probes.ROLE_MODULES.items()}
+    idle = {role: probes.idle_rss(mod) for role, mod in probes.ROLE_MODULES.items()}
+    result["idle_rss"] = {role: v["rss"] for role, v in idle.items()}
+    result["idle_loaded"] = {role: v["loaded"] for role, v in idle.items()}
+    result["settings"]["prefork_workers"] = probes.prefork_workers()
     for pt in points:
         peaks = {k: v for k, v in _peaks(result["points"]).items() if k[1:] == (pt.clusters, pt.engines)}
         est = plan.estimate_bytes(pt, {k[0]: v for k, v in peaks.items()})
