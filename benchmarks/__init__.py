@@ -18,6 +18,8 @@ matplotlib) inside the functions that run, so ``dcr-ray --help`` stays fast.
   stall, freshness, tokens/s, beside a dense sync, a full fetch-then-reload and SkyRL's delta sync
 - :mod:`~benchmarks.startup`  where a topology's start-up goes (per actor), the first refits, an engine's
   re-creation
+- :mod:`~benchmarks.scale`  how refit time, CPU and memory per role (owner, relay, coordinator, engine) grow with
+  model size, engines per cluster and clusters: slopes, faster-than-linear flags, the 30B-1T projection from them
 - :mod:`~benchmarks.markdown`  a run's tables (BENCHMARKS.md) rendered from its JSON alone
 - :mod:`~benchmarks.failpoints`  what the library's failpoints cost a refit when no plan is armed
 - :mod:`~benchmarks.chaos`  ``dcr-ray chaos``: seeded faults against a multi-node topology, every refit checked;
@@ -32,7 +34,7 @@ import importlib
 
 #: Benchmark modules (under ``benchmarks``) that add a ``dcr-ray bench <name>`` subcommand.
 MODULES: tuple[str, ...] = ("codec", "refit", "projection", "heal", "peers", "live", "startup", "markdown",
-                             "failpoints")
+                             "failpoints", "scale")
 
 
 def add_parsers(subparsers) -> None:

@@ -2,7 +2,7 @@
 
 BENCHMARKS.md shows these tables as this prints them: every table comes from the JSON of one run (named
 under it with the run's git commit and load average), and every target of that run is listed, met or
-unmet. Works for the JSON of ``dcr-ray bench codec``, ``refit``, ``peers``, ``live`` and ``startup``.
+unmet. Works for the JSON of ``dcr-ray bench codec``, ``refit``, ``peers``, ``live``, ``startup`` and ``scale``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``markdown`` to the ``bench`` subcommands."""
     p = subparsers.add_parser("markdown", help="print a benchmark run's tables (Markdown) from its JSON",
                               description=__doc__.split("\n\n")[1])
-    p.add_argument("json", nargs="+", help="JSON written by dcr-ray bench codec/refit/peers/live/startup --json")
+    p.add_argument("json", nargs="+", help="JSON written by dcr-ray bench codec/refit/peers/live/startup/scale --json")
     p.set_defaults(func=_run)
     return p
 
@@ -32,9 +32,11 @@ def render(result: dict, path: str = "") -> str:
         from benchmarks.live.report import markdown
     elif result.get("bench") == "startup":
         from benchmarks.startup import markdown
+    elif result.get("bench") == "scale":
+        from benchmarks.scale.report import markdown
     else:
-        raise ValueError(f"{path or 'result'}: not the JSON of dcr-ray bench codec, refit, peers, live or startup "
-                         f"(bench={result.get('bench')!r})")
+        raise ValueError(f"{path or 'result'}: not the JSON of dcr-ray bench codec, refit, peers, live, startup or "
+                         f"scale (bench={result.get('bench')!r})")
     git = result.get("git") or {}
     m = result.get("machine") or {"loadavg_start": result.get("loadavg_start"),
                                   "loadavg_end": result.get("loadavg_end")}

@@ -107,5 +107,5 @@ def test_a_runs_tables_are_rendered_from_its_json_alone_with_every_target_met_or
     assert md.count("| stress-3% |") == 3  # bytes, throughput, the library default
     assert "| a target nobody met | **unmet**: x |" in md and "| bit_exact | met |" in md
     assert "commit 0123456789" in md and "dcr-ray bench markdown run.json" in md
-    with pytest.raises(ValueError, match="not the JSON of dcr-ray bench codec, refit, peers, live or startup"):
+    with pytest.raises(ValueError, match="not the JSON of dcr-ray bench codec, refit, peers, live, startup or scale"):
         render({"bench": "heal"})
