@@ -372,7 +372,9 @@ def test_a_placement_ray_cannot_satisfy_fails_launch_with_a_clear_error_instead_
     Trainer = ray.remote(num_cpus=0)(TinyTrainer)
     trainers = [Trainer.remote(SPEC, lr=1e-4)]
     cluster = dcr_ray.ClusterSpec(name="big", engines=2, cpus_per_engine=64, placement="STRICT_PACK")
-    with pytest.raises(dcr_ray.errors.ConfigError, match=r"could not place 2 bundles of \{'CPU': 64\}"):
+    # refused before anything starts: no alive node has the CPUs of one engine
+    with pytest.raises(dcr_ray.errors.ConfigError,
+                       match=r"cluster 'big': the alive nodes hold 0 of its 2 engines \(each asks \{'CPU': 64\}"):
         dcr_ray.launch(owners=trainers, clusters=[cluster], engine=dcr_ray.HFEngine(SPEC),
                        config=dcr_ray.RefitConfig(commit=dcr_ray.CommitConfig(timeout_s=3)))
     assert _alive("dcr_coordinator", "dcr_engine:big/e0") == set()
