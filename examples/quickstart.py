@@ -128,11 +128,15 @@ def main(argv=None) -> int:
     # Same prompts on every engine: identical greedy tokens and logprobs (compared exactly).
     prompts = [[1, 2, 3, 4, 5], [17, 4, 99]]
     served = ray.get([e.generate.remote(prompts, 6) for e in refit.engines().values()])
-    same = all(s["outputs"] == served[0]["outputs"] for s in served)
+
+    def tokens(outputs):  # what a policy produced; the answers' version spans name where it came from
+        return [(o["token_ids"], o["logprobs"]) for o in outputs]
+
+    same = all(tokens(s["outputs"]) == tokens(served[0]["outputs"]) for s in served)
     if args.engine == "hf":  # the dense-reloaded reference model generates the same, bit for bit
         from dcr_ray.engines.hf import TransformersBackend
 
-        same &= TransformersBackend(lambda: dense).generate(prompts, 6) == served[0]["outputs"]
+        same &= tokens(TransformersBackend(lambda: dense).generate(prompts, 6)) == tokens(served[0]["outputs"])
     ok &= same
     print(f"  generation: {'identical token ids and logprobs' if same else 'OUTPUTS DIFFER'} on every engine"
           f"{' and the dense reload' if args.engine == 'hf' else ''} (policy v{served[0]['version']})")
