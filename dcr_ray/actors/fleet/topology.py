@@ -110,6 +110,16 @@ class Topology:
                      if c == cluster and e not in leaving and self.nodes.node_of(f"engine:{e}") in live)
         return self.nodes.room(self.needs(cluster), placed)
 
+    def placeable(self, engine_ids: list[str]) -> list[str]:
+        """Those of ``engine_ids`` (engines to re-create) the live nodes have room for: per cluster, beside
+        its engines that run (:meth:`room`)."""
+        out: list[str] = []
+        for cluster in sorted({self.engine_cluster[e] for e in engine_ids}):
+            mine = [e for e in engine_ids if self.engine_cluster[e] == cluster]
+            if self.can_host(cluster):
+                out += mine[:max(0, int(min(self.room(cluster, leaving=mine), len(mine))))]
+        return out
+
     def near(self, cluster: str, relay: bool = False) -> dict:
         """Ray options that put an actor re-created now in ``cluster`` on a live node that can host it: a
         relay beside the most live engines of its cluster, an engine on the host with the fewest. Empty

@@ -197,7 +197,7 @@ class Healing:
                     self._worker = None
                     return
             try:
-                for e in self._placeable(waiting):  # capacity came back: heal it now
+                for e in self._shared.topology.placeable(waiting):  # capacity came back: heal it now
                     self._set(e, Standing.QUEUED)
                     todo.append(e)
                 self._recreate([e for e in todo if self._table[e]["respawn"]])
@@ -267,18 +267,6 @@ class Healing:
             for k, n in nbytes.items():
                 rec[k] += n
 
-    def _placeable(self, engine_ids: list[str]) -> list[str]:
-        """Those of ``engine_ids`` the live nodes have room for (per cluster, beside its engines that run)."""
-        topo = self._shared.topology
-        out: list[str] = []
-        for cluster in sorted({topo.engine_cluster[e] for e in engine_ids}):
-            mine = [e for e in engine_ids if topo.engine_cluster[e] == cluster]
-            if not topo.can_host(cluster):
-                continue
-            room = topo.room(cluster, leaving=mine)
-            out += mine[:max(0, int(min(room, len(mine))))]
-        return out
-
     def _recreate(self, engine_ids: list[str]) -> None:
         """Re-create the engines in ``engine_ids`` the live nodes have room for, all at once (a lost node's
         engines start side by side, not one heal after another); the others wait for capacity in their
@@ -286,7 +274,7 @@ class Healing:
         only the creation calls and the decision; the new relays' start is waited for without it."""
         s = self._shared
         topo = s.topology
-        ready = self._placeable(engine_ids)
+        ready = s.topology.placeable(engine_ids)
         for e in ready:
             self._set(e, Standing.RECREATING)
             topo.retire(e, s.config)  # its name is released before the lock is taken
@@ -323,7 +311,7 @@ class Healing:
         cluster = s.topology.engine_cluster[e]
         for _ in range(MAX_ROUNDS):
             if self._table[e]["respawn"]:
-                if not self._placeable([e]):
+                if not s.topology.placeable([e]):
                     raise NoCapacity(cluster)
                 self._recreate([e])
                 if self._table[e]["respawn"]:  # its cluster lost its capacity meanwhile
