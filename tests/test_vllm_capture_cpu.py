@@ -193,7 +193,7 @@ def _tp2_served(h) -> tuple:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen3_moe", False)])
+@pytest.mark.parametrize("arch,tied", ARCHS)
 def test_at_tp2_each_worker_writes_its_shard_in_place_and_serves_what_a_fresh_tp2_engine_serves(
         local_ray, tmp_path, arch, tied):
     """Both ranks probe their own loader (each holds a shard of every parallel layer: fused q/k/v and
