@@ -155,7 +155,7 @@ class CodecConfig:
     of old bits is walked by the sender and by every receiver. ``"auto"`` (default): the coordinator
     decides per refit from what recent refits measured, context where the link bounds the refit and plain
     where the CPU does, and records the choice and why in the report (``RefitReport.coding`` /
-    ``coding_reason``; :mod:`dcr_ray.actors.owner.coding`). Owners encode once for every cluster, so
+    ``coding_reason``; :mod:`dcr_ray.actors.coordinator.coding`). Owners encode once for every cluster, so
     ``"auto"`` judges the slowest cluster link the refit feeds. An owner streaming without a coordinator
     (vLLM's trainer-side weight transfer) codes ``"auto"`` plainly. Not ``"context"`` with vLLM's capture
     mode under tensor parallelism: a rank holds only its shard, cannot read the old bits class order

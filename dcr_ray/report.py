@@ -46,7 +46,7 @@ class RefitReport:
     with ``"auto"``, what the coordinator chose for this refit)."""
     coding_reason: str = ""
     """Why that coding: configured, or ``"auto"``'s comparison of link and codec throughput, with its
-    figures (:mod:`dcr_ray.actors.owner.coding`)."""
+    figures (:mod:`dcr_ray.actors.coordinator.coding`)."""
     coding_inputs: dict = field(default_factory=dict)
     """The figures ``"auto"`` compared: the slowest fed link's bytes/s and where that figure comes from,
     the changed elements it planned for, and per coding the predicted link and codec seconds."""
@@ -74,7 +74,7 @@ class RefitReport:
         ``sums``: owner id -> stream summary; ``acks``: engine id -> flush reply; ``marks``: clock
         readings (``perf_counter``) at ``start``, ``prepare``, ``stream``, ``flushed``, ``record``,
         ``promoted``, ``activated`` and ``end``; ``coding``: the refit's
-        :class:`~dcr_ray.actors.owner.coding.CodingChoice`; ``cpu_seconds``: what
+        :class:`~dcr_ray.actors.coordinator.coding.CodingChoice`; ``cpu_seconds``: what
         :meth:`~dcr_ray.actors.coordinator.cpu_clock.CpuClock.stop` read.
         """
         m = marks

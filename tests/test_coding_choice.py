@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dcr_ray.actors.owner.coding import LINK_BOUND, PRIOR, WINDOW, choose_coding, stream_coding
+from dcr_ray.actors.coordinator.coding import LINK_BOUND, PRIOR, WINDOW, choose_coding
+from dcr_ray.actors.owner.coding import stream_coding
 from dcr_ray.config import CodecConfig
 from dcr_ray.errors import ConfigError
 

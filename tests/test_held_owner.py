@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import dcr_ray
-from dcr_ray.actors.owner.endpoint import HeldEndpoint, MixinEndpoint, owner_endpoint
+from dcr_ray.actors.owner.endpoint import OwnerEndpoint, owner_endpoint
 from dcr_ray.errors import ConfigError
 from dcr_ray.testing.models import ModelSpec
 from dcr_ray.testing.trainer import TinyTrainer
@@ -38,11 +38,29 @@ def test_a_mixin_actor_and_an_actor_that_holds_an_owner_each_get_an_endpoint_tha
 
     plain = Plain.remote()
     mine = owner_endpoint(mixin)
-    assert isinstance(mine, MixinEndpoint) and mine.handle is mixin and owner_endpoint(mine) is mine
+    assert isinstance(mine, OwnerEndpoint) and mine.mixin and mine.handle is mixin and owner_endpoint(mine) is mine
     ep = owner_endpoint(plain)
-    assert isinstance(ep, HeldEndpoint) and ep.handle is plain
+    assert isinstance(ep, OwnerEndpoint) and not ep.mixin and ep.handle is plain
     again = pickle.loads(pickle.dumps(ep))
     assert ray.get(again.handle.ping.remote()) == 1  # the endpoint pickles with its actor handle
+
+
+def test_the_endpoint_the_owner_and_the_mixin_name_the_same_calls_with_the_same_parameters():
+    """One owner protocol: each call the coordinator makes is an :class:`Owner` method and a ``dcr_`` method
+    of :class:`OwnerMixin`, with the same parameters."""
+    import inspect
+
+    from dcr_ray.actors.owner.held import Owner, OwnerMixin
+
+    def params(f) -> list[str]:  # a class made a Ray actor gets a tracing parameter on its methods
+        return [p for p in inspect.signature(f).parameters if p != "_ray_trace_ctx"]
+
+    calls = [n for n, f in vars(OwnerEndpoint).items() if callable(f) and not n.startswith("_")]
+    assert sorted(calls) == ["attach", "bootstrap", "digests", "discard", "promote", "state", "stream", "version"]
+    for call in calls:
+        want = params(getattr(OwnerEndpoint, call))
+        assert params(getattr(Owner, call)) == want, call
+        assert params(getattr(OwnerMixin, f"dcr_{call}")) == want, call
 
 
 def test_an_actor_that_holds_no_owner_is_refused_before_anything_starts(local_ray):

@@ -1,6 +1,6 @@
 """What the library default does on each case: ``CodecConfig.coding="auto"``, asked, not imitated.
 
-The coordinator picks each refit's coding with :func:`~dcr_ray.actors.owner.coding.choose_coding` from
+The coordinator picks each refit's coding with :func:`~dcr_ray.actors.coordinator.coding.choose_coding` from
 the refits it has seen. Here it is given this case as two such refits, one per coding, with what this run
 measured for them (wire bytes, encode seconds as an owner's construct, decode+apply seconds on a live
 receiver as an engine's apply), and a configured link (``--link-mbps``: there is no link in this
@@ -29,8 +29,8 @@ def _as_refit(case: dict, coding: str) -> dict:
 
 
 def choice(case: dict, link_mbps: float):
-    """The library's :class:`~dcr_ray.actors.owner.coding.CodingChoice` for ``case`` on ``link_mbps``."""
-    from dcr_ray.actors.owner.coding import choose_coding
+    """The library's :class:`~dcr_ray.actors.coordinator.coding.CodingChoice` for ``case`` on ``link_mbps``."""
+    from dcr_ray.actors.coordinator.coding import choose_coding
     from dcr_ray.config import CodecConfig
 
     history = [_as_refit(case, c) for c in ("plain", "context")]

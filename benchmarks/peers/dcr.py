@@ -3,7 +3,7 @@
 Bytes, sender seconds and the bounds are what ``dcr-ray bench codec`` measures on the same step
 (:func:`benchmarks.codec.measure_step`: the owner's encode, diff included, both codings, best of the
 repeats, every decode checked on integer views against a numpy diff), and the default is the library's own
-:func:`~dcr_ray.actors.owner.coding.choose_coding` asked about those measurements at the run's link
+:func:`~dcr_ray.actors.coordinator.coding.choose_coding` asked about those measurements at the run's link
 (:func:`benchmarks.codec.default.library_default`). The receiver (:func:`receive_into_params`) is an
 engine's in-place apply (``read_frame`` + ``apply_decoded``) into the ``transformers`` model's own
 parameters, with the class counts a live engine keeps from its previous apply; on vLLM, see

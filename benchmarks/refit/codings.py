@@ -4,7 +4,7 @@ On the 3% relay topology, at each link of the run (the headline link and ``--lin
 rounds of three refits each, one per setting of the coordinator's ``CodecConfig.coding``: ``plain``,
 ``context``, then ``auto``, every refit a fresh 3% change, measured and checked bit for bit like every
 other case (:func:`~benchmarks.refit.measure.measure_refit`). ``auto`` decides as in production,
-from the reports of the refits before it (:mod:`dcr_ray.actors.owner.coding`): by the time it runs at a
+from the reports of the refits before it (:mod:`dcr_ray.actors.coordinator.coding`): by the time it runs at a
 link, its window holds a plain and a context refit at that link (and older ones at the previous link).
 Per setting the JSON keeps every refit's seconds (``samples_s``), the coding ``auto`` chose each time
 and why, and the machine's 1/5/15-minute load averages before and after (``loadavg``); the comparison

@@ -2,120 +2,74 @@
 holds it.
 
 A trainer is an owner in one of two ways (:mod:`~dcr_ray.actors.owner.held`): its class mixes in
-:class:`~dcr_ray.actors.owner.held.OwnerMixin`, whose ``dcr_<call>`` methods are Ray methods of the actor
-(:class:`MixinEndpoint` calls them), or it keeps a :class:`~dcr_ray.actors.owner.held.Owner` in an
-attribute, which the actor's own class knows nothing about (:class:`HeldEndpoint` runs the
-:class:`~dcr_ray.actors.owner.held.Owner` method on it through Ray's ``__ray_call__``). Each method of an
-endpoint starts one call of the owner protocol (:mod:`~dcr_ray.actors.owner.delta`) and returns its
-``ObjectRef``; the caller waits. Endpoints pickle with their actor handle.
+:class:`~dcr_ray.actors.owner.held.OwnerMixin`, whose ``dcr_<call>`` methods are Ray methods of the actor,
+or it keeps a :class:`~dcr_ray.actors.owner.held.Owner` in an attribute, which the actor's own class knows
+nothing about (the call then runs the :class:`~dcr_ray.actors.owner.held.Owner` method on it through Ray's
+``__ray_call__``). The endpoint's methods carry the owner protocol's signatures
+(:mod:`~dcr_ray.actors.owner.delta`); each starts one call and returns its ``ObjectRef``; the caller waits.
+Endpoints pickle with their actor handle.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
-from dcr_ray.actors.owner.held import Owner, held_owner
+from dcr_ray.actors.owner.held import held_owner
 
 
-class OwnerEndpoint(Protocol):
-    """The owner protocol as the coordinator calls it; every method returns the call's ``ObjectRef``."""
+def _on_held(actor, call: str, *args, **kwargs):
+    """(Run inside the owner's actor by ``__ray_call__``.) The :class:`Owner` method ``call`` of the owner
+    it holds."""
+    return getattr(held_owner(actor), call)(*args, **kwargs)
 
-    handle: Any  #: the owner's actor handle
+
+class OwnerEndpoint:
+    """The owner protocol as the coordinator calls it, on a mixin actor (``mixin``: its ``dcr_<call>``
+    methods) or on an actor that holds an :class:`~dcr_ray.actors.owner.held.Owner`; every method returns
+    the call's ``ObjectRef``."""
+
+    def __init__(self, handle: Any, *, mixin: bool):
+        self.handle = handle  #: the owner's actor handle
+        self.mixin = mixin
+
+    def __repr__(self) -> str:
+        return f"OwnerEndpoint({self.handle!r}, {'mixin' if self.mixin else 'held Owner'})"
+
+    def _call(self, call: str, *args, **kwargs):
+        if self.mixin:
+            return getattr(self.handle, f"dcr_{call}").remote(*args, **kwargs)
+        return self.handle.__ray_call__.remote(_on_held, call, *args, **kwargs)
 
     def attach(self, owner_id: str, config, baseline_dir: str | None = None, in_memory: bool = False,
-               version: int = 0): ...
+               version: int = 0):
+        return self._call("attach", owner_id, config, baseline_dir, in_memory, version)
 
-    def state(self): ...
+    def state(self):
+        return self._call("state")
 
-    def digests(self): ...
+    def digests(self):
+        return self._call("digests")
 
     def stream(self, transfer: str, attempt: int, base: int, target: int, sink, base_id: str = "",
-               coding: str | None = None): ...
+               coding: str | None = None):
+        return self._call("stream", transfer, attempt, base, target, sink, base_id=base_id, coding=coding)
 
-    def bootstrap(self, transfer: str, sink): ...
-
-    def promote(self, version: int): ...
-
-    def discard(self): ...
-
-    def version(self): ...
-
-
-class MixinEndpoint:
-    """An owner whose actor class mixes in :class:`~dcr_ray.actors.owner.held.OwnerMixin`: its own
-    ``dcr_<call>`` Ray methods."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def attach(self, *args, **kwargs):
-        return self.handle.dcr_attach.remote(*args, **kwargs)
-
-    def state(self):
-        return self.handle.dcr_state.remote()
-
-    def digests(self):
-        return self.handle.dcr_digests.remote()
-
-    def stream(self, *args, **kwargs):
-        return self.handle.dcr_stream.remote(*args, **kwargs)
-
-    def bootstrap(self, *args, **kwargs):
-        return self.handle.dcr_bootstrap.remote(*args, **kwargs)
+    def bootstrap(self, transfer: str, sink):
+        return self._call("bootstrap", transfer, sink)
 
     def promote(self, version: int):
-        return self.handle.dcr_promote.remote(version)
+        return self._call("promote", version)
 
     def discard(self):
-        return self.handle.dcr_discard.remote()
+        return self._call("discard")
 
     def version(self):
-        return self.handle.dcr_version.remote()
-
-
-def _on_held(actor, method, *args, **kwargs):
-    """(Run inside the owner's actor by ``__ray_call__``.) ``method`` of the :class:`Owner` it holds."""
-    return method(held_owner(actor), *args, **kwargs)
-
-
-class HeldEndpoint:
-    """An owner kept in an attribute of an actor whose class knows nothing of dcr_ray: each call runs the
-    :class:`~dcr_ray.actors.owner.held.Owner` method on it, inside the actor, through ``__ray_call__``."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def _run(self, method, *args, **kwargs):
-        return self.handle.__ray_call__.remote(_on_held, method, *args, **kwargs)
-
-    def attach(self, *args, **kwargs):
-        return self._run(Owner.attach, *args, **kwargs)
-
-    def state(self):
-        return self._run(Owner.state)
-
-    def digests(self):
-        return self._run(Owner.digests)
-
-    def stream(self, *args, **kwargs):
-        return self._run(Owner.stream, *args, **kwargs)
-
-    def bootstrap(self, *args, **kwargs):
-        return self._run(Owner.bootstrap, *args, **kwargs)
-
-    def promote(self, version: int):
-        return self._run(Owner.promote, version)
-
-    def discard(self):
-        return self._run(Owner.discard)
-
-    def version(self):
-        return self._run(Owner.version)
+        return self._call("version")
 
 
 def owner_endpoint(handle) -> OwnerEndpoint:
     """The endpoint of an ``owners`` entry: an endpoint as it is, a mixin actor's handle (it has
-    ``dcr_attach``) as a :class:`MixinEndpoint`, any other actor's as a :class:`HeldEndpoint`."""
-    if isinstance(handle, (MixinEndpoint, HeldEndpoint)):
+    ``dcr_attach``) or any other actor's (one that holds an :class:`~dcr_ray.actors.owner.held.Owner`)."""
+    if isinstance(handle, OwnerEndpoint):
         return handle
-    return MixinEndpoint(handle) if hasattr(handle, "dcr_attach") else HeldEndpoint(handle)
+    return OwnerEndpoint(handle, mixin=hasattr(handle, "dcr_attach"))

@@ -9,7 +9,7 @@ nothing about its class changes::
             self.dcr = dcr_ray.Owner(lambda: bf16_share(self.model))   # canonical name -> tensor
 
 The coordinator reaches a held owner through Ray's ``__ray_call__``
-(:class:`~dcr_ray.actors.owner.endpoint.HeldEndpoint`), so a trainer class keeps its own method names.
+(:class:`~dcr_ray.actors.owner.endpoint.OwnerEndpoint`), so a trainer class keeps its own method names.
 :class:`OwnerMixin` is the thin shim for classes that prefer ``dcr_*`` methods of their own (and may
 override one, e.g. to observe ``dcr_promote``); :class:`StandaloneOwner` is an owner actor that is handed
 its tensors. All three run :class:`~dcr_ray.actors.owner.delta.DeltaOwner`. A trainer must not take an
