@@ -155,9 +155,12 @@ def _specs(state):
     return {n: (wire_name(t.dtype), tuple(t.shape)) for n, t in state.items()}
 
 
-def test_map_positions_inverts_narrowed_and_transposed_views():
+def test_map_positions_inverts_whole_narrowed_and_transposed_views():
+    """Contiguous blocks (the whole tensor, a slice along the first dimension, one with a dimension of 1) map by a
+    shift; the others dimension by dimension; each finds every element of the view once."""
     base = torch.arange(6 * 8).reshape(6, 8)
-    for view in (base.narrow(0, 2, 3), base.narrow(1, 1, 5), base.t(), base.t().narrow(0, 3, 4)):
+    for view in (base, base.narrow(0, 2, 3), base.narrow(0, 5, 1), base.reshape(6, 1, 8), base.narrow(1, 1, 5),
+                 base.t(), base.t().narrow(0, 3, 4)):
         src = Geometry.of(view)
         dst = Geometry((*view.shape,), tuple(torch.empty(view.shape).stride()), 7)
         pos = torch.arange(base.numel())
@@ -167,6 +170,11 @@ def test_map_positions_inverts_narrowed_and_transposed_views():
         expect = torch.empty(7 + view.numel(), dtype=torch.int64).fill_(-1)
         expect[7:] = view.reshape(-1)
         assert torch.equal(expect[out[valid]], pos[valid])
+
+
+def test_geometry_knows_a_contiguous_block_from_a_strided_view():
+    assert Geometry((4, 4), (4, 1), 16).row_major() and Geometry((4, 1, 4), (4, 99, 1), 0).row_major()
+    assert not Geometry((4, 4), (1, 4), 0).row_major() and not Geometry((4, 3), (4, 1), 0).row_major()
 
 
 def test_geometry_rejects_overlapping_views():

@@ -45,6 +45,16 @@ class Geometry:
             span += st * (sz - 1)
         return True
 
+    def row_major(self) -> bool:
+        """True when the view's elements, in row-major order, are consecutive storage elements from
+        ``offset`` (a contiguous block: a whole tensor, or a slice of it along its first dimension)."""
+        expect = 1
+        for sz, st in zip(reversed(self.shape), reversed(self.stride)):
+            if sz > 1 and st != expect:
+                return False
+            expect *= sz
+        return True
+
     def view(self, storage_flat: torch.Tensor) -> torch.Tensor:
         """This geometry as a view of a flat (1-D, offset 0) tensor over the same storage."""
         return torch.as_strided(storage_flat, self.shape, self.stride, self.offset)
@@ -55,8 +65,20 @@ def map_positions(pos: torch.Tensor, src: Geometry, dst: Geometry) -> tuple[torc
 
     ``pos`` (int64) are element positions in the canonical tensor (the scratch the loader read). Returns
     ``(valid, dst_pos)``: which positions the copy read, and for those, the storage element it wrote.
-    Requires a non-overlapping ``src`` (checked at prepare), so the decomposition is unique.
+    Requires a non-overlapping ``src`` (checked at prepare), so the decomposition is unique. A copy between
+    two contiguous blocks of one shape (most copies: a whole tensor, or a part of a fused one) is a shift of
+    the positions, done in a few passes; any other decomposes each position dimension by dimension.
     """
+    if src.shape == dst.shape and src.row_major() and dst.row_major():
+        lo, hi = src.offset, src.offset + src.numel
+        if pos.numel() == 0:
+            return torch.ones(0, dtype=torch.bool, device=pos.device), pos.clone()
+        least, most = torch.aminmax(pos)
+        if int(least) >= lo and int(most) < hi:
+            valid = torch.ones(pos.shape, dtype=torch.bool, device=pos.device)
+        else:
+            valid = (pos >= lo) & (pos < hi)
+        return valid, pos + (dst.offset - src.offset)
     dims = sorted((d for d in range(len(src.shape)) if src.shape[d] > 1), key=lambda d: -src.stride[d])
     rel = pos - src.offset
     valid = rel >= 0
