@@ -38,7 +38,8 @@ anyway, ``--sizes`` leaves it out. Points run from the fan-out sweeps to the lar
 fails (recorded with its error; the sweep goes on) comes last.
 
 Modules: :mod:`.plan` (sizes, points, memory estimate), :mod:`.probes` (what is read from processes and
-Ray), :mod:`.measure` (one point), :mod:`.runner` (the sweep and what is derived), :mod:`.fit` (slopes,
+Ray; light, as it runs in relays and the coordinator), :mod:`.actors` (the owner and engine, noting their
+start), :mod:`.measure` (one point), :mod:`.runner` (the sweep and what is derived), :mod:`.fit` (slopes,
 exponents, targets), :mod:`.report` (table, PNG).
 """
 

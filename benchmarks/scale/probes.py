@@ -1,5 +1,7 @@
 """What the scale sweep reads from processes: RSS at a process's start, Ray's object-store counters, the CPU
-of Ray's own processes, and the owner and engine classes that note their start before they allocate.
+of Ray's own processes. The functions here run inside relays and the coordinator too (through
+``__ray_call__``), so this module imports nothing heavy: the owner and engine classes that note their start
+before they allocate are in :mod:`benchmarks.scale.actors` (they import torch).
 
 RSS here is ``RssAnon + RssFile`` of ``/proc/<pid>/status`` (heap, tensors, mapped files), as
 :class:`benchmarks.refit.memory.MemorySampler` samples it: the pages of Ray's shared-memory object store
@@ -7,8 +9,10 @@ that a worker maps are left out and counted once, as the store's own bytes (:fun
 
 *Start* of each role:
 
-- owner: read in :class:`ScaleOwner`'s ``__init__`` after ``import torch`` and before its tensors exist;
-- engine: read by :class:`ScaleEngine` in the engine process before its backend allocates the model;
+- owner: read in :class:`~benchmarks.scale.actors.ScaleOwner`'s ``__init__`` after ``import torch`` and before
+  its tensors exist;
+- engine: read by :class:`~benchmarks.scale.actors.ScaleEngine` in the engine process before its backend
+  allocates the model;
 - relay and coordinator (dcr_ray starts them; nothing of theirs runs before they are in service): an idle
   Ray worker that imported the role's module (:func:`idle_rss`), read once per run.
 """
@@ -16,8 +20,6 @@ that a worker maps are left out and counted once, as the store's own bytes (:fun
 from __future__ import annotations
 
 import os
-
-from benchmarks.refit.actors import BenchOwner, SyntheticEngine
 
 #: RSS of this process when its owner or engine began building (None until then; read with
 #: :func:`start_rss` through ``actor.__ray_call__``).
@@ -71,22 +73,6 @@ def start_rss(_actor=None) -> int | None:
 def pid_of(_actor=None) -> int:
     """(Run in any actor.) Its process id."""
     return os.getpid()
-
-
-class ScaleOwner(BenchOwner):
-    """The refit benchmark's synthetic owner, noting its RSS before its tensors exist."""
-
-    def __init__(self, shapes, seed: int = 0):
-        _note_start()
-        super().__init__(shapes, seed)
-
-
-class ScaleEngine(SyntheticEngine):
-    """The refit benchmark's light receiver, noting the engine process's RSS before it allocates the model."""
-
-    def __call__(self):
-        _note_start()
-        return super().__call__()
 
 
 def idle_rss(module: str) -> dict:
