@@ -24,6 +24,7 @@ Modules and subpackages:
 - :mod:`~dcr_ray.status`       ``dcr-ray status``: a running topology, read from its coordinator
 - :mod:`~dcr_ray.cli`          the ``dcr-ray`` command line (``bench``, ``status``, ``chaos``)
 - :mod:`~dcr_ray.metrics`      every metric, exported through Ray's metrics agent
+- :mod:`~dcr_ray.heap`         the heap's free pages back to the OS once a process's part of a refit is done
 - :mod:`~dcr_ray.progress`     progress bars for launch and refits on the driver's terminal
 - :mod:`~dcr_ray.refit_call`   the Ray task that answers ``refit.remote()``, also when the coordinator is gone
 - :mod:`~dcr_ray.options`      names and Ray options of every actor

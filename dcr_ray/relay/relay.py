@@ -27,28 +27,9 @@ import ray
 from dcr_ray import metrics
 from dcr_ray.errors import RefitTimeoutError
 from dcr_ray.failpoints import failpoint
+from dcr_ray.heap import return_free_heap
 from dcr_ray.start_clock import StartClock
 from dcr_ray.relay.window import CatchUpWindow, CommittedStep
-
-
-def _return_heap() -> None:
-    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing). A head relay
-    reads each payload into its heap before it re-puts it, and glibc keeps the freed pages of those large
-    reads in its arenas (one per thread: up to ``RELAY_CONCURRENCY`` payloads), so a relay that forwarded a
-    dense bootstrap would otherwise hold a few hundred MB it no longer uses until its next transfer."""
-    global _TRIM
-    if _TRIM is None:
-        try:
-            import ctypes
-
-            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _TRIM = False
-    if _TRIM:
-        _TRIM(0)
-
-
-_TRIM = None
 
 
 class RelayActor:
@@ -148,7 +129,7 @@ class RelayActor:
         with self._lock:
             self._held.pop(transfer, None)
             self._seen = {k for k in self._seen if k[0] != transfer}
-        _return_heap()
+        return_free_heap()
 
     def keep(self, step: CommittedStep) -> bool:
         """After ``step.transfer`` committed: a head keeps the copies of the committed attempt in its
@@ -166,7 +147,7 @@ class RelayActor:
                                      target=step.target, base_id=step.base_id, keys=keys,
                                      payloads=[held[k][0] for k in keys], nbytes=sum(held[k][1] for k in keys))
             added = kept is not None and self._window.add(kept)
-        _return_heap()
+        return_free_heap()
         return added
 
     def window(self, version: int, version_id: str | None) -> list[CommittedStep] | None:

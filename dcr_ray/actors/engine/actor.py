@@ -42,6 +42,7 @@ from dcr_ray.actors.engine.receive import Receiver
 from dcr_ray.actors.engine.serving import Serving
 from dcr_ray.actors.engine.switch import EngineGate
 from dcr_ray.codec.compiled import kernels
+from dcr_ray.heap import return_free_heap
 from dcr_ray.config import RefitConfig
 from dcr_ray.engines.base import EngineBackend, readable_tensors
 from dcr_ray.errors import ConfigError
@@ -124,10 +125,16 @@ class EngineActor:
     def activate(self, version: int, transfer: str | None = None, version_id: str | None = None,
                  epoch: int | None = None) -> int:
         self._engine.fence(epoch, "activate")
-        return self._receiver.activate(version, transfer, version_id)
+        try:
+            return self._receiver.activate(version, transfer, version_id)
+        finally:
+            return_free_heap()  # the transfer's frames and decoded items
 
     def abort(self, transfer: str, final: bool = False) -> dict:
-        return self._receiver.abort(transfer, final)
+        try:
+            return self._receiver.abort(transfer, final)
+        finally:
+            return_free_heap()
 
     def progress(self) -> dict:
         return self._receiver.progress()

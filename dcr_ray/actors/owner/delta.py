@@ -46,6 +46,7 @@ from dcr_ray.codec.encoding.packdiff import PackDelta
 from dcr_ray.config import RefitConfig
 from dcr_ray.errors import BaselineError, ConfigError
 from dcr_ray.failpoints import failpoint
+from dcr_ray.heap import return_free_heap
 from dcr_ray.sharding import Shard, ShardSpec, canonical_specs, project_all, resolve_shards
 from dcr_ray.sharding.device import DeviceBaseline, delta_from_changes
 from dcr_ray.sharding.digest import shard_digests
@@ -316,6 +317,7 @@ class DeltaOwner:
         self.device.promote()
         self._pending_transfer, self._pending_complete = None, False
         self._last_summary = None
+        return_free_heap()  # the transfer's diff chunks and frames
         return n
 
     def _promote_in_background(self, version: int) -> None:
@@ -343,6 +345,7 @@ class DeltaOwner:
         self.device.discard()
         self._pending_transfer, self._pending_complete = None, False
         self._last_summary = None
+        return_free_heap()
 
     @property
     def version(self) -> int:
