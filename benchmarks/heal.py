@@ -174,7 +174,7 @@ def _case(refit, one, base: float, cluster: str, fault, expect: int = 1, release
     during = []  # (report, healing phases when it started)
     while True:
         st = refit.status()
-        phases = {h["phase"] for h in st["healing"].values()}
+        phases = {h["standing"] for h in st["healing"].values()}
         done = sum((h["engine"], h["at"]) not in healed_before for h in st["healed"])
         if not phases and done >= expect and len(during) >= 2:
             break

@@ -163,7 +163,7 @@ class Refit:
         deadline = time.monotonic() + timeout
         while True:
             st = self.status()
-            failed = {e: r["error"] for e, r in st["healing"].items() if r["phase"] == "failed"}
+            failed = {e: r["error"] for e, r in st["healing"].items() if r["standing"] == "failed"}
             if failed:
                 raise RefitError(f"healing failed for {sorted(failed)}: {failed}; Refit.rejoin(engine_id) retries")
             if not st["healing"]:

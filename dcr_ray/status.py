@@ -87,9 +87,9 @@ def format_status(st: dict) -> str:
                       f"and its engines heal when a node with those resources joins"]
     healing, healed = st.get("healing") or {}, st.get("healed") or []
     if healing or healed:
-        lines += ["", f"{'healing engine':<20} {'phase':<14} {'source':<14} {'for s':>6}  reason / error"]
+        lines += ["", f"{'healing engine':<20} {'standing':<14} {'source':<14} {'for s':>6}  reason / error"]
         for e, h in sorted(healing.items()):
-            lines.append(f"{e:<20} {h.get('phase', '?'):<14} {str(h.get('source') or '-'):<14} "
+            lines.append(f"{e:<20} {h.get('standing', '?'):<14} {str(h.get('source') or '-'):<14} "
                          f"{time.time() - h.get('since', time.time()):>6.1f}  {h.get('error') or h.get('reason')}")
         for h in healed[-5:]:
             lines.append(f"{h['engine']:<20} {'healed v' + str(h['version']):<14} {str(h['source']):<14} "

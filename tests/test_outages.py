@@ -95,7 +95,7 @@ def test_a_node_lost_mid_refit_costs_one_retry_and_a_lost_cluster_waits_for_capa
             assert out["version"] == v
         st = refit.status()
         assert list(st["capacity"]) == ["b"] and st["capacity"]["b"]["waiting_since"] > 0, st["capacity"]
-        assert {e: r["phase"] for e, r in st["healing"].items()} == {"b/e0": "waiting for capacity",
+        assert {e: r["standing"] for e, r in st["healing"].items()} == {"b/e0": "waiting for capacity",
                                                                       "b/e1": "waiting for capacity"}, (
             st["healing"], report.warnings)
         assert sorted(st["required"]) == ["a/e0", "a/e1"]

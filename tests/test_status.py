@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import raytools  # noqa: F401
 from raytools import local_ray  # noqa: F401  (module-scoped Ray fixture)
@@ -47,7 +48,12 @@ def test_status_lists_versions_engine_states_relays_and_the_last_refits_and_the_
         assert printed["version"] == 1 and len(printed["engine_states"]) == 3
 
         ray.kill(refit.engines()["a/e1"])
-        states = {e["engine"]: e["phase"] for e in refit.status(detail=True)["engine_states"]}
+        deadline = time.monotonic() + 60  # the kill lands asynchronously
+        while True:
+            states = {e["engine"]: e["phase"] for e in refit.status(detail=True)["engine_states"]}
+            if states["a/e1"] == "dead" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert states["a/e1"] == "dead" and states["a/e0"] == "ready"
         # the next refit drops it; it heals in the background and status shows where from
         ray.get(trainer.step.remote(seed=1))

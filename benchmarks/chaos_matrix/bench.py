@@ -287,7 +287,7 @@ class Bench:
             except RefitTimeoutError:
                 raise
             except RefitError as e:
-                failed = sorted(e for e, r in self.status()["healing"].items() if r["phase"] == "failed")
+                failed = sorted(e for e, r in self.status()["healing"].items() if r["standing"] == "failed")
                 for eid in failed:
                     did.append(f"rejoin {eid}")
                     try:

@@ -25,7 +25,7 @@ Transitions follow :data:`MOVES` (a standing -> the standings it may become); an
 through :meth:`Standings.move`; the container's own lock orders concurrent writers (a refit, the
 healing worker), and the required set changes only under the coordinator's lock as well (a heal's join
 takes it). ``CoordinatorState.required`` is a read-only view; ``status()["standings"]`` and
-``status()["healing"][engine]["phase"]`` show these names.
+``status()["healing"][engine]["standing"]`` show these names.
 """
 
 from __future__ import annotations

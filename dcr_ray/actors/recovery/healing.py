@@ -2,7 +2,7 @@
 the background, inside their cluster where they can, and join when they hold it.
 
 ``refit.remote()`` answers at commit. An engine that died (re-created here), one evicted as hung that
-answers again, or one that asks to rejoin is *healing*: it has its own phase in ``status()["healing"]``
+answers again, or one that asks to rejoin is *healing*: it has its own standing in ``status()["healing"]``
 while the refits go on without it. Where its bits come from, in order of preference:
 
 1. **The deltas it missed**, when it holds an older committed version (evicted as hung, then answering
@@ -98,14 +98,14 @@ class _TimedLock:
 
 
 def _record(e: str, reason: str | None, respawn: bool) -> dict:
-    """A healing engine's row: why it heals, and what it took so far (``sources`` in order); its phase is
-    its standing (:mod:`~dcr_ray.actors.fleet.standings`)."""
+    """A healing engine's row: why it heals, and what it took so far (``sources`` in order); its
+    ``standing`` in ``status()`` is its standing (:mod:`~dcr_ray.actors.fleet.standings`)."""
     return {"engine": e, "reason": reason, "respawn": respawn, "source": None,
             "since": time.time(), "waiting_since": None, "rounds": 0, "error": None, "sources": [],
             "start_seconds": None, "created_at": None, **dict.fromkeys(TOOK, 0)}
 
 
-def _phase(standing: Standing | None) -> str:
+def _standing_name(standing: Standing | None) -> str:
     return standing.value if standing is not None else "unknown"
 
 
@@ -169,8 +169,8 @@ class Healing:
                              ) from None
 
     def status(self) -> dict:
-        """``{"healing": {engine id: {"phase", "reason", "source", "since", "rounds", "error", ...}},
-        "healed": [...]}``: every engine healing now or whose healing failed (``phase``: its standing, one
+        """``{"healing": {engine id: {"standing", "reason", "source", "since", "rounds", "error", ...}},
+        "healed": [...]}``: every engine healing now or whose healing failed (``standing``: one
         of :data:`~dcr_ray.actors.fleet.standings.HEALING` or ``joining``; ``failed``: ``Refit.rejoin`` retries
         it), and the last completed heals. ``sources`` lists where each round's
         bits came from (a peer's id, ``window`` or ``owners``; a later round starts from what an earlier
@@ -182,7 +182,7 @@ class Healing:
         ``lock_longest_seconds``: its longest single hold."""
         standings = self._shared.standings
         with self._guard:
-            return {"healing": {e: {"phase": _phase(standings.of(e)),
+            return {"healing": {e: {"standing": _standing_name(standings.of(e)),
                                     **{k: v for k, v in r.items() if k not in ("respawn", "created_at")}}
                                 for e, r in self._table.items()},
                     "healed": list(self.healed)}
