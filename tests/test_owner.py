@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import dcr_ray
+from dcr_ray import failpoints
 from dcr_ray.actors.owner.delta import DeltaOwner
 from dcr_ray.codec import apply_frame
 from dcr_ray.errors import BaselineError
+from dcr_ray.failpoints.plan import Fault
 
 
 class ListSink:
@@ -65,7 +68,7 @@ def test_successive_refits_stream_exactly_the_changes_whether_promote_runs_in_ba
             assert torch.equal(owner.store.tensor(n).view(torch.int16), ts[n].view(torch.int16))
 
 
-def test_a_repeated_promote_is_a_no_op_and_a_failed_background_promote_fails_the_next_stream(monkeypatch):
+def test_a_repeated_promote_is_a_no_op_and_a_background_promote_that_fails_twice_fails_the_next_stream(monkeypatch):
     owner = _owner(True)
     ts = _tensors(1)
     owner.attach(ts)
@@ -86,6 +89,40 @@ def test_a_repeated_promote_is_a_no_op_and_a_failed_background_promote_fails_the
         owner.stream(_bump(ts, 3), transfer="t3", attempt=0, base=2, target=3, sink=ListSink())
     with pytest.raises(BaselineError):  # sticky: the baseline does not match the record any more
         owner.version
+
+
+@pytest.mark.parametrize("where", ["before it wrote", "after it wrote"])
+def test_a_background_promote_that_failed_once_runs_again_before_the_next_stream_which_diffs_from_it(
+        monkeypatch, where):
+    owner = _owner(True)
+    ts = _tensors(1)
+    owner.attach(ts)
+    ts = _bump(ts, 1)
+    owner.stream(ts, transfer="t1", attempt=0, base=0, target=1, sink=ListSink())
+    real, calls = owner.store.promote, []
+
+    def fails_once(version):
+        calls.append(version)
+        if len(calls) == 1 and where == "after it wrote":
+            real(version)
+            raise OSError("disk full")
+        return real(version)
+
+    monkeypatch.setattr(owner.store, "promote", fails_once)
+    if where == "before it wrote":  # the failpoint just before the baseline's writes, armed in this process
+        failpoints.arm([Fault(point="owner.promote.write", action="raise", at=1)])
+    try:
+        owner.promote(1)
+        ts2 = _bump(ts, 2)
+        sink = ListSink()
+        owner.stream(ts2, transfer="t2", attempt=0, base=1, target=2, sink=sink)
+    finally:
+        failpoints.disarm()
+    assert owner.store.version == 1 and calls == ([1, 1] if where == "after it wrote" else [1])
+    for n, t in ts.items():  # the baseline is exactly version 1: the trainer's tensors then
+        assert np.array_equal(owner.store.tensor(n).view(torch.int16).numpy(), t.view(torch.int16).numpy())
+    owner.promote(2)
+    assert owner.version == 2
 
 
 def test_promoting_a_version_that_is_not_pending_is_refused_at_once_and_breaks_nothing():

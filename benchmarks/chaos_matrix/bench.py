@@ -210,7 +210,7 @@ class Bench:
                                     engine=dcr_ray.HFEngine(self.spec), resume=True)
 
     def handles(self) -> dict:
-        h = ray.get(self.refit.actor.handles.remote(), timeout=60)
+        h = self._ask("handles")
         return {"owners": dict(self.owners), "engines": h["engines"], "relays": h["relays"],
                 "coordinator": self.refit.actor}
 
@@ -248,7 +248,19 @@ class Bench:
         return v
 
     def status(self, detail: bool = False) -> dict:
-        return ray.get(self.refit.actor.status.remote(detail), timeout=60)
+        return self._ask("status", detail)
+
+    def _ask(self, method: str, *args):
+        """A call of the coordinator's; while it restarts (Ray answers "temporarily unavailable"), made again
+        for up to :data:`RESTART_ALLOWANCE_S`."""
+        deadline = time.monotonic() + RESTART_ALLOWANCE_S
+        while True:
+            try:
+                return ray.get(getattr(self.refit.actor, method).remote(*args), timeout=60)
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     # -- recovery (the fixes errors name) ---------------------------------------------------------------
     def dead_owners(self) -> list[str]:

@@ -31,6 +31,7 @@ every call is idempotent for the same arguments)::
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Iterable, Mapping
@@ -54,6 +55,7 @@ from dcr_ray.sharding.digest import shard_digests
 if TYPE_CHECKING:  # annotations only: torch is imported where it runs
     import torch
 
+log = logging.getLogger(__name__)
 
 def stable_hash(name: str) -> int:
     """A process-independent hash of a tensor name (Python's ``hash`` is salted per process)."""
@@ -99,6 +101,7 @@ class DeltaOwner:
         self._promoting: threading.Thread | None = None
         self._promoting_version: int | None = None
         self._promote_error: BaseException | None = None
+        self._promote_again: int | None = None  # the version whose failed background promote runs again
         self._promote_lock = threading.RLock()
         self.specs: dict[str, ShardSpec] = {}
         self._plans: list = []  # packs of small direct tensors (BaselineStore.plan_packs), fixed at attach
@@ -323,15 +326,27 @@ class DeltaOwner:
     def _promote_in_background(self, version: int) -> None:
         try:
             self._promote_now(version)
-        except BaseException as e:  # surfaced by the next settle()
-            self._promote_error = e
+        except BaseException as e:  # surfaced by the next settle(), which runs it once more first
+            self._promote_error, self._promote_again = e, version
 
     def settle(self) -> None:
-        """Wait for a background promote; raise ``BaselineError`` if it (ever) failed."""
+        """Wait for a background promote. One that failed runs once more here, before anything reads the
+        baseline: a promote writes each change's new bits at its position (the host baseline's and the
+        device's), so running it again over a write that stopped part-way gives the same baseline. If that
+        fails too, ``BaselineError``, for good: the baseline no longer matches the commit record."""
         with self._promote_lock:
             if self._promoting is not None:
                 self._promoting.join()
                 self._promoting = self._promoting_version = None
+            if self._promote_error is not None and self._promote_again is not None:
+                version, self._promote_again = self._promote_again, None
+                try:
+                    self._promote_now(version)
+                    log.warning("dcr_ray: owner %s: promoting version %d failed (%r); it ran again and "
+                                "succeeded", self.owner_id, version, self._promote_error)
+                    self._promote_error = None
+                except BaseException as again:
+                    self._promote_error = again
             e = self._promote_error
             if e is not None:  # sticky: the baseline no longer matches the commit record
                 raise BaselineError(f"owner {self.owner_id}: promoting the committed changed set failed: "
