@@ -29,7 +29,9 @@ import ray
 import torch
 
 import dcr_ray
-from dcr_ray.errors import ConfigError, RefitTimeoutError
+from dcr_ray.errors import ConfigError, RefitError, RefitTimeoutError
+from dcr_ray.failpoints import remote as fp_remote
+from dcr_ray.failpoints.plan import Fault
 from dcr_ray.testing.faults import FlakyEngine
 from dcr_ray.testing.links import EmulatedLinks
 from dcr_ray.testing.models import ModelSpec
@@ -237,6 +239,27 @@ def test_a_dense_bootstrap_of_an_engine_that_is_not_required_is_refused_before_a
         assert ray.get(refit.engines()["a/e1"].info.remote())["applied"] == before
         assert refit.status()["standings"]["a/e1"] == "out"
         assert_no_wrong_bits(refit, committed, 0)
+    finally:
+        refit.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_dense_bootstrap_that_fails_mid_stream_leaves_its_engine_healing_and_the_next_refit_commits(
+        local_ray, tmp_path):
+    """Found by ``dcr-ray chaos --enumerate`` (owner.bootstrap/raise): the engine a failed dense bootstrap
+    wrote into held no version yet stayed required, and every later refit failed on it."""
+    refit, trainer = _launch(dcr_ray.HFEngine(SPEC), [dcr_ray.ClusterSpec(name="a", engines=2)], tmp_path)
+    try:
+        fp_remote.arm_actor(trainer, [Fault(point="owner.bootstrap", action="raise")])
+        with pytest.raises(RefitError, match="left the required set and heal.*Refit.wait_healed"):
+            ray.get(refit.actor.bootstrap_dense.remote(["a/e0"]))
+        fp_remote.report_of(trainer, disarm=True)
+        ray.get(trainer.step.remote(seed=0))
+        report = refit.run(timeout=120)
+        assert report.version == 1
+        refit.wait_healed(timeout=120)
+        assert sorted(refit.status()["required"]) == ["a/e0", "a/e1"]
+        assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 1)
     finally:
         refit.shutdown()
 

@@ -160,7 +160,15 @@ class CoordinatorActor:
                     raise ConfigError(f"engine {e!r} is {standing.value!r}, not required: a dense bootstrap repairs "
                                       f"required engines only; Refit.rejoin({e!r}) brings it back (re-created if "
                                       f"its actor died)")
-            return self._boot.dense(ids)
+            try:
+                return self._boot.dense(ids)
+            except Exception as err:
+                # a failed bootstrap leaves its engines holding no version: required, they would fail every
+                # refit; they leave the required set and heal (from a peer, the window or the owners)
+                self._healer.schedule(ids, f"a dense bootstrap failed: {type(err).__name__}", respawn=False)
+                raise RefitError(f"the dense bootstrap of {ids} failed ({type(err).__name__}: {str(err)[:300]}); "
+                                 f"they hold no version, left the required set and heal in the background "
+                                 f"(Refit.wait_healed() waits for them)") from err
 
     # -- one refit ----------------------------------------------------------------------------------
     def refit(self, request: str | None = None) -> RefitReport:
