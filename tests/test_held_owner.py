@@ -103,3 +103,28 @@ def test_a_trainer_that_holds_an_owner_refits_exactly_and_is_reported_by_its_own
         assert state == {"version": 2, "pending": None}
     finally:
         refit.shutdown()
+
+
+def test_optional_arguments_reach_an_owner_only_when_given_so_narrower_overrides_keep_working():
+    """A trainer class that overrides ``dcr_attach`` or ``dcr_stream`` with the parameters it knows (an older
+    signature) still gets the calls that do not need the others."""
+    class Method:
+        def __init__(self, params):
+            self.params, self.calls = params, []
+
+        def remote(self, *args, **kwargs):
+            assert len(args) + len(kwargs) <= len(self.params) and set(kwargs) <= set(self.params)
+            self.calls.append((args, kwargs))
+
+    class Narrow:  # a handle whose dcr_ methods take fewer parameters than the protocol's
+        dcr_attach = Method(["owner_id", "config"])
+        dcr_stream = Method(["transfer", "attempt", "base", "target", "sink"])
+
+    ep = OwnerEndpoint(Narrow(), mixin=True)
+    ep.attach("o0", "cfg")
+    ep.stream("t1", 0, 0, 1, "sink")
+    assert Narrow.dcr_attach.calls == [(("o0", "cfg"), {})]
+    assert Narrow.dcr_stream.calls == [(("t1", 0, 0, 1, "sink"), {})]
+    wide = Method(["owner_id", "config", "baseline_dir", "in_memory", "version"])
+    OwnerEndpoint(type("Wide", (), {"dcr_attach": wide})(), mixin=True).attach("o0", "cfg", version=3)
+    assert wide.calls == [(("o0", "cfg"), {"version": 3})]

@@ -86,12 +86,12 @@ class _Probe:
         the temporary directory (what ``OwnerConfig.baseline_dir`` gives)."""
         self.bench_baseline = kind
 
-    def dcr_attach(self, owner_id, config, baseline_dir=None, in_memory=False):
+    def dcr_attach(self, owner_id, config, baseline_dir=None, in_memory=False, version=0):
         import tempfile
 
         if self.bench_baseline == "mmap" and baseline_dir is None:
             baseline_dir = tempfile.gettempdir()
-        return super().dcr_attach(owner_id, config, baseline_dir, in_memory)
+        return super().dcr_attach(owner_id, config, baseline_dir, in_memory, version)
 
     def bench_digests(self) -> dict[str, str]:
         return _digests(self.dcr_tensors())

@@ -42,7 +42,10 @@ class OwnerEndpoint:
 
     def attach(self, owner_id: str, config, baseline_dir: str | None = None, in_memory: bool = False,
                version: int = 0):
-        return self._call("attach", owner_id, config, baseline_dir, in_memory, version)
+        # optional arguments travel only when given: a mixin class that overrides dcr_attach with fewer
+        # parameters keeps working where it does not need them
+        return self._call("attach", owner_id, config, **_given(baseline_dir=(baseline_dir, None),
+                                                                in_memory=(in_memory, False), version=(version, 0)))
 
     def state(self):
         return self._call("state")
@@ -52,7 +55,8 @@ class OwnerEndpoint:
 
     def stream(self, transfer: str, attempt: int, base: int, target: int, sink, base_id: str = "",
                coding: str | None = None):
-        return self._call("stream", transfer, attempt, base, target, sink, base_id=base_id, coding=coding)
+        return self._call("stream", transfer, attempt, base, target, sink,
+                          **_given(base_id=(base_id, ""), coding=(coding, None)))
 
     def bootstrap(self, transfer: str, sink):
         return self._call("bootstrap", transfer, sink)
@@ -65,6 +69,11 @@ class OwnerEndpoint:
 
     def version(self):
         return self._call("version")
+
+
+def _given(**args: tuple) -> dict:
+    """``{name: value}`` of the optional arguments whose value is not their default (``name=(value, default)``)."""
+    return {k: v for k, (v, default) in args.items() if v != default}
 
 
 def owner_endpoint(handle) -> OwnerEndpoint:
