@@ -170,7 +170,7 @@ def test_warming_up_the_kernels_loads_every_width_and_is_harmless_when_disabled(
     if not kernels.ENABLED:
         pytest.skip("numba is not installed (or DCR_RAY_JIT=0): no kernels to warm")
     kernels.warm_up(background=False)
-    compiled = kernels._compiled()
+    compiled = kernels.compiled()
     for name in ("xor_into", "put_into", "add_into", "take_into", "class_starts"):
         # each kernel holds a compiled signature for every element width an owner or engine meets
         widths = {str(sig[0].dtype) for sig in compiled[name].signatures}
@@ -194,7 +194,7 @@ def test_a_fresh_process_loads_every_warmed_kernel_from_numbas_cache_without_com
     kernels.warm_up(background=False)  # fills the cache (or finds it filled)
     code = ("from dcr_ray.codec.compiled import kernels, ptrkernels\n"
             "kernels.warm_up(background=False)\n"
-            "ds = {**kernels._compiled(), **{'ptr.' + k: v for k, v in ptrkernels._compiled().items()}}\n"
+            "ds = {**kernels.compiled(), **{'ptr.' + k: v for k, v in ptrkernels.compiled().items()}}\n"
             "print({n: sum(d.stats.cache_misses.values()) for n, d in ds.items() if d.stats.cache_misses})\n"
             "print(sum(sum(d.stats.cache_hits.values()) for d in ds.values()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
@@ -208,7 +208,7 @@ from dcr_ray.codec import FrameMeta, apply_decoded, bits_view, diff_tensor, enco
 from dcr_ray.codec.compiled import kernels, ptrkernels
 
 kernels.warm_up(background=False)
-ds = {**kernels._compiled(), **{"ptr." + k: v for k, v in ptrkernels._compiled().items()}}
+ds = {**kernels.compiled(), **{"ptr." + k: v for k, v in ptrkernels.compiled().items()}}
 before = {n: len(d.signatures) for n, d in ds.items()}
 meta = FrameMeta(transfer="t", attempt=0, producer="p", payload=0, base=0, target=1)
 g = torch.Generator().manual_seed(0)

@@ -36,6 +36,11 @@ def _library_names() -> tuple[set[str], dict[str, set[str]], dict[str, list[str]
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
                 names.add(node.name)
+        for node in tree.body:  # module-level assignments: private functions made by a call, private state
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            names.update(t.id for t in targets if isinstance(t, ast.Name) and _private(t.id))
+        for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
                     and _private(node.attr):
                 names.add(node.attr)
@@ -121,6 +126,10 @@ def test_the_check_sees_private_imports_attributes_strings_and_inherited_private
         "        return self._dcr_held()\n"  # inherited from the library
         "def g(backend, monkeypatch):\n"
         "    monkeypatch.setattr(backend, '_dcr_held', None)\n"
-        "    return backend._dcr_held\n")
+        "    return backend._dcr_held\n"
+        "def h(kernels):\n"
+        "    return kernels._compiled()\n")  # a private name the library makes by assignment (once(_build))
+    assert "_compiled" in names
     assert _violations(src, names, per_class, bases) == [
-        "t.py:2 imports _diff_chunk", "t.py:8 ._dcr_held", "t.py:10 setattr(..., '_dcr_held')", "t.py:11 ._dcr_held"]
+        "t.py:2 imports _diff_chunk", "t.py:8 ._dcr_held", "t.py:10 setattr(..., '_dcr_held')", "t.py:11 ._dcr_held",
+        "t.py:13 ._compiled"]

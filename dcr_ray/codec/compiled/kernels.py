@@ -58,6 +58,12 @@ def _build() -> dict:
 _compiled = once(_build)
 
 
+def compiled() -> dict:
+    """The compiled kernels by name (numba dispatchers, compiled on first use): for inspection, e.g. the
+    signatures each holds and its on-disk cache's hits and misses."""
+    return _compiled()
+
+
 def xor_into(view: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
     """``view[positions] ^= values`` for validated, in-bounds positions."""
     _compiled()["xor_into"](view, positions, values)

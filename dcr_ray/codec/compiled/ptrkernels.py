@@ -36,6 +36,12 @@ def _build() -> dict:
 _compiled = once(_build)
 
 
+def compiled() -> dict:
+    """The compiled kernels by name (numba dispatchers, compiled on first use): for inspection, e.g. the
+    signatures each holds and its on-disk cache's hits and misses."""
+    return _compiled()
+
+
 def xor_into(addrs: np.ndarray, offsets: np.ndarray, pos: np.ndarray, vals: np.ndarray) -> None:
     """``tensor_t[p - offsets[t]] ^= v`` for every pack position ``p`` (in tensor ``t``) and value ``v``."""
     _compiled()["walk"](addrs, offsets, pos, vals, 0)
