@@ -52,9 +52,9 @@ def _pauses(engines, since: float) -> list[dict]:
 def _link_bytes(topo) -> int:
     import ray
 
-    from benchmarks.refit.topology import _link_busy
+    from dcr_ray.testing.links import link_busy
 
-    return sum(b for _, b in ray.get([h.__ray_call__.remote(_link_busy) for h in topo.heads]))
+    return sum(b for _, b in ray.get([h.__ray_call__.remote(link_busy) for h in topo.heads]))
 
 
 def _exact(topo) -> bool:

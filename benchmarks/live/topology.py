@@ -90,6 +90,6 @@ def set_link(topo: LiveTopology, mbps: float | None, latency_s: float) -> None:
     """The emulated cluster link every method crosses (``None``: none, and no latency)."""
     import ray
 
-    from benchmarks.refit.topology import _set_link
+    from dcr_ray.testing.links import set_link
 
-    ray.get([h.__ray_call__.remote(_set_link, mbps, latency_s if mbps is not None else 0.0) for h in topo.heads])
+    ray.get([h.__ray_call__.remote(set_link, mbps, latency_s if mbps is not None else 0.0) for h in topo.heads])

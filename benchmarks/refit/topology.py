@@ -54,8 +54,10 @@ class Topology:
     def set_link(self, mbps: float | None, latency_s: float) -> None:
         import ray
 
+        from dcr_ray.testing.links import set_link
+
         self.link_mbps, self.latency_s = mbps, (latency_s if mbps else 0.0)
-        ray.get([a.__ray_call__.remote(_set_link, mbps, latency_s) for a in self._link_holders().values()])
+        ray.get([a.__ray_call__.remote(set_link, mbps, latency_s) for a in self._link_holders().values()])
 
     def set_coding(self, coding: str) -> None:
         """``CodecConfig.coding`` of the refits that follow (``plain``, ``context`` or ``auto``): the
@@ -68,8 +70,10 @@ class Topology:
         """Link -> (serialisation seconds, bytes) so far."""
         import ray
 
+        from dcr_ray.testing.links import link_busy
+
         holders = self._link_holders()
-        return dict(zip(holders, ray.get([a.__ray_call__.remote(_link_busy) for a in holders.values()])))
+        return dict(zip(holders, ray.get([a.__ray_call__.remote(link_busy) for a in holders.values()])))
 
     def shutdown(self) -> None:
         import ray
@@ -83,24 +87,11 @@ class Topology:
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _set_link(actor_self, mbps, latency_s) -> None:
-    from dcr_ray.testing.links import link_of
-
-    link_of(actor_self).set(mbps, latency_s)
-
-
 def _set_coding(coordinator_self, coding: str) -> None:
     import dataclasses
 
     cfg = coordinator_self.config
     coordinator_self.config = dataclasses.replace(cfg, codec=dataclasses.replace(cfg.codec, coding=coding))
-
-
-def _link_busy(actor_self) -> tuple[float, int]:
-    from dcr_ray.testing.links import link_of
-
-    link = link_of(actor_self)
-    return link.busy_s, link.bytes
 
 
 def _config(s: Settings, transport: str):

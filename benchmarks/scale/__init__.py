@@ -38,9 +38,9 @@ anyway, ``--sizes`` leaves it out. Points run from the fan-out sweeps to the lar
 fails (recorded with its error; the sweep goes on) comes last.
 
 Modules: :mod:`.plan` (sizes, points, memory estimate), :mod:`.probes` (what is read from processes and
-Ray; light, as it runs in relays and the coordinator), :mod:`.actors` (the owner and engine, noting their
-start), :mod:`.measure` (one point), :mod:`.runner` (the sweep and what is derived), :mod:`.fit` (slopes,
-exponents, targets), :mod:`.report` (table, PNG).
+Ray, and the engine factory; light, as it runs in relays and the coordinator), :mod:`.actors` (the owner,
+noting its start), :mod:`.measure` (one point), :mod:`.runner` (the sweep and what is derived), :mod:`.fit`
+(slopes, exponents, targets), :mod:`.report` (table, PNG).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ store and the links; then take it down and wait until its processes are gone.
 
 The topology is the refit benchmark's stress topology (:mod:`benchmarks.refit.topology`) widened to several
 clusters: two synthetic owners (:class:`~benchmarks.scale.actors.ScaleOwner`) of the point's model, ``clusters``
-clusters of ``engines`` light engines (:class:`~benchmarks.scale.actors.ScaleEngine`), each cluster behind a
+clusters of ``engines`` light engines (:class:`~benchmarks.scale.probes.ScaleEngine`), each cluster behind a
 relay tree (``ClusterSpec.fanout`` children per relay, the library's default) whose head counts the bytes
 crossing its boundary (:class:`~dcr_ray.testing.links.EmulatedLinks`, no delay unless ``link_mbps``). Codec and
 commit settings are the library's defaults (16 MiB buckets).
@@ -121,7 +121,7 @@ def launch(point: plan.Point, seed: int = 0, link_mbps: float | None = None, lat
         owners[f"owner{r}"] = Owner.options(**actor_options("owner", name)).remote(mine, seed)
     clusters = [dcr_ray.ClusterSpec(name=f"c{i}", engines=point.engines) for i in range(point.clusters)]
     config = RefitConfig(transport=TransportConfig(kind="relay"), commit=CommitConfig(timeout_s=900.0))
-    engine = actors.ScaleEngine(shapes)
+    engine = probes.ScaleEngine(shapes)
     try:
         config = validate(config, clusters, owners, engine)
         refit = dcr_ray.launch(clusters=clusters, config=config, owners=owners, engine=engine,

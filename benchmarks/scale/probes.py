@@ -1,7 +1,7 @@
 """What the scale sweep reads from processes: RSS at a process's start, Ray's object-store counters, the CPU
-of Ray's own processes. The functions here run inside relays and the coordinator too (through
-``__ray_call__``), so this module imports nothing heavy: the owner and engine classes that note their start
-before they allocate are in :mod:`benchmarks.scale.actors` (they import torch).
+of Ray's own processes, and the engine factory. The functions here run inside relays and the coordinator too
+(through ``__ray_call__``), and the coordinator unpickles the factory, so this module imports nothing heavy: the
+owner class that notes its start before it allocates is in :mod:`benchmarks.scale.actors` (it imports torch).
 
 RSS here is ``RssAnon + RssFile`` of ``/proc/<pid>/status`` (heap, tensors, mapped files), as
 :class:`benchmarks.refit.memory.MemorySampler` samples it: the pages of Ray's shared-memory object store
@@ -11,7 +11,7 @@ that a worker maps are left out and counted once, as the store's own bytes (:fun
 
 - owner: read in :class:`~benchmarks.scale.actors.ScaleOwner`'s ``__init__`` after ``import torch`` and before
   its tensors exist;
-- engine: read by :class:`~benchmarks.scale.actors.ScaleEngine` in the engine process before its backend
+- engine: read by :class:`ScaleEngine` in the engine process before its backend
   allocates the model;
 - relay and coordinator (dcr_ray starts them; nothing of theirs runs before they are in service): an idle
   Ray worker that imported the role's module (:func:`idle_rss`), read once per run.
@@ -73,6 +73,22 @@ def start_rss(_actor=None) -> int | None:
 def pid_of(_actor=None) -> int:
     """(Run in any actor.) Its process id."""
     return os.getpid()
+
+
+class ScaleEngine:
+    """The sweep's engine factory: the refit benchmark's light receiver (``SyntheticBackend``), noting the
+    engine process's RSS before it allocates the model. It lives here, in a module that imports nothing heavy,
+    because the coordinator unpickles it: a factory whose module imports torch would put torch in the
+    coordinator, which a user's factory (``dcr_ray.HFEngine``, ``dcr_ray.VllmEngine``) does not."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes = dict(shapes)
+
+    def __call__(self):
+        _note_start()
+        from benchmarks.refit.actors import SyntheticBackend
+
+        return SyntheticBackend(self.shapes)
 
 
 def idle_rss(module: str) -> dict:

@@ -1,6 +1,7 @@
 """Tools for tests, benchmarks and failure drills; never imported by the library itself.
 
-- :mod:`~dcr_ray.testing.links`  emulated cross-cluster links (a link model and a transport wrapper)
+- :mod:`~dcr_ray.testing.links`  emulated cross-cluster links (a link model, a transport wrapper, and the calls
+  that set and read the link inside a relay or engine)
 - :mod:`~dcr_ray.testing.faults` fault injection (an engine whose apply fails once, an owner whose
   promote fails once)
 - :mod:`~dcr_ray.testing.prefork_faults` preloads that leave a prefork server unsafe to fork from

@@ -176,3 +176,17 @@ def link_of(actor_self) -> LinkModel:
         raise TypeError(f"{actor_self!r} holds no emulated link (crossing() gave {type(cross).__name__}): wrap "
                         f"the transport in dcr_ray.testing.links.EmulatedLinks and name this actor's cluster")
     return cross
+
+
+def set_link(actor_self, mbps: float | None, latency_s: float) -> None:
+    """(Run in a relay or engine actor through ``actor.__ray_call__``.) Its emulated link from now on: ``mbps``
+    (None: no delay) and one-way latency. Defined here, in a module that imports nothing heavy, so that the
+    relay it runs in does not import a benchmark's modules (and torch) to run it."""
+    link_of(actor_self).set(mbps, latency_s)
+
+
+def link_busy(actor_self) -> tuple[float, int]:
+    """(Run in a relay or engine actor through ``actor.__ray_call__``.) Its link's serialisation seconds and
+    bytes so far."""
+    link = link_of(actor_self)
+    return link.busy_s, link.bytes
