@@ -51,6 +51,7 @@ import uuid
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from dcr_ray import metrics
+from dcr_ray.actors.coordinator.coding import choose_coding
 from dcr_ray.actors.coordinator.cpu_clock import CpuClock
 from dcr_ray.actors.coordinator.inspection import Inspection
 from dcr_ray.actors.coordinator.membership import Membership
@@ -61,7 +62,6 @@ from dcr_ray.actors.fleet.inputs import is_restart, read_inputs
 from dcr_ray.actors.fleet.standings import Standing
 from dcr_ray.actors.fleet.state import CoordinatorState
 from dcr_ray.actors.fleet.topology import Topology
-from dcr_ray.actors.coordinator.coding import choose_coding
 from dcr_ray.actors.recovery.bootstrap import Bootstrap
 from dcr_ray.actors.recovery.healing import Healing
 from dcr_ray.actors.recovery.outages import Outages

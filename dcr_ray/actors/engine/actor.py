@@ -42,11 +42,11 @@ from dcr_ray.actors.engine.receive import Receiver
 from dcr_ray.actors.engine.serving import Serving
 from dcr_ray.actors.engine.switch import EngineGate
 from dcr_ray.codec.compiled import kernels
-from dcr_ray.heap import return_free_heap
 from dcr_ray.config import RefitConfig
 from dcr_ray.engines.base import EngineBackend, readable_tensors
 from dcr_ray.errors import ConfigError
 from dcr_ray.failpoints import remote as failpoints_remote
+from dcr_ray.heap import return_free_heap
 from dcr_ray.start_clock import StartClock
 
 log = logging.getLogger(__name__)
