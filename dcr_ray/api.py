@@ -121,18 +121,31 @@ class Refit:
     def status(self, detail: bool = False) -> dict:
         """The committed version and record, required engines and the refit in flight (``phase``); with
         ``detail``, also each engine's version and state, relays per cluster and the last refits (what
-        ``dcr-ray status`` prints)."""
-        return ray.get(self._actor.status.remote(detail))
+        ``dcr-ray status`` prints). While the coordinator restarts, it waits for the resumed one."""
+        return self._read("status", detail)
 
     def engines(self) -> dict:
         """Engine id -> engine actor handle."""
-        return ray.get(self._actor.handles.remote())["engines"]
+        return self._read("handles")["engines"]
 
     def owners(self) -> dict:
-        return ray.get(self._actor.handles.remote())["owners"]
+        return self._read("handles")["owners"]
 
     def relay_stats(self) -> list[dict]:
-        return ray.get(self._actor.relay_stats.remote())
+        return self._read("relay_stats")
+
+    def _read(self, method: str, *args):
+        """A call that only reads the coordinator's state. While Ray restarts the coordinator (it answers
+        "temporarily unavailable") the call is made again, for up to :data:`_RESTART_WAIT_S`: reading twice
+        changes nothing. Calls that change the topology are not repeated (the first may have run)."""
+        deadline = time.monotonic() + _RESTART_WAIT_S
+        while True:
+            try:
+                return ray.get(getattr(self._actor, method).remote(*args))
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(_RESTART_POLL_S)
 
     def rejoin(self, engine_id: str) -> dict:
         """Bring ``engine_id`` to the committed version now (by the deltas it missed, else from a peer, else
@@ -380,8 +393,10 @@ def _where(actor) -> str:
 _WHERE_TIMEOUT_S = 10.0
 #: How often Ray re-sends a ``refit`` call to a coordinator restarted after its process died.
 REFIT_CALL_RETRIES = 10
-#: How long ``Refit.run`` waits before asking a restarting coordinator again.
+#: How long ``Refit.run`` and the reading calls wait before asking a restarting coordinator again.
 _RESTART_POLL_S = 1.0
+#: How long the reading calls (``status``, ``engines``, ``wait_healed``...) wait for a restarting coordinator.
+_RESTART_WAIT_S = 120.0
 #: How long shutdown waits for the coordinator to tear down before killing actors by name.
 _SHUTDOWN_TIMEOUT_S = 120
 #: How long a failed launch waits for its coordinator to be gone before the last sweep by name.

@@ -212,6 +212,25 @@ def test_an_error_escaping_the_attempts_still_ends_with_the_final_abort_and_the_
 
 
 @pytest.mark.timeout(240)
+def test_an_error_before_any_attempt_fails_the_refit_with_a_refit_error_that_names_the_retry(local_ray, tmp_path):
+    """Found by ``dcr-ray chaos --enumerate`` (coordinator.refit and coordinator.sweep with raise): an error
+    raised before the attempts reached the caller as itself, naming no fix."""
+    refit, trainer = _launch(dcr_ray.HFEngine(SPEC), [dcr_ray.ClusterSpec(name="a", engines=2)], tmp_path)
+    try:
+        committed = ray.get(trainer.rollout_state.remote())
+        fp_remote.arm_actor(refit.actor, [Fault(point="coordinator.refit", action="raise")])
+        ray.get(trainer.step.remote(seed=0))
+        with pytest.raises(RefitError, match="committed version is 0.*Refit.run\\(\\) tries again"):
+            refit.run(timeout=120)
+        fp_remote.report_of(refit.actor, disarm=True)
+        assert_no_wrong_bits(refit, committed, 0)
+        assert refit.run(timeout=120).version == 1
+        assert_no_wrong_bits(refit, ray.get(trainer.rollout_state.remote()), 1)
+    finally:
+        refit.shutdown()
+
+
+@pytest.mark.timeout(240)
 def test_the_healing_worker_outlives_a_failed_re_creation(local_ray, tmp_path):
     refit, trainer = _launch(dcr_ray.HFEngine(SPEC), [dcr_ray.ClusterSpec(name="a", engines=2)], tmp_path)
     try:

@@ -181,6 +181,11 @@ class CoordinatorActor:
         t_call = time.perf_counter()  # report.seconds["total"] counts the wait for a refit or heal in flight
         try:
             return self._recovery.answered(request) or self._refit(request or "", t_call)
+        except DcrError:
+            raise
+        except Exception as err:  # a failure no step turned into a DcrError: the final abort has run
+            raise RefitError(f"the refit failed: {type(err).__name__}: {str(err)[:400]}; the committed version is "
+                             f"{self._shared.version} (Refit.status() shows it); Refit.run() tries again") from err
         finally:
             self._shared.set_phase("idle")
 
