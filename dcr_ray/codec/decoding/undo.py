@@ -68,27 +68,6 @@ def _read_back(items: list, tensors: Mapping[str, torch.Tensor]) -> list[Decoded
     return out
 
 
-#: Positions below this are kept in 4 bytes instead of 8 (every tensor of fewer elements than this).
-_COMPACT_BELOW = 1 << 32
-
-
-def _compact(inverse: DecodedItem) -> DecodedItem:
-    """``inverse`` with its positions kept in 4 bytes when its range allows: the log holds them until the
-    transfer ends, so at 8 bytes a position they would outweigh the 2-byte BF16 bits they restore."""
-    p = inverse.positions
-    if p is None or p.dtype.itemsize <= 4 or inverse.hi > _COMPACT_BELOW:
-        return inverse
-    return dataclasses.replace(inverse, positions=p.astype(np.uint32))
-
-
-def _widened(inverse: DecodedItem) -> DecodedItem:
-    """``inverse`` with int64 positions again, as the apply kernels take them (a rollback is rare)."""
-    p = inverse.positions
-    if p is None or p.dtype == np.int64:
-        return inverse
-    return dataclasses.replace(inverse, positions=p.astype(np.int64))
-
-
 class FrameUndo:
     """The inverse of one frame's writes: OVERWRITE (DENSE) items and OVERWRITE packs of the bits they
     replaced. Filled before the apply (:meth:`read_back`, two passes) or by the apply itself as each
@@ -103,7 +82,7 @@ class FrameUndo:
         self.packs: list[DecodedPack] = []
 
     def add_item(self, inverse: DecodedItem) -> None:
-        self.items.append(_compact(inverse))
+        self.items.append(inverse)
 
     def add_pack(self, inverse: DecodedPack) -> None:
         self.packs.append(inverse)
@@ -112,8 +91,7 @@ class FrameUndo:
         """Keep the inverse of all of ``frame`` now, before any of its writes (the two-pass record, for
         backends whose apply does not fill it: it is right however much of the frame they then write)."""
         context.resolve(frame.items, tensors)  # class-mode positions: from the bits about to be replaced
-        for inverse in _read_back(frame.items, tensors):
-            self.add_item(inverse)
+        self.items.extend(_read_back(frame.items, tensors))
         for pk in frame.packs:
             old = _pack_old_values(pk, tensors)
             self.packs.append(dataclasses.replace(pk, encoding=Encoding.OVERWRITE, values=old))
@@ -125,7 +103,7 @@ class FrameUndo:
 
     def frame(self) -> DecodedFrame:
         """The inverse as a frame a backend applies."""
-        return DecodedFrame(self.meta, [_widened(it) for it in self.items], packs=list(self.packs))
+        return DecodedFrame(self.meta, list(self.items), packs=list(self.packs))
 
 
 class UndoLog:
