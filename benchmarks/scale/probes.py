@@ -79,7 +79,7 @@ class ScaleEngine:
     """The sweep's engine factory: the refit benchmark's light receiver (``SyntheticBackend``), noting the
     engine process's RSS before it allocates the model. It lives here, in a module that imports nothing heavy,
     because the coordinator unpickles it: a factory whose module imports torch would put torch in the
-    coordinator, which a user's factory (``dcr_ray.HFEngine``, ``dcr_ray.VllmEngine``) does not."""
+    coordinator, which a user's factory (``dcr_ray.HFEngine``, ``dcr_ray.engines.vllm.VllmEngine``) does not."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]]):
         self.shapes = dict(shapes)
