@@ -59,7 +59,6 @@ from dcr_ray.actors.coordinator.startup import Startup
 from dcr_ray.actors.fleet.calls import ActorsDied, NoAnswerError, gather, get_all
 from dcr_ray.actors.fleet.commit import CommitLog, CommitRecord
 from dcr_ray.actors.fleet.inputs import is_restart, read_inputs
-from dcr_ray.actors.fleet.standings import Standing
 from dcr_ray.actors.fleet.state import CoordinatorState
 from dcr_ray.actors.fleet.topology import Topology
 from dcr_ray.actors.recovery.bootstrap import Bootstrap
@@ -148,27 +147,12 @@ class CoordinatorActor:
         """A dense bootstrap of ``engine_ids`` (default: every engine) to the committed version, between
         refits, through the path a joining engine takes: the owners send every element (the dense
         reference ``dcr-ray bench refit`` measures, or an operator's repair of engines whose bits are in
-        doubt); returns the frames sent. See :meth:`~dcr_ray.actors.recovery.bootstrap.Bootstrap.dense`."""
+        doubt); returns the frames sent. See
+        :meth:`~dcr_ray.actors.coordinator.membership.Membership.bootstrap_dense`."""
         s = self._shared
         with s.lock:
             self._startup.require_started()
-            ids = sorted(engine_ids if engine_ids is not None else s.engines)
-            for e in ids:  # checked before anything is written
-                self._members.known(e)
-                standing = s.standings.of(e)
-                if standing not in (None, Standing.REQUIRED):  # healing, waiting, failed, out, evicted, joining
-                    raise ConfigError(f"engine {e!r} is {standing.value!r}, not required: a dense bootstrap repairs "
-                                      f"required engines only; Refit.rejoin({e!r}) brings it back (re-created if "
-                                      f"its actor died)")
-            try:
-                return self._boot.dense(ids)
-            except Exception as err:
-                # a failed bootstrap leaves its engines holding no version: required, they would fail every
-                # refit; they leave the required set and heal (from a peer, the window or the owners)
-                self._healer.schedule(ids, f"a dense bootstrap failed: {type(err).__name__}", respawn=False)
-                raise RefitError(f"the dense bootstrap of {ids} failed ({type(err).__name__}: {str(err)[:300]}); "
-                                 f"they hold no version, left the required set and heal in the background "
-                                 f"(Refit.wait_healed() waits for them)") from err
+            return self._members.bootstrap_dense(sorted(engine_ids if engine_ids is not None else s.engines))
 
     # -- one refit ----------------------------------------------------------------------------------
     def refit(self, request: str | None = None) -> RefitReport:

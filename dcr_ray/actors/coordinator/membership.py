@@ -11,6 +11,7 @@ and the refits go on without it), or heals in the background (*queued*, then the
     evicted  --answers, had flushed the committed transfer--> required   (activated: no bits move)
     evicted  --answers otherwise / died meanwhile--> queued          (:meth:`Membership.readmit`)
     any      --Refit.rejoin / Refit.invalidate----> queued, healed now   (:meth:`rejoin`, :meth:`invalidate`)
+    required --its dense bootstrap failed---------> queued           (:meth:`bootstrap_dense`)
     written by an abandoned refit, no rollback --> joining (dense bootstrap), else out (:meth:`restore`)
 
 Each evicted engine's pending readmission probe belongs to this part.
@@ -194,6 +195,27 @@ class Membership:
                 standing = getattr(s.standings.of(engine_id), "value", "no standing")
                 raise ConfigError(f"engine {engine_id!r} is not in the required set ({standing}): nothing to drain")
             s.standings.out([engine_id])
+
+    def bootstrap_dense(self, ids: list[str]) -> int:
+        """``CoordinatorActor.bootstrap_dense`` (call with the coordinator's lock held): a dense bootstrap of
+        required engines ``ids`` (anything else is refused before a write); returns the frames sent. A failed
+        one leaves its engines holding no version: required, they would fail every refit, so they leave the
+        required set and heal (from a peer, the window or the owners), and a ``RefitError`` says so."""
+        s = self._shared
+        for e in ids:  # checked before anything is written
+            self.known(e)
+            standing = s.standings.of(e)
+            if standing not in (None, Standing.REQUIRED):  # healing, waiting, failed, out, evicted, joining
+                raise ConfigError(f"engine {e!r} is {standing.value!r}, not required: a dense bootstrap repairs "
+                                  f"required engines only; Refit.rejoin({e!r}) brings it back (re-created if "
+                                  f"its actor died)")
+        try:
+            return self._bootstrap.dense(ids)
+        except Exception as err:
+            self._healer.schedule(ids, f"a dense bootstrap failed: {type(err).__name__}", respawn=False)
+            raise RefitError(f"the dense bootstrap of {ids} failed ({type(err).__name__}: {str(err)[:300]}); "
+                             f"they hold no version, left the required set and heal in the background "
+                             f"(Refit.wait_healed() waits for them)") from err
 
     def restore(self, dirty: list[str], owners: bool = True) -> str:
         """Dense re-bootstrap of engines an abandoned refit wrote into; a note for the error message.
