@@ -17,7 +17,8 @@ Toy models, a toy trainer, link emulation and fault injection for tests and exam
 
 Modules and subpackages:
 
-- :mod:`~dcr_ray.api`          :func:`launch` and the :class:`Refit` handle
+- :mod:`~dcr_ray.launcher`     :func:`launch`: a topology started, checked before anything is spawned
+- :mod:`~dcr_ray.api`          the :class:`Refit` handle of a running topology
 - :mod:`~dcr_ray.config`       the settings (:class:`RefitConfig` and its groups, :class:`ClusterSpec`)
 - :mod:`~dcr_ray.report`       what a refit returns (:class:`RefitReport`)
 - :mod:`~dcr_ray.errors`       the error tree (:class:`DcrError`)
@@ -57,7 +58,7 @@ _EXPORTS = {
     "DeltaOwner": "dcr_ray.actors.owner.delta", "owned_names": "dcr_ray.actors.owner.delta",
     "Owner": "dcr_ray.actors.owner.held", "OwnerMixin": "dcr_ray.actors.owner.held",
     "StandaloneOwner": "dcr_ray.actors.owner.held",
-    "Refit": "dcr_ray.api", "launch": "dcr_ray.api",
+    "Refit": "dcr_ray.api", "launch": "dcr_ray.launcher",
     "HFEngine": "dcr_ray.engines",
     "checkpoint_state_dict": "dcr_ray.engines.base",
     "RefitReport": "dcr_ray.report",
@@ -81,10 +82,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what static tools see
     from dcr_ray.actors.owner.held import Owner, OwnerMixin, StandaloneOwner
     from dcr_ray.actors.owner.delta import DeltaOwner, owned_names
-    from dcr_ray.api import Refit, launch
+    from dcr_ray.api import Refit
     from dcr_ray.config import (ClusterSpec, CodecConfig, CommitConfig, EngineConfig, OwnerConfig, RefitConfig,
                                 TransportConfig)
     from dcr_ray.engines import HFEngine
     from dcr_ray.engines.base import checkpoint_state_dict
     from dcr_ray.errors import DcrError, RefitError
+    from dcr_ray.launcher import launch
     from dcr_ray.report import RefitReport
