@@ -37,10 +37,10 @@ def _status(key: str) -> int:
 
 def _one(ckpt: str, kind: str, frames_path: str) -> dict:
     """(In the child process.) Start the engine, serve, refit, serve; the process's memory."""
-    import ctypes
     import gc
 
     from dcr_ray.engines.vllm import VllmBackend
+    from dcr_ray.heap import return_free_heap
 
     engine = VllmBackend(ckpt, cpu_weights="unpacked" if kind == "vllm_capture" else "packed")
     try:
@@ -56,7 +56,7 @@ def _one(ckpt: str, kind: str, frames_path: str) -> dict:
         del refits
         engine.generate(prompts, 8)
         gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return_free_heap()
         return {"rss": _status("VmRSS"), "hwm": _status("VmHWM"), "placement": engine.placement,
                 "version": engine.version}
     finally:
